@@ -1,0 +1,67 @@
+# kvd — the two front-door commands are `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+$(VENV)/.stamp-run: pyproject.toml | $(BIN)/activate
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.stamp-test: pyproject.toml | $(BIN)/activate
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[test]'
+	@touch $@
+
+# vLLM 0.33.0's Python code on a CPU-only machine (no CUDA wheels), for the conformance tests.
+$(VENV)/.stamp-vllm: tools/vllm-test-requirements.txt tools/setup_vllm_testenv.py $(VENV)/.stamp-test
+	$(PIP) install --no-deps vllm==0.33.0
+	$(PIP) install -r tools/vllm-test-requirements.txt
+	$(PY) tools/setup_vllm_testenv.py
+	@touch $@
+
+venv: $(VENV)/.stamp-run ## create .venv with kvd installed
+
+dev: $(VENV)/.stamp-vllm ## create .venv with test extras and the vLLM test environment
+
+vllm-env: $(VENV)/.stamp-vllm ## install vLLM 0.33.0 (CPU, no deps) for the conformance tests
+
+run: $(VENV)/.stamp-run ## start the daemon in the foreground with the embedded defaults
+	$(BIN)/kvd serve
+
+test: $(VENV)/.stamp-vllm ## run the whole test suite (what CI runs)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not soak" $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.stamp-test ## unit tests only
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+soak: $(VENV)/.stamp-vllm ## long fault, fuzz and load runs (< 30 min)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m soak $(PYTEST_ARGS)
+
+bench: $(VENV)/.stamp-vllm ## run the benchmarks, write bench/results/
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) bench/run_all.py
+
+proto: $(VENV)/.stamp-test ## regenerate the committed gRPC code in kvd_proto/
+	$(PY) tools/gen_proto.py
+
+lint: $(VENV)/.stamp-test ## ruff
+	$(BIN)/ruff check .
+
+fmt: $(VENV)/.stamp-test
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,7 @@
+"""`python -m kvd_server` is the `kvd` command."""
+
+import sys
+
+from kvd_server.cli import main
+
+sys.exit(main())
