@@ -1,0 +1,82 @@
+"""systemd service notifications (sd_notify) without libsystemd.
+
+Implements the documented `NOTIFY_SOCKET` protocol: newline-separated `KEY=VALUE` assignments
+sent as one datagram to the AF_UNIX socket named by `$NOTIFY_SOCKET` (a path, or an abstract
+socket when the name starts with `@`). Every helper is a no-op returning False when the daemon
+does not run under a `Type=notify` unit, so callers never need to check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+_ENV = "NOTIFY_SOCKET"
+
+
+def _address(value: str) -> str | bytes | None:
+    if not value:
+        return None
+    if value.startswith("@"):
+        # Abstract namespace: a leading NUL byte instead of '@'.
+        return b"\0" + value[1:].encode()
+    if value.startswith("/"):
+        return value
+    # vsock and other transports are not used by kvd's units.
+    log.debug("ignoring unsupported NOTIFY_SOCKET %r", value)
+    return None
+
+
+def notify(state: str) -> bool:
+    """Send `state` (e.g. "READY=1\\nSTATUS=serving") to the service manager, if there is one."""
+    address = _address(os.environ.get(_ENV, ""))
+    if address is None:
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+        return True
+    except OSError as exc:
+        # Readiness is best effort: a missing manager socket must not stop the daemon.
+        log.warning("could not notify systemd at %s: %s", os.environ.get(_ENV), exc)
+        return False
+
+
+def ready(status: str | None = None) -> bool:
+    """The daemon serves: `READY=1` (and a status line)."""
+    return notify("READY=1" + (f"\nSTATUS={_one_line(status)}" if status else ""))
+
+
+def status(text: str) -> bool:
+    """Free-form status shown by `systemctl status`."""
+    return notify(f"STATUS={_one_line(text)}")
+
+
+def stopping(status: str | None = None) -> bool:
+    """The daemon is draining and will exit: `STOPPING=1`."""
+    return notify("STOPPING=1" + (f"\nSTATUS={_one_line(status)}" if status else ""))
+
+
+def watchdog() -> bool:
+    """Keep-alive ping for units with `WatchdogSec=`."""
+    return notify("WATCHDOG=1")
+
+
+def watchdog_interval() -> float | None:
+    """Half of the unit's watchdog period in seconds (how often to ping), or None if unset."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        return int(usec) / 2e6
+    except ValueError:
+        return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
