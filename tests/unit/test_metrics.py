@@ -1,0 +1,90 @@
+"""Prometheus exposition: names, values and promtool's own checks."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+
+from kvd_server.metrics import MAX_NAMESPACE_LABELS, build_registry, start_metrics
+
+
+def _doc(namespaces: int = 2) -> dict:
+    return {
+        "server": {"version": "0.1.0", "state": "serving", "policy": "lru", "uptime_seconds": 3.5},
+        "pool": {"total_bytes": 1 << 30, "used_bytes": 1 << 26, "free_bytes": (1 << 30) - (1 << 26),
+                 "extent_bytes": 1 << 26, "prefault_bytes_done": 1 << 30, "mlocked": False},
+        "blocks": {"storing": 1, "ready": 5, "pinned": 2, "zombie": 0, "total": 8},
+        "sessions": 3,
+        "clients": {"active": 3, "attached_total": 7, "reaped_total": 1, "closed_total": 3},
+        "namespaces": [
+            {"id": f"ns{i:02d}", "slots_capacity": 100, "lookups_total": 10, "hits_total": 6,
+             "misses_total": 4, "stores_started_total": 5, "stores_completed_total": 4,
+             "stores_failed_total": 1, "evictions_total": 2, "store_rejections_total": 0,
+             "blocks": {"storing": 0, "ready": 4, "pinned": 1, "zombie": 0}}
+            for i in range(namespaces)
+        ],
+        "stats": {"pins": 2, "leases": 1, "leases_expired_total": 4, "resets_total": 1,
+                  "step_calls_total": 9, "step_ops_total": 20},
+        "transfers": {"load_bytes_total": 1000, "load_seconds_total": 0.5,
+                      "store_bytes_total": 2000, "store_seconds_total": 0.25},
+    }
+
+
+def _exposition(doc: dict) -> str:
+    registry, rpc = build_registry(lambda: doc)
+    rpc.observe("Step", 0.0004)
+    rpc.observe("Lookup", 0.002, "INVALID_ARGUMENT")
+    rpc.observe_step(3, 70)
+    rpc.observe_transfer([2_000_000], [30_000_000, 500])
+    return generate_latest(registry).decode()
+
+
+def test_values_follow_the_stats_document():
+    text = _exposition(_doc())
+    assert "kvd_pool_total_bytes 1.073741824e+09" in text
+    assert 'kvd_blocks{state="ready"} 5.0' in text
+    assert "kvd_sessions 3.0" in text
+    assert 'kvd_hits_total{namespace="ns01"} 6.0' in text
+    assert 'kvd_stores_total{namespace="ns00",outcome="failed"} 1.0' in text
+    assert 'kvd_state{state="serving"} 1.0' in text
+    assert 'kvd_rpc_errors_total{code="INVALID_ARGUMENT",method="Lookup"} 1.0' in text
+    assert 'kvd_transfer_size_bytes_count{transfer_type="GPU_to_CPU"} 2.0' in text
+    assert "kvd_transfer_load_bytes_total 1000.0" in text
+
+
+def test_namespace_labels_are_bounded():
+    text = _exposition(_doc(namespaces=MAX_NAMESPACE_LABELS + 5))
+    assert 'kvd_hits_total{namespace="other"} 30.0' in text
+    labels = {line.split('namespace="')[1].split('"')[0]
+              for line in text.splitlines() if line.startswith("kvd_hits_total{")}
+    assert len(labels) == MAX_NAMESPACE_LABELS + 1
+
+
+def test_broken_snapshot_reports_down():
+    def boom() -> dict:
+        raise RuntimeError("x")
+
+    registry, _ = build_registry(boom)
+    assert "kvd_up 0.0" in generate_latest(registry).decode()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian: prometheus)")
+def test_promtool_check_metrics():
+    proc = subprocess.run(["promtool", "check", "metrics"], input=_exposition(_doc()),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_http_endpoint():
+    registry, _ = build_registry(lambda: _doc())
+    server = start_metrics(registry, "127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
+            body = resp.read().decode()
+        assert "kvd_pool_free_bytes" in body
+    finally:
+        server.close()
