@@ -88,3 +88,19 @@ def test_http_endpoint():
         assert "kvd_pool_free_bytes" in body
     finally:
         server.close()
+
+
+def test_grafana_dashboard_uses_exposed_metrics():
+    import json
+    import pathlib
+    import re
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvd-dashboard.json"
+    dash = json.loads(path.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs
+    exposed = {line.split("{")[0].split(" ")[0]
+               for line in _exposition(_doc()).splitlines() if line and not line.startswith("#")}
+    used = {m for e in exprs for m in re.findall(r"\b(kvd_[a-z_]+)", e)}
+    missing = used - exposed
+    assert not missing, f"dashboard references metrics the daemon does not expose: {missing}"
