@@ -1,0 +1,370 @@
+"""One namespace's offload index: vLLM 0.33 CPUOffloadingManager semantics plus what a shared
+daemon needs (lease pins, epochs, zombies).
+
+Block states: storing (ref -1, invisible to lookups as HIT) -> ready (ref 0, evictable) ->
+pinned (ref > 0, being loaded or leased). Eviction is all-or-nothing and never touches
+storing, pinned or offered blocks. `reset()` drops every block at once; a block still being
+copied (pinned or storing) keeps its slot as a *zombie* of the old epoch until the copy's
+completion with that epoch arrives, so no new store can overwrite memory an engine still
+reads or writes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from .policies import Block, RequestState, make_policy
+from .policies.base import group_of
+from .types import BlockCounts, Lookup, NotReadyError, OffloadEvent, SlotSource, StoreGrant
+
+# Bounds that keep a misbehaving client from growing the daemon without limit.
+MAX_PENDING_EVENTS = 100_000
+MAX_OPEN_REQUESTS = 100_000
+
+
+@dataclass(slots=True)
+class ManagerCounters:
+    evictions_total: int = 0
+    stores_started_total: int = 0
+    stores_completed_total: int = 0
+    stores_failed_total: int = 0
+    store_rejections_total: int = 0
+    stores_skipped_total: int = 0
+    events_dropped_total: int = 0
+    resets_total: int = 0
+
+
+class NamespaceManager:
+    """The index key -> block of one namespace over a `SlotSource`. Pure logic, no I/O."""
+
+    def __init__(self, slots: SlotSource, policy: str = "lru", *, enable_events: bool = True,
+                 store_threshold: int = 0, max_tracker_size: int = 64_000) -> None:
+        self.slots = slots
+        self.policy = make_policy(policy, slots.capacity())
+        self.epoch = 0
+        self.counters = ManagerCounters()
+        self._events: deque[OffloadEvent] | None = deque() if enable_events else None
+        self._storing = 0
+        self._evictable = 0
+        self._zombies: dict[tuple[int, bytes], Block] = {}
+        self._requests: dict[Hashable, RequestState] = {}
+        self._generation = 0
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self._offers: OrderedDict[bytes, int] | None = (
+            OrderedDict() if store_threshold >= 2 else None
+        )
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def lookup(self, key: bytes) -> Lookup:
+        block = self.policy.get(key)
+        if block is None:
+            return Lookup.MISS
+        return Lookup.HIT if block.ref >= 0 else Lookup.HIT_PENDING
+
+    def slot_of(self, key: bytes) -> int | None:
+        block = self.policy.get(key)
+        return None if block is None else block.slot
+
+    def is_storing(self, key: bytes) -> bool:
+        block = self.policy.get(key)
+        return block is not None and block.ref < 0
+
+    def counts(self) -> BlockCounts:
+        resident = len(self.policy)
+        return BlockCounts(
+            storing=self._storing,
+            ready=self._evictable,
+            pinned=resident - self._storing - self._evictable,
+            zombie=len(self._zombies),
+        )
+
+    def is_empty(self) -> bool:
+        return not len(self.policy) and not self._zombies
+
+    # --------------------------------------------------------- request scope
+    def _request(self, req: Hashable | None) -> RequestState:
+        if req is None:
+            return RequestState(self._generation)
+        state = self._requests.get(req)
+        if state is None or state.generation != self._generation or state.finished:
+            if len(self._requests) >= MAX_OPEN_REQUESTS:
+                # Oldest open request: its accesses are dropped, not applied.
+                self._requests.pop(next(iter(self._requests)))
+            state = RequestState(self._generation)
+            self._requests[req] = state
+        return state
+
+    @staticmethod
+    def _set_positions(state: RequestState, keys: Sequence[bytes],
+                       positions: Sequence[int] | None) -> None:
+        if positions:
+            if len(positions) != len(keys):
+                raise ValueError(f"{len(positions)} positions for {len(keys)} keys")
+            state.positions.update(zip(keys, positions, strict=True))
+
+    def _record(self, keys: Sequence[bytes], state: RequestState,
+                reused: Sequence[bytes] = ()) -> None:
+        fresh = []
+        for key in keys:
+            if key in state.seen:
+                continue
+            state.key_groups.setdefault(group_of(key), []).append(key)
+            state.seen.add(key)
+            fresh.append(key)
+        if fresh:
+            self.policy.on_request_access(fresh, state)
+        # Re-reading a block this request inserted is not a second use.
+        state.reused.update(k for k in reused if k not in state.inserted)
+
+    def request_finished(self, req: Hashable) -> None:
+        """Apply the request's recorded accesses to the policy in prefix order."""
+        state = self._requests.pop(req, None)
+        if state is None or state.generation != self._generation or state.finished:
+            return
+        state.finished = True
+        groups = []
+        for group in sorted(state.key_groups):
+            keys = state.key_groups[group]
+            if all(k in state.positions for k in keys):
+                keys = sorted(keys, key=state.positions.__getitem__)
+            groups.append(tuple(keys))
+        self.policy.on_request_finished(tuple(groups), state.inserted - state.reused,
+                                        state.reused, state)
+
+    def forget_request(self, req: Hashable) -> None:
+        """Drop a request's accesses without applying them (its session died)."""
+        self._requests.pop(req, None)
+
+    # ------------------------------------------------------------------ loads
+    def prepare_load(self, keys: Sequence[bytes], req: Hashable | None = None,
+                     positions: Sequence[int] | None = None) -> list[int]:
+        """Pin ready blocks until complete_load; their slots in key order. All or nothing."""
+        blocks = []
+        for i, key in enumerate(keys):
+            block = self.policy.get(key)
+            if block is None or block.ref < 0:
+                raise NotReadyError(key, i)
+            blocks.append(block)
+        state = self._request(req)
+        self._set_positions(state, keys, positions)
+        for key, block in zip(keys, blocks, strict=True):
+            self._pin(key, block)
+        self._record(keys, state, reused=keys)
+        return [b.slot for b in blocks]
+
+    def _pin(self, key: bytes, block: Block) -> None:
+        if block.ref == 0:
+            self.policy.mark_non_evictable(key)
+            self._evictable -= 1
+        block.ref += 1
+
+    def pin(self, key: bytes) -> bool:
+        """A lease: one more ref on a ready block, without recency effects."""
+        block = self.policy.get(key)
+        if block is None or block.ref < 0:
+            return False
+        self._pin(key, block)
+        return True
+
+    def complete_load(self, keys: Sequence[bytes], req: Hashable | None = None,
+                      epoch: int | None = None) -> None:
+        """Release one pin per key (keys without a pin are ignored)."""
+        if epoch is not None and epoch != self.epoch:
+            if epoch < self.epoch:
+                for key in keys:
+                    self._release_zombie(epoch, key, loading=True)
+            return
+        for key in keys:
+            block = self.policy.get(key)
+            if block is not None and block.ref > 0:
+                block.ref -= 1
+                if block.ref == 0:
+                    self._evictable += 1
+                    self.policy.mark_evictable(key)
+
+    def unpin(self, key: bytes, epoch: int | None = None) -> None:
+        """Release a lease taken with pin()."""
+        self.complete_load((key,), None, epoch)
+
+    def _release_zombie(self, epoch: int, key: bytes, *, loading: bool) -> None:
+        zkey = (epoch, key)
+        block = self._zombies.get(zkey)
+        if block is None:
+            return
+        if loading and block.ref > 0:
+            block.ref -= 1
+            if block.ref > 0:
+                return
+        elif loading or block.ref >= 0:
+            return  # a store completion for a pinned zombie, or the reverse: not ours
+        del self._zombies[zkey]
+        self.slots.free(block.slot)
+
+    def touch(self, keys: Sequence[bytes], req: Hashable | None = None) -> None:
+        self.policy.touch(keys, self._request(req))
+
+    # ----------------------------------------------------------------- stores
+    def _count_offers(self, keys: Sequence[bytes]) -> None:
+        """Offer counting for store_threshold, without evicting this offer's own entries."""
+        offers = self._offers
+        assert offers is not None
+        seen = set()
+        for key in keys:
+            if key in offers:
+                offers.move_to_end(key)
+                offers[key] += 1
+                seen.add(key)
+        unprotected = len(offers) - len(seen)
+        for key in keys:
+            if key in offers:
+                continue
+            if len(offers) >= self.max_tracker_size:
+                if unprotected == 0:
+                    continue
+                offers.popitem(last=False)
+                unprotected -= 1
+            offers[key] = 1
+
+    def prepare_store(self, keys: Sequence[bytes], req: Hashable | None = None,
+                      positions: Sequence[int] | None = None) -> StoreGrant | None:
+        """Reserve slots for the offered keys that are new; None when there is no room."""
+        state = self._request(req)
+        self._set_positions(state, keys, positions)
+        if self._offers is not None:
+            self._count_offers(keys)
+        new: list[bytes] = []
+        ready_existing: list[bytes] = []
+        for key in keys:
+            block = self.policy.get(key)
+            if block is None:
+                new.append(key)
+            elif block.ref >= 0:
+                ready_existing.append(key)
+        if self._offers is not None:
+            offered = len(new)
+            new = [k for k in new if self._offers.get(k, 0) >= self.store_threshold]
+            self.counters.stores_skipped_total += offered - len(new)
+        misses = [k for k in new if k not in state.store_misses]
+        if misses:
+            self.policy.on_store_miss(misses, state)
+            state.store_misses.update(misses)
+        recorded = set(new)
+        recorded.update(ready_existing)
+        self._record([k for k in keys if k in recorded], state, reused=ready_existing)
+        if not new:
+            return StoreGrant([], [], [])
+
+        evicted: list[bytes] = []
+        need = len(new) - self.slots.free_count()
+        if need > 0:
+            if need > self._evictable:
+                self.counters.store_rejections_total += 1
+                return None
+            victims = self.policy.evict(need, set(keys))
+            if victims is None:
+                self.counters.store_rejections_total += 1
+                return None
+            self._evictable -= len(victims)
+            for key, block in victims:
+                self.slots.free(block.slot)
+                evicted.append(key)
+            self.counters.evictions_total += len(victims)
+            self._emit(OffloadEvent(tuple(evicted), removed=True))
+
+        slots = self.slots.allocate(len(new))
+        for key, slot in zip(new, slots, strict=True):
+            self.policy.insert(key, Block(slot, -1), state)
+        self._storing += len(new)
+        self.counters.stores_started_total += len(new)
+        state.inserted.update(new)
+        return StoreGrant(new, slots, evicted)
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True,
+                       req: Hashable | None = None, epoch: int | None = None) -> int:
+        """Make pending blocks readable (success) or free them; returns how many changed."""
+        if epoch is not None and epoch != self.epoch:
+            if epoch < self.epoch:
+                for key in keys:
+                    self._release_zombie(epoch, key, loading=False)
+            return 0
+        changed: list[bytes] = []
+        for key in keys:
+            block = self.policy.get(key)
+            if block is None or block.ref >= 0:
+                continue
+            self._storing -= 1
+            if success:
+                block.ref = 0
+                self._evictable += 1
+                self.policy.mark_evictable(key)
+            else:
+                self.policy.remove(key)
+                self.slots.free(block.slot)
+            changed.append(key)
+        if changed:
+            if success:
+                self.counters.stores_completed_total += len(changed)
+                self._emit(OffloadEvent(tuple(changed), removed=False))
+            else:
+                self.counters.stores_failed_total += len(changed)
+                self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))
+        return len(changed)
+
+    # ----------------------------------------------------------------- events
+    def _emit(self, event: OffloadEvent) -> None:
+        events = self._events
+        if events is None:
+            return
+        if len(events) >= MAX_PENDING_EVENTS:
+            events.popleft()
+            self.counters.events_dropped_total += 1
+        events.append(event)
+
+    def take_events(self, max_events: int | None = None) -> tuple[list[OffloadEvent], bool]:
+        """Drain stored/removed events in order; `more` says whether any are left."""
+        events = self._events
+        if not events:
+            return [], False
+        out: list[OffloadEvent] = []
+        limit = len(events) if max_events is None else max_events
+        while events and len(out) < limit:
+            event = events.popleft()
+            if event.metadata_only:
+                # A retry may already own the key again: then the clean-up is moot.
+                keys = tuple(k for k in event.keys if self.policy.get(k) is None)
+                if not keys:
+                    continue
+                event = OffloadEvent(keys, removed=True, metadata_only=True)
+            out.append(event)
+        return out, bool(events)
+
+    # ------------------------------------------------------------------ reset
+    def reset(self) -> int:
+        """Drop every block; blocks still being copied become zombies. Returns blocks dropped."""
+        dropped = len(self.policy)
+        old = self.epoch
+        freed = []
+        for key, block in self.policy.items():
+            if block.ref != 0:
+                self._zombies[(old, key)] = block
+            else:
+                freed.append(block.slot)
+        self.policy.clear()
+        if not self._zombies:
+            self.slots.reset()  # back to vLLM's fresh allocation order
+        else:
+            for slot in freed:
+                self.slots.free(slot)
+        self._storing = 0
+        self._evictable = 0
+        self._requests.clear()
+        self._generation += 1
+        self.epoch += 1
+        self.counters.resets_total += 1
+        return dropped

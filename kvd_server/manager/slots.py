@@ -1,0 +1,43 @@
+"""A fixed-capacity SlotSource with vLLM 0.33's allocation order (tests, benchmarks)."""
+
+from __future__ import annotations
+
+
+class FixedSlots:
+    """`capacity` slots: never-used ids handed out 0, 1, 2, ... first, then a LIFO free list.
+
+    Matches vLLM's CPU manager allocator exactly, so scenario tests can assert its slot ids.
+    """
+
+    __slots__ = ("_capacity", "_allocated", "_free")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self._capacity = capacity
+        self._allocated = 0
+        self._free: list[int] = []
+
+    def free_count(self) -> int:
+        return len(self._free) + self._capacity - self._allocated
+
+    def allocate(self, n: int) -> list[int]:
+        fresh = min(n, self._capacity - self._allocated)
+        reused = n - fresh
+        if reused > len(self._free):
+            raise RuntimeError(f"asked for {n} slots with only {self.free_count()} free")
+        out = list(range(self._allocated, self._allocated + fresh))
+        self._allocated += fresh
+        for _ in range(reused):
+            out.append(self._free.pop())
+        return out
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def reset(self) -> None:
+        self._allocated = 0
+        self._free.clear()
