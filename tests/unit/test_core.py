@@ -1,0 +1,227 @@
+"""KvdCore: sessions, tenants, namespaces, ownership, leases, liveness, reset, drain."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvd_server.attach import PeerCred
+from kvd_server.config import load_config
+from kvd_server.core import EngineInfo, KvdCore, Layout
+from kvd_server.errors import KvdError
+from kvd_server.extents import ExtentAllocator
+from kvd_server.manager import Lookup
+
+LAYOUT = Layout(block_bytes=8192, num_ranks=2, shard_bytes=4096, tokens_per_block=16,
+                dtype="bf16")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_core(pool=1 << 20, extent=256 << 10, **overrides) -> tuple[KvdCore, Clock]:
+    ov = {"pool.size": (str(pool), "test"), "pool.extent_size": (str(extent), "test"),
+          "manager.liveness_timeout": ("5s", "test")}
+    ov.update({k: (v, "test") for k, v in overrides.items()})
+    cfg = load_config(None, env={}, overrides=ov)
+    clock = Clock()
+    core = KvdCore(cfg, ExtentAllocator(cfg.pool.size, cfg.pool.extent_size), clock=clock)
+    core.set_serving()
+    return core, clock
+
+
+def session(core, uid=1000, model="m", layout=LAYOUT):
+    s = core.attach(PeerCred(pid=1, uid=uid, gid=uid))
+    core.register(s, EngineInfo(engine_id="e"), model, layout, "")
+    return s
+
+
+def code(exc_info) -> grpc.StatusCode:
+    return exc_info.value.code
+
+
+def keys(*ints):
+    return [bytes([i]) * 8 for i in ints]
+
+
+def pool_accounting(core: KvdCore) -> None:
+    doc = core.stats()
+    assert doc["pool"]["free_bytes"] + doc["pool"]["used_bytes"] == doc["pool"]["total_bytes"]
+
+
+def test_store_complete_lookup_load_across_sessions():
+    core, _ = make_core()
+    a, b = session(core), session(core)
+    answer, epoch = core.prepare_store(a, keys(1, 2), "r1", None)
+    assert not answer.cannot_store and answer.keys_to_store == keys(1, 2)
+    assert core.lookup(b, keys(1, 2))[0] == [Lookup.HIT_PENDING] * 2
+    # b cannot complete a's store
+    assert core.complete_store(b, keys(1, 2), True, "x", epoch).completed == 0
+    assert core.complete_store(a, keys(1, 2), True, "r1", epoch).completed == 2
+    states, _, offsets = core.lookup(b, keys(1, 2, 3), prefix=True, lease_ms=1000)
+    assert states == [Lookup.HIT, Lookup.HIT, Lookup.MISS]
+    assert offsets[:2] == answer.slot_offsets and offsets[2] == 0
+    loaded, _ = core.prepare_load(b, keys(1, 2), "r2", None)
+    assert loaded == answer.slot_offsets
+    assert core.stats()["stats"]["pins"] == 2 and core.stats()["stats"]["leases"] == 0
+    # a cannot release b's pins
+    core.complete_load(a, keys(1, 2), "r", epoch)
+    assert core.stats()["stats"]["pins"] == 2
+    core.complete_load(b, keys(1, 2), "r2", epoch)
+    assert core.stats()["stats"]["pins"] == 0
+
+
+def test_namespaces_are_isolated_by_model_layout_and_tenant():
+    core, _ = make_core(**{"tenants.uids": {"2000": "team-b"}})
+    a = session(core, model="m1")
+    other_model = session(core, model="m2")
+    other_tenant = session(core, uid=2000, model="m1")
+    other_layout = session(core, model="m1", layout=Layout(4096, 1, 4096, 16, "bf16"))
+    answer, epoch = core.prepare_store(a, keys(7), "r", None)
+    core.complete_store(a, keys(7), True, "r", epoch)
+    for s in (other_model, other_tenant, other_layout):
+        assert core.lookup(s, keys(7))[0] == [Lookup.MISS]
+        with pytest.raises(KvdError) as e:
+            core.prepare_load(s, keys(7), "r", None)
+        assert code(e) == grpc.StatusCode.FAILED_PRECONDITION
+    assert other_tenant.tenant == "team-b"
+    assert len(core.stats()["namespaces"]) == 4
+
+
+def test_lease_expires_and_becomes_evictable():
+    core, clock = make_core(pool=64 << 10, extent=64 << 10)   # 8 slots of 8 KiB
+    a, b = session(core), session(core)
+    _, epoch = core.prepare_store(a, keys(*range(8)), "r", None)
+    core.complete_store(a, keys(*range(8)), True, "r", epoch)
+    core.lookup(b, keys(*range(8)), lease_ms=500)
+    assert core.prepare_store(a, keys(9), "r", None)[0].cannot_store   # all leased
+    clock.now += 1.0
+    core.sweep()
+    assert core.stats()["stats"]["leases_expired_total"] == 8
+    assert not core.prepare_store(a, keys(9), "r", None)[0].cannot_store
+
+
+def test_dead_session_releases_pins_and_pending_stores():
+    core, clock = make_core()
+    a, b = session(core), session(core)
+    _, epoch = core.prepare_store(a, keys(1), "r", None)
+    core.complete_store(a, keys(1), True, "r", epoch)
+    core.prepare_load(b, keys(1), "r", None)
+    core.prepare_store(b, keys(2, 3), "r", None)
+    clock.now += 3
+    core.heartbeat(a)
+    clock.now += 3          # b silent for 6 s > 5 s
+    core.sweep()
+    doc = core.stats()
+    assert doc["sessions"] == 1 and doc["clients"]["reaped_total"] == 1
+    assert doc["stats"]["pins"] == 0
+    assert doc["blocks"] == {"storing": 0, "ready": 1, "pinned": 0, "zombie": 0, "total": 1}
+    assert core.lookup(a, keys(2))[0] == [Lookup.MISS]
+    with pytest.raises(KvdError) as e:
+        core.authenticate(b.token)
+    assert code(e) == grpc.StatusCode.UNAUTHENTICATED
+    pool_accounting(core)
+
+
+def test_reset_with_copies_in_flight():
+    core, _ = make_core()
+    a = session(core)
+    ans, e0 = core.prepare_store(a, keys(1, 2), "r", None)
+    core.complete_store(a, keys(1), True, "r", e0)
+    core.prepare_load(a, keys(1), "r", None)
+    new_epoch, dropped = core.reset_namespace(a)
+    assert (new_epoch, dropped) == (1, 2)
+    assert core.stats()["blocks"]["zombie"] == 2
+    assert core.lookup(a, keys(1, 2))[0] == [Lookup.MISS, Lookup.MISS]
+    # completions from the old epoch are ignored and free the zombies
+    assert core.complete_store(a, keys(2), True, "r", e0).ignored
+    assert core.complete_load(a, keys(1), "r", e0) is True
+    assert core.stats()["blocks"]["zombie"] == 0
+    assert core.lookup(a, keys(2))[0] == [Lookup.MISS]
+    with pytest.raises(KvdError) as e:
+        core.complete_load(a, keys(1), "r", 7)
+    assert code(e) == grpc.StatusCode.FAILED_PRECONDITION
+    pool_accounting(core)
+
+
+def test_drain_refuses_stores_and_attaches():
+    core, _ = make_core()
+    a = session(core)
+    core.start_drain()
+    with pytest.raises(KvdError) as e:
+        core.prepare_store(a, keys(1), "r", None)
+    assert code(e) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(KvdError) as e:
+        core.attach(PeerCred(1, 1000, 1000))
+    assert code(e) == grpc.StatusCode.UNAVAILABLE
+    assert core.lookup(a, keys(1))[0] == [Lookup.MISS]   # lookups still answer
+
+
+def test_allowlist_and_max_sessions():
+    core, _ = make_core(**{"server.allowed_uids": [1000], "server.max_sessions": "2"})
+    with pytest.raises(KvdError) as e:
+        core.attach(PeerCred(1, 1234, 1234))
+    assert code(e) == grpc.StatusCode.PERMISSION_DENIED and "1234" in str(e.value)
+    core.attach(PeerCred(1, 1000, 1000))
+    core.attach(PeerCred(1, 1000, 1000))
+    with pytest.raises(KvdError) as e:
+        core.attach(PeerCred(1, 1000, 1000))
+    assert code(e) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_unregistered_and_reregister():
+    core, _ = make_core()
+    s = core.attach(PeerCred(1, 1000, 1000))
+    with pytest.raises(KvdError) as e:
+        core.lookup(s, keys(1))
+    assert code(e) == grpc.StatusCode.FAILED_PRECONDITION
+    core.register(s, EngineInfo(), "m", LAYOUT, "")
+    core.register(s, EngineInfo(), "m", LAYOUT, "")          # same: no-op
+    with pytest.raises(KvdError) as e:
+        core.register(s, EngineInfo(), "other", LAYOUT, "")
+    assert code(e) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_block_larger_than_extent_is_invalid():
+    core, _ = make_core(extent=64 << 10)
+    s = core.attach(PeerCred(1, 1000, 1000))
+    with pytest.raises(KvdError) as e:
+        core.register(s, EngineInfo(), "m", Layout(1 << 20, 1, 1 << 20), "")
+    assert code(e) == grpc.StatusCode.INVALID_ARGUMENT and "extent" in str(e.value)
+
+
+def test_admin_reset_unknown_namespace():
+    core, _ = make_core()
+    with pytest.raises(KvdError) as e:
+        core.admin_reset("nope")
+    assert code(e) == grpc.StatusCode.NOT_FOUND
+
+
+def test_pool_full_evicts_within_namespace_and_extents_come_back():
+    core, _ = make_core(pool=128 << 10, extent=64 << 10)     # 2 extents x 8 slots
+    a = session(core, model="a")
+    b = session(core, model="b")
+    _, e = core.prepare_store(a, keys(*range(16)), "r", None)
+    core.complete_store(a, keys(*range(16)), True, "r", e)
+    assert core.prepare_store(b, keys(100), "r", None)[0].cannot_store   # no extent left
+    ans, e = core.prepare_store(a, keys(50), "r", None)                  # a evicts its own
+    assert len(ans.evicted_keys) == 1
+    core.complete_store(a, keys(50), False, "r", e)
+    core.admin_reset(None)
+    assert core.stats()["pool"]["extents_free"] == 2
+    assert not core.prepare_store(b, keys(100), "r", None)[0].cannot_store
+
+
+def test_stats_document_shape():
+    core, _ = make_core()
+    session(core)
+    doc = core.stats()
+    for section in ("server", "pool", "blocks", "namespaces", "clients", "stats", "transfers"):
+        assert section in doc
+    assert isinstance(doc["sessions"], int)
+    assert set(doc["blocks"]) == {"storing", "ready", "pinned", "zombie", "total"}
