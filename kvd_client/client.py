@@ -1,0 +1,340 @@
+"""KvdClient: an engine's session with the daemon, engine-neutral.
+
+The rule it serves (DESIGN.md): the daemon may be slow, crash or restart, and the engine keeps
+serving. Every public method returns quickly and never raises: while the daemon is unreachable
+or draining the client is *degraded* (`available` is False, `step` returns None) and a
+background thread reconnects with backoff. Calls that need no answer (completions, touches,
+transfer reports) are queued and ride with the next `step`, so an engine makes at most one round
+trip per scheduler step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+
+from kvd_proto import SESSION_TOKEN_METADATA, kvd_pb2, kvd_pb2_grpc
+
+from .attach import AttachError, AttachInfo, attach
+from .layout import ClientLayout
+from .paths import default_socket_path, grpc_target
+from .pool_map import PoolMapping
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_OPS = 200            # the proto allows 256 ops per step
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+# Codes after which the session is gone or the daemon is unusable: degrade and reconnect.
+_FATAL = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED,
+          grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+class KvdClient:
+    """A session with the kvd daemon at `socket_path` (see docs/client.md)."""
+
+    def __init__(self, socket_path: str | None = None, *, model: str, layout: ClientLayout,
+                 salt: str = "", engine_id: str = "", engine_kind: str = "",
+                 engine_version: str = "", deadline_s: float = 0.5, connect: bool = True,
+                 on_reconnect: Callable[[], None] | None = None) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self.model = model
+        self.layout = layout
+        self.salt = salt
+        self.engine = kvd_pb2.EngineIdentity(engine_id=engine_id, engine_kind=engine_kind,
+                                             engine_version=engine_version, pid=os.getpid(),
+                                             hostname=socket.gethostname())
+        self.deadline_s = deadline_s
+        self.on_reconnect = on_reconnect
+
+        self.available = False
+        self.epoch: int | None = None
+        self.slot_bytes: int | None = None
+        self.namespace_id: str | None = None
+        self.pool: PoolMapping | None = None
+        self.pool_id: str | None = None
+        self.instance_id: str | None = None
+        self.draining = False
+        self.round_trips = 0
+        self.generation = 0          # +1 at every (re)connect: engines drop local state on change
+        self.heartbeat_interval_s = 1.0
+        self.default_lease_ms = 2000
+
+        self._lock = threading.RLock()
+        self._queue: deque[kvd_pb2.StepOp] = deque()
+        self._channel: grpc.Channel | None = None
+        self._stub: kvd_pb2_grpc.KvdEngineStub | None = None
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        self._stream: grpc.Future | None = None
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._backoff = BACKOFF_MIN_S
+        self._next_attempt = 0.0
+        self._ever_connected = False
+        self._last_error_log = 0.0
+        self._thread: threading.Thread | None = None
+        if connect:
+            self._try_connect()
+            self._thread = threading.Thread(target=self._background, name="kvd-client",
+                                            daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def step(self, ops: Sequence[kvd_pb2.StepOp], *, deadline_s: float | None = None
+             ) -> list[kvd_pb2.StepResult] | None:
+        """Queued ops + `ops` in one Step RPC; the results of `ops`, or None when degraded."""
+        try:
+            return self._step(list(ops), deadline_s)
+        except Exception:  # never let a kvd bug reach the engine
+            log.exception("kvd step failed unexpectedly")
+            return None
+
+    def queue(self, op: kvd_pb2.StepOp) -> None:
+        """Send `op` with the next round trip (ops that need no answer)."""
+        with self._lock:
+            if not self.available:
+                return  # nothing to complete on a daemon that is gone
+            if len(self._queue) >= MAX_QUEUED_OPS:
+                self._queue.popleft()
+                self._rate_limited_warning("kvd client queue full; dropping the oldest op")
+            self._queue.append(op)
+
+    def has_queued(self) -> bool:
+        return bool(self._queue)
+
+    def flush(self, *, deadline_s: float | None = None) -> bool:
+        """Send queued ops if there are any (one round trip); no RPC otherwise."""
+        if not self._queue:
+            return True
+        return self.step([], deadline_s=deadline_s) is not None
+
+    def maybe_reconnect(self) -> bool:
+        """Ask the background thread to retry now (never blocks the caller)."""
+        if not self.available:
+            self._next_attempt = 0.0
+            self._wake.set()
+        return self.available
+
+    def close(self) -> None:
+        """End the session (best effort) and stop the background thread."""
+        self._closed.set()
+        self._wake.set()
+        with self._lock:
+            stub, md = self._stub, self._metadata
+            if stub is not None and self.available:
+                with contextlib.suppress(grpc.RpcError):
+                    stub.CloseSession(kvd_pb2.CloseSessionRequest(), timeout=self.deadline_s,
+                                      metadata=md)
+            self._teardown()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.deadline_s + 1)
+
+    def wait_available(self, timeout: float) -> bool:
+        """Block until connected (tests, start-up scripts); True if available."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.available:
+                return True
+            self.maybe_reconnect()
+            time.sleep(0.02)
+        return self.available
+
+    # -------------------------------------------------------------------- internals
+    def _step(self, ops: list[kvd_pb2.StepOp], deadline_s: float | None
+              ) -> list[kvd_pb2.StepResult] | None:
+        with self._lock:
+            if not self.available or self._stub is None:
+                self.maybe_reconnect()
+                return None
+            queued = list(self._queue)
+            self._queue.clear()
+            request = kvd_pb2.StepRequest(ops=queued + ops)
+            try:
+                self.round_trips += 1
+                response = self._stub.Step(request, timeout=deadline_s or self.deadline_s,
+                                           metadata=self._metadata)
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+                if code in _FATAL:
+                    self._degrade(f"{code.name}: {err.details() if hasattr(err, 'details') else err}")
+                else:
+                    # A request the daemon rejected (a bug or a stale epoch): drop it, stay up.
+                    self._rate_limited_warning(f"kvd rejected a step: {code.name}: "
+                                               f"{err.details()}")
+                return None
+            if response.epoch:
+                self.epoch = response.epoch
+            return list(response.results[len(queued):])
+
+    def _try_connect(self) -> bool:
+        """Attach, map, register and open the liveness stream. False (quietly) on failure."""
+        try:
+            info = attach(self.socket_path, role="engine", engine_id=self.engine.engine_id,
+                          timeout=max(self.deadline_s, 1.0))
+        except AttachError as exc:
+            self._note_failure(f"attach: {exc.message}")
+            return False
+        pool: PoolMapping | None = None
+        channel: grpc.Channel | None = None
+        try:
+            pool = PoolMapping(info.fd, info.pool_bytes)
+            channel = grpc.insecure_channel(grpc_target(self.socket_path), options=[
+                ("grpc.max_send_message_length", 4 << 20),
+                ("grpc.max_receive_message_length", 4 << 20),
+                ("grpc.enable_retries", 0)])
+            stub = kvd_pb2_grpc.KvdEngineStub(channel)
+            md = ((SESSION_TOKEN_METADATA, info.token),)
+            lay = self.layout
+            reg = stub.RegisterSession(kvd_pb2.RegisterSessionRequest(
+                engine=self.engine, model=self.model, layout_salt=self.salt,
+                layout=kvd_pb2.KvLayout(block_bytes=lay.block_bytes, num_ranks=lay.num_ranks,
+                                        shard_bytes=lay.shard_bytes,
+                                        tokens_per_block=lay.tokens_per_block, dtype=lay.dtype)),
+                timeout=max(self.deadline_s, 1.0), metadata=md)
+        except (grpc.RpcError, OSError, ValueError) as exc:
+            if pool is not None:
+                pool.close()
+            if channel is not None:
+                channel.close()
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            self._note_failure(f"register: {detail}")
+            return False
+        with self._lock:
+            self._teardown()
+            self._channel, self._stub, self._metadata = channel, stub, md
+            self.pool, self.pool_id, self.instance_id = pool, info.pool_id, info.instance_id
+            self.epoch, self.slot_bytes = reg.epoch, reg.slot_bytes
+            self.namespace_id = reg.namespace_id
+            self.heartbeat_interval_s = max(reg.heartbeat_interval_ms / 1000.0, 0.05)
+            self.default_lease_ms = reg.default_lease_ms or 2000
+            self.draining = False
+            self.available = True
+            self.generation += 1
+            self._backoff = BACKOFF_MIN_S
+        if self._ever_connected:
+            log.info("kvd daemon back at %s: session %s, namespace %s, epoch %d",
+                     self.socket_path, reg.session_id, reg.namespace_id, reg.epoch)
+        else:
+            log.info("kvd session %s at %s: namespace %s, %d-byte slots, %d-byte pool",
+                     reg.session_id, self.socket_path, reg.namespace_id, reg.slot_bytes,
+                     info.pool_bytes)
+        self._ever_connected = True
+        if self.on_reconnect is not None:
+            try:
+                self.on_reconnect()
+            except Exception:
+                log.exception("on_reconnect callback failed")
+        return True
+
+    def _note_failure(self, reason: str) -> None:
+        now = time.monotonic()
+        self._next_attempt = now + self._backoff * (0.5 + random.random())
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+        if not self._ever_connected and now - self._last_error_log > 30:
+            self._last_error_log = now
+            log.warning("kvd daemon unavailable at %s (%s); offload disabled until it is up",
+                        self.socket_path, reason)
+
+    def _degrade(self, reason: str) -> None:
+        with self._lock:
+            if not self.available:
+                return
+            self.available = False
+            self._teardown()
+        log.warning("kvd daemon unreachable at %s: %s; offload disabled until it is back",
+                    self.socket_path, reason)
+        self._next_attempt = time.monotonic() + BACKOFF_MIN_S
+        self._backoff = BACKOFF_MIN_S
+        self._wake.set()
+
+    def _teardown(self) -> None:
+        """Drop channel, stream and mapping (caller holds the lock)."""
+        self.available = False
+        self._queue.clear()
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = self._stub = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def _background(self) -> None:
+        """Keeps the liveness stream open while connected; reconnects with backoff when not."""
+        while not self._closed.is_set():
+            if self.available:
+                self._run_stream()
+                continue
+            delay = self._next_attempt - time.monotonic()
+            if delay > 0:
+                self._wake.wait(min(delay, BACKOFF_MAX_S))
+                self._wake.clear()
+                continue
+            self._try_connect()
+
+    def _run_stream(self) -> None:
+        with self._lock:
+            stub, md = self._stub, self._metadata
+            generation = self.generation
+        if stub is None:
+            return
+        last_notice = [time.monotonic()]
+        interval = self.heartbeat_interval_s
+        silent_limit = max(3 * interval, 4 * self.deadline_s)
+
+        def beats() -> Iterator[kvd_pb2.SessionHeartbeat]:
+            seq = 0
+            while not self._closed.is_set() and self.generation == generation and self.available:
+                seq += 1
+                yield kvd_pb2.SessionHeartbeat(seq=seq)
+                self._closed.wait(interval)
+                if time.monotonic() - last_notice[0] > silent_limit:
+                    self._degrade(f"no answer to heartbeats for {silent_limit:.1f}s")
+                    return
+
+        try:
+            call = stub.SessionStream(beats(), metadata=md)
+            with self._lock:
+                if self.generation != generation:
+                    call.cancel()
+                    return
+                self._stream = call
+            for notice in call:
+                last_notice[0] = time.monotonic()
+                if notice.epoch:
+                    self.epoch = notice.epoch
+                if notice.state == kvd_pb2.DAEMON_STATE_DRAINING and not self.draining:
+                    self.draining = True
+                    self._degrade("daemon is draining")
+                    return
+            reason = "session stream ended"
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            reason = f"session stream: {code.name if code else err}"
+        if not self._closed.is_set() and self.generation == generation:
+            self._degrade(reason)
+
+    def _rate_limited_warning(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log > 10:
+            self._last_error_log = now
+            log.warning(message)
+
+
+def attach_dataplane(socket_path: str | None = None, timeout: float = 2.0
+                     ) -> tuple[AttachInfo, PoolMapping]:
+    """For an engine's worker processes: just the pool (no session). Raises AttachError."""
+    info = attach(socket_path or default_socket_path(), role="dataplane", timeout=timeout)
+    return info, PoolMapping(info.fd, info.pool_bytes)
