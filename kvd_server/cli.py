@@ -1,0 +1,488 @@
+"""The `kvd` command: run the daemon (`serve`) and talk to a running one.
+
+Exit codes (every subcommand):
+  0  success (`health`: the daemon is SERVING)
+  1  the daemon answered with an error, `health` found it NOT_SERVING, the configuration is
+     invalid, or `serve` could not start
+  2  the daemon could not be reached (no socket, refused, permission denied, timeout), or the
+     command line is malformed
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvd_server import __version__
+from kvd_server.config import Config, ConfigError, default_socket_path, load_config
+from kvd_server.units import format_duration, format_size
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_UNREACHABLE = 2
+DEFAULT_TIMEOUT = 5.0
+WIDTH = 80
+
+# serve's flags and the config key each overrides.
+_SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("--pool-size", "pool.size", "pool bytes, e.g. 8GiB (pool.size)"),
+    ("--pool-backing", "pool.backing", "memfd or file (pool.backing)"),
+    ("--pool-path", "pool.path", "directory of a file-backed pool (pool.path)"),
+    ("--extent-size", "pool.extent_size", "unit a namespace grows by (pool.extent_size)"),
+    ("--policy", "manager.policy", "eviction policy: lru or arc (manager.policy)"),
+    ("--liveness-timeout", "manager.liveness_timeout",
+     "end a silent session after this long (manager.liveness_timeout)"),
+    ("--metrics-port", "server.metrics_port", "Prometheus port, 0 = off (server.metrics_port)"),
+    ("--metrics-address", "server.metrics_address",
+     "address the metrics port binds (server.metrics_address)"),
+    ("--log-level", "server.log_level", "debug, info, warning or error (server.log_level)"),
+)
+
+
+class CliError(Exception):
+    """A failure the CLI reports in one line, with its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- argument parsing ----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", metavar="PATH",
+                        help="the daemon's gRPC socket (default: $KVD_SERVER_SOCKET, $KVD_SOCKET, "
+                             "server.socket from $KVD_CONFIG, else $XDG_RUNTIME_DIR/kvd/kvd.sock or "
+                             "/tmp/kvd-$UID/kvd.sock)")
+    common.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help=f"deadline for each call to the daemon (default {DEFAULT_TIMEOUT:g})")
+    settings = argparse.ArgumentParser(add_help=False)
+    settings.add_argument("--config", metavar="PATH",
+                          help="TOML configuration file (default: $KVD_CONFIG, else the "
+                               "embedded defaults)")
+    for flag, key, text in _SERVE_FLAGS:
+        settings.add_argument(flag, dest=_dest(key), metavar="VALUE", help=text)
+
+    parser = argparse.ArgumentParser(
+        prog="kvd",
+        description="kvd: per-node KV-cache offload daemon for LLM inference engines.",
+        epilog="Exit codes: 0 success; 1 error answered by the daemon, NOT_SERVING, bad "
+               "configuration or failed start; 2 daemon unreachable or bad command line. "
+               "Reference: docs/cli.md, docs/configuration.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("serve", parents=[common, settings], help="run the daemon in the foreground",
+                       description="Run the daemon in the foreground until SIGTERM/SIGINT or "
+                                   "`kvd drain`. Precedence: embedded defaults < --config file "
+                                   "< KVD_<SECTION>_<KEY> env < flags. --socket sets "
+                                   "server.socket; --timeout is unused.")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("stats", parents=[common], help="show the daemon's statistics",
+                       description="Grouped statistics (server, pool, blocks, sessions, "
+                                   "namespaces, stats, rpc) with human units.")
+    p.add_argument("--json", action="store_true",
+                   help="print the stats document verbatim as one JSON object")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("sessions", parents=[common], help="list the attached engine sessions",
+                       description="List the live engine sessions.")
+    p.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_sessions)
+
+    p = sub.add_parser("reset", parents=[common], help="drop cached blocks",
+                       description="Drop every ready block (of all namespaces, or one) and bump "
+                                   "the epochs. Loads and stores in flight finish harmlessly. "
+                                   "Asks for confirmation on a terminal unless --yes.")
+    p.add_argument("--namespace", metavar="ID", default="", help="only this namespace id")
+    p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(func=cmd_reset)
+
+    p = sub.add_parser("drain", parents=[common], help="drain the daemon and make it exit",
+                       description="Health NOT_SERVING, new stores refused, loads in flight "
+                                   "finish (up to the drain timeout), then the daemon exits 0.")
+    p.add_argument("--drain-timeout", metavar="DURATION", default=None,
+                   help="wait at most this long for loads in flight (default: "
+                        "server.drain_timeout of the daemon)")
+    p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("health", parents=[common], help="check whether the daemon serves",
+                       description="Query the standard gRPC health service. Prints SERVING or "
+                                   "NOT_SERVING. Exit 0 SERVING, 1 NOT_SERVING, 2 unreachable.")
+    p.set_defaults(func=cmd_health)
+
+    p = sub.add_parser("config", parents=[common, settings], help="show the effective config",
+                       description="Print the running daemon's effective configuration as "
+                                   "TOML; with --local, what `kvd serve` with the same flags "
+                                   "and environment would use (no daemon needed).")
+    p.add_argument("--local", action="store_true", help="resolve locally instead of asking")
+    p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def _dest(key: str) -> str:
+    return "set_" + key.replace(".", "_")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} must be within 0..3600 seconds")
+    return value
+
+
+def _local_config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, tuple[Any, str]] = {}
+    for flag, key, _ in _SERVE_FLAGS:
+        value = getattr(args, _dest(key), None)
+        if value is not None:
+            overrides[key] = (value, f"flag {flag}")
+    if args.socket:
+        overrides["server.socket"] = (os.path.abspath(args.socket), "flag --socket")
+    return load_config(args.config, overrides=overrides)
+
+
+def _client_socket(args: argparse.Namespace) -> str:
+    """The socket a client subcommand talks to: --socket, KVD_SERVER_SOCKET or KVD_SOCKET,
+    $KVD_CONFIG's server.socket, else the default rule."""
+    if args.socket:
+        return os.path.abspath(args.socket)
+    for name in ("KVD_SERVER_SOCKET", "KVD_SOCKET"):  # KVD_SOCKET: what engines read
+        if os.environ.get(name):
+            return os.path.abspath(os.environ[name])
+    try:
+        return load_config().server.socket
+    except ConfigError:
+        return default_socket_path()
+
+
+# --- talking to the daemon -----------------------------------------------------------------
+
+
+class _Daemon:
+    """A short-lived channel to the daemon with one-line errors instead of tracebacks."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        _probe(path)
+        import grpc
+
+        from kvd_proto import kvd_pb2_grpc
+
+        self._grpc = grpc
+        self.channel = grpc.insecure_channel(f"unix://{path}" if path.startswith("/")
+                                             else f"unix:{path}")
+        self.admin = kvd_pb2_grpc.KvdAdminStub(self.channel)
+
+    def call(self, method: Callable[..., Any], request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except self._grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            if code in (self._grpc.StatusCode.UNAVAILABLE,
+                        self._grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise CliError(f"the daemon at {self.path} did not answer ({code.name}: "
+                               f"{details}); check it with `kvd health`", EXIT_UNREACHABLE
+                               ) from None
+            raise CliError(f"the daemon refused: {code.name}: {details}") from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> _Daemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _probe(path: str) -> None:
+    """Connect once with a plain socket to turn the usual mistakes into clear messages."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(path)
+        except FileNotFoundError:
+            raise CliError(f"no kvd daemon socket at {path}: start one with `kvd serve` or "
+                           "pass --socket PATH", EXIT_UNREACHABLE) from None
+        except PermissionError:
+            raise CliError(f"permission denied on {path}: run as the daemon's user or a member "
+                           "of the socket's group", EXIT_UNREACHABLE) from None
+        except OSError as exc:
+            if exc.errno == errno.ECONNREFUSED:
+                raise CliError(f"nothing is listening on {path} (a stale socket?): start the "
+                               "daemon with `kvd serve`", EXIT_UNREACHABLE) from None
+            raise CliError(f"cannot connect to {path}: {exc.strerror or exc}",
+                           EXIT_UNREACHABLE) from None
+
+
+# --- subcommands ---------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _local_config(args)
+    logging.basicConfig(
+        level=getattr(logging, config.server.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from kvd_server.server import serve
+
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    factory = uvloop.new_event_loop if uvloop is not None else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(serve(config))
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvd_proto import kvd_pb2
+
+    with _Daemon(_client_socket(args), args.timeout) as d:
+        text = d.call(d.admin.Stats, kvd_pb2.StatsRequest()).json
+    if args.json:
+        print(text)
+    else:
+        print(render_stats(json.loads(text)))
+    return EXIT_OK
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from kvd_proto import kvd_pb2
+
+    if not 0 < args.limit <= 10000:
+        raise CliError("--limit must be within 1..10000", EXIT_UNREACHABLE)
+    with _Daemon(_client_socket(args), args.timeout) as d:
+        answer = d.call(d.admin.ListSessions, kvd_pb2.ListSessionsRequest(limit=args.limit))
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(answer, preserving_proto_field_name=True,
+                                                   always_print_fields_with_no_presence=True)))
+        return EXIT_OK
+    print(render_sessions(answer))
+    return EXIT_OK
+
+
+def cmd_reset(args: argparse.Namespace) -> int:
+    from kvd_proto import kvd_pb2
+
+    path = _client_socket(args)
+    what = f"namespace {args.namespace}" if args.namespace else "every namespace"
+    if not args.yes and sys.stdin.isatty():
+        answer = input(f"Drop every cached block of {what} on {path}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("aborted")
+            return EXIT_ERROR
+    with _Daemon(path, args.timeout) as d:
+        out = d.call(d.admin.Reset, kvd_pb2.AdminResetRequest(namespace_id=args.namespace))
+    print(f"dropped {out.dropped_blocks} block(s) in {out.namespaces} namespace(s)")
+    return EXIT_OK
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from kvd_proto import kvd_pb2
+    from kvd_server.units import parse_duration
+
+    timeout_ms = 0
+    if args.drain_timeout is not None:
+        try:
+            timeout_ms = max(1, round(parse_duration(args.drain_timeout) * 1000))
+        except ValueError as exc:
+            raise CliError(f"--drain-timeout: {exc}", EXIT_UNREACHABLE) from None
+    with _Daemon(_client_socket(args), args.timeout) as d:
+        out = d.call(d.admin.Drain, kvd_pb2.DrainRequest(timeout_ms=timeout_ms))
+    print("draining: the daemon exits once loads in flight finish" if out.started
+          else "a drain was already under way")
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with _Daemon(_client_socket(args), args.timeout) as d:
+        stub = health_pb2_grpc.HealthStub(d.channel)
+        out = d.call(stub.Check, health_pb2.HealthCheckRequest(service=""))
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(out.status)
+    print(name)
+    return EXIT_OK if out.status == health_pb2.HealthCheckResponse.SERVING else EXIT_ERROR
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.local:
+        config = _local_config(args)
+        print(config.to_json() if args.json else config.to_toml(), end="")
+        if args.json:
+            print()
+        return EXIT_OK
+    from kvd_proto import kvd_pb2
+
+    with _Daemon(_client_socket(args), args.timeout) as d:
+        out = d.call(d.admin.GetConfig, kvd_pb2.GetConfigRequest())
+    print(out.json if args.json else out.toml.rstrip("\n"))
+    return EXIT_OK
+
+
+# --- rendering -----------------------------------------------------------------------------
+
+
+def _rows(title: str, rows: Sequence[tuple[str, Any]]) -> list[str]:
+    out = [f"# {title}"]
+    out += [f"{name:<24}{_cut(str(value), WIDTH - 24)}" for name, value in rows]
+    return out
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _uptime(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m {secs}s"
+    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
+
+
+def render_stats(doc: dict[str, Any]) -> str:
+    """The stats document as grouped, aligned sections that fit 80 columns."""
+    server, pool = doc.get("server", {}), doc.get("pool", {})
+    blocks, clients = doc.get("blocks", {}), doc.get("clients", {})
+    totals, transfers = doc.get("stats", {}), doc.get("transfers", {})
+    lines = _rows("server", [
+        ("version", server.get("version", "?")),
+        ("state", server.get("state", "?")),
+        ("pid", server.get("pid", "?")),
+        ("uptime", _uptime(server.get("uptime_seconds", 0))),
+        ("socket", server.get("socket", "?")),
+        ("attach_socket", server.get("attach_socket", "?")),
+        ("policy", server.get("policy", "?")),
+    ])
+    total = pool.get("total_bytes", 0)
+    lines += [""] + _rows("pool", [
+        ("total", format_size(total)),
+        ("used", f"{format_size(pool.get('used_bytes', 0))} "
+                 f"({_pct(pool.get('used_bytes', 0), total)})"),
+        ("free", format_size(pool.get("free_bytes", 0))),
+        ("backing", pool.get("backing", "?") + (f" {pool['path']}" if pool.get("path") else "")),
+        ("extents", f"{pool.get('extents_total', 0) - pool.get('extents_free', 0)} used of "
+                    f"{pool.get('extents_total', 0)} ({format_size(pool.get('extent_bytes', 0))}"
+                    " each)"),
+        ("prefaulted", f"{format_size(pool.get('prefault_bytes_done', 0))} "
+                       f"({_pct(pool.get('prefault_bytes_done', 0), total)})"),
+        ("mlocked", "yes" if pool.get("mlocked") else "no"),
+    ])
+    lines += [""] + _rows("blocks", [(k, blocks.get(k, 0)) for k in
+                                     ("ready", "storing", "pinned", "zombie", "total")])
+    lines += [""] + _rows("sessions", [
+        ("live", doc.get("sessions", 0)),
+        ("attached_total", clients.get("attached_total", 0)),
+        ("closed_total", clients.get("closed_total", 0)),
+        ("reaped_total", clients.get("reaped_total", 0)),
+    ])
+    lookups = totals.get("lookups_total", 0)
+    lines += [""] + _rows("stats", [
+        ("lookups_total", lookups),
+        ("hits_total", f"{totals.get('hits_total', 0)} "
+                       f"({_pct(totals.get('hits_total', 0), lookups)})"),
+        ("misses_total", totals.get("misses_total", 0)),
+        ("stores", f"{totals.get('stores_started_total', 0)} started, "
+                   f"{totals.get('stores_completed_total', 0)} completed, "
+                   f"{totals.get('stores_failed_total', 0)} failed"),
+        ("evictions_total", totals.get("evictions_total", 0)),
+        ("store_rejections_total", totals.get("store_rejections_total", 0)),
+        ("pins / leases", f"{totals.get('pins', 0)} / {totals.get('leases', 0)}"),
+        ("resets_total", totals.get("resets_total", 0)),
+        ("step calls / ops", f"{totals.get('step_calls_total', 0)} / "
+                             f"{totals.get('step_ops_total', 0)}"),
+        ("loaded", f"{format_size(transfers.get('load_bytes_total', 0))} in "
+                   f"{transfers.get('load_seconds_total', 0.0):.2f}s"),
+        ("stored", f"{format_size(transfers.get('store_bytes_total', 0))} in "
+                   f"{transfers.get('store_seconds_total', 0.0):.2f}s"),
+    ])
+    namespaces = doc.get("namespaces", [])
+    lines += ["", f"# namespaces ({len(namespaces)})"]
+    for ns in namespaces:
+        # The full id on its own line: `kvd reset --namespace ID` takes it.
+        b = ns.get("blocks", {})
+        lines.append(_cut(f"{ns.get('id', '')}  {ns.get('model', '')}", WIDTH))
+        lines.append(_cut(
+            f"    tenant {ns.get('tenant', '')}, slot {format_size(ns.get('slot_bytes', 0))}, "
+            f"ready {b.get('ready', 0)}, pinned {b.get('pinned', 0)}, "
+            f"storing {b.get('storing', 0)}, hits "
+            f"{_pct(ns.get('hits_total', 0), ns.get('lookups_total', 0))}, "
+            f"epoch {ns.get('epoch', 0)}", WIDTH))
+    rpc = doc.get("rpc", {})
+    lines += ["", "# rpc"]
+    if rpc:
+        lines.append(f"{'method':<22}{'calls':>12}{'errors':>12}")
+        for method, c in sorted(rpc.items()):
+            lines.append(f"{_cut(method, 21):<22}{c.get('calls_total', 0):>12}"
+                         f"{c.get('errors_total', 0):>12}")
+    return "\n".join(lines)
+
+
+def render_sessions(answer: Any) -> str:
+    lines = [f"{'session':<14}{'tenant':<10}{'pid':>8}{'uid':>7}  {'model':<18}"
+             f"{'pins':>5}{'stores':>7}{'idle':>9}"]
+    for s in answer.sessions:
+        lines.append(f"{_cut(s.session_id, 13):<14}{_cut(s.tenant, 9):<10}{s.peer_pid:>8}"
+                     f"{s.peer_uid:>7}  {_cut(s.model or '-', 17):<18}{s.pins:>5}"
+                     f"{s.pending_stores:>7}{format_duration(round(s.idle_seconds, 1)):>9}")
+    lines.append(f"{answer.total} session(s)")
+    return "\n".join(lines)
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: argparse's own exit code
+        return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_UNREACHABLE
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvd: configuration error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except CliError as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `kvd stats | head`
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

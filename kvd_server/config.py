@@ -1,0 +1,430 @@
+"""The daemon's configuration: embedded defaults < TOML file < `KVD_<SECTION>_<KEY>` env < flags.
+
+Every layer is checked against one schema (`_SCHEMA`), so an unknown key or a bad value fails
+the same way wherever it came from, with a message naming the key and its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvd_server import units
+
+DEFAULTS_PATH = Path(__file__).with_name("default_config.toml")
+CONFIG_ENV = "KVD_CONFIG"
+ENV_PREFIX = "KVD_"
+ATTACH_SUFFIX = ".attach"
+SLOT_ALIGNMENT = 4096
+LOG_LEVELS = ("debug", "info", "warning", "error")
+POLICIES = ("lru", "arc")
+BACKINGS = ("memfd", "file")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and where the value came from."""
+
+
+@dataclass(slots=True, frozen=True)
+class ServerConfig:
+    socket: str
+    socket_mode: int
+    allowed_uids: tuple[int, ...]
+    allowed_gids: tuple[int, ...]
+    admin_uids: tuple[int, ...]
+    admin_gids: tuple[int, ...]
+    max_sessions: int
+    metrics_port: int
+    metrics_address: str
+    reflection: bool
+    drain_timeout: float
+    log_level: str
+
+    @property
+    def attach_socket(self) -> str:
+        return self.socket + ATTACH_SUFFIX
+
+
+@dataclass(slots=True, frozen=True)
+class PoolConfig:
+    size: int
+    backing: str
+    path: str
+    persist: bool
+    prefault: bool
+    mlock: bool
+    extent_size: int  # already capped at the pool size (rounded down to 4 KiB)
+
+
+@dataclass(slots=True, frozen=True)
+class ManagerConfig:
+    policy: str
+    heartbeat_interval: float
+    liveness_timeout: float
+    default_lease: float
+    max_lease: float
+
+
+@dataclass(slots=True, frozen=True)
+class TenantsConfig:
+    uids: dict[str, str] = field(default_factory=dict)
+    gids: dict[str, str] = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # dict fields: hash the sorted items instead
+        return hash((tuple(sorted(self.uids.items())), tuple(sorted(self.gids.items()))))
+
+
+@dataclass(slots=True, frozen=True)
+class Config:
+    server: ServerConfig
+    pool: PoolConfig
+    manager: ManagerConfig
+    tenants: TenantsConfig
+    source: str = field(default="", compare=False)  # the TOML file read, "" when none
+
+    def to_dict(self) -> dict[str, Any]:
+        """Effective values, JSON-ready: sizes in bytes, durations in seconds, modes as "0660"."""
+        out: dict[str, Any] = {}
+        for section in _SECTIONS:
+            values = {}
+            for f in dataclasses.fields(getattr(self, section)):
+                value = getattr(getattr(self, section), f.name)
+                kind = _SCHEMA[f"{section}.{f.name}"].kind
+                if kind == "mode":
+                    value = f"{value:04o}"
+                elif isinstance(value, tuple):
+                    value = list(value)
+                elif isinstance(value, dict):
+                    value = dict(value)
+                values[f.name] = value
+            out[section] = values
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def to_toml(self) -> str:
+        """Effective values as a TOML file `load_config` reads back to the same Config."""
+        lines = [f"# effective kvd configuration (file: {self.source or 'none'})"]
+        for section, values in self.to_dict().items():
+            lines.append(f"\n[{section}]")
+            for key, value in values.items():
+                kind = _SCHEMA[f"{section}.{key}"].kind
+                lines.append(f"{key} = {_toml_value(kind, value)}")
+        return "\n".join(lines) + "\n"
+
+
+_SECTIONS = ("server", "pool", "manager", "tenants")
+
+
+def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """`$XDG_RUNTIME_DIR/kvd/kvd.sock` when XDG_RUNTIME_DIR is set, else `/tmp/kvd-$UID/kvd.sock`."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if runtime:
+        return os.path.join(runtime, "kvd", "kvd.sock")
+    return f"/tmp/kvd-{os.getuid()}/kvd.sock"
+
+
+# --- schema --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class _Key:
+    kind: str
+    parse: Callable[[Any], Any]
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, str):
+            try:
+                value = int(value.strip(), 10)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise ValueError(f"{value} is out of range {lo}..{hi}")
+        return value
+
+    return parse
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = _str(value).strip().lower()
+        if text not in options:
+            raise ValueError(f"{value!r} is not one of {', '.join(options)}")
+        return text
+
+    return parse
+
+
+def _mode(value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            mode = int(value.strip(), 8)
+        except ValueError:
+            raise ValueError(f"expected an octal mode like \"0660\", got {value!r}") from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    else:
+        raise ValueError(f"expected an octal mode like \"0660\", got {value!r}")
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"mode {value!r} is out of range 0000..0777")
+    return mode
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):  # env/flag form: "1000,1001"
+        value = [item for item in value.replace(" ", "").split(",") if item]
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of ids, got {value!r}")
+    parse = _int(0, 2**32 - 1)
+    return tuple(parse(item) for item in value)
+
+
+def _tenant_map(value: Any) -> dict[str, str]:
+    if isinstance(value, str):  # env/flag form: "1001=team-a,1002=team-b"
+        pairs: dict[str, str] = {}
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            if "=" not in item:
+                raise ValueError(f"expected ID=TENANT pairs separated by commas, got {value!r}")
+            key, name = item.split("=", 1)
+            pairs[key.strip()] = name.strip()
+        value = pairs
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a table of id = tenant name, got {value!r}")
+    out: dict[str, str] = {}
+    for key, name in value.items():
+        _int(0, 2**32 - 1)(str(key))
+        if not isinstance(name, str) or not 1 <= len(name.encode()) <= 256:
+            raise ValueError(f"tenant name for {key!r} must be a string of 1..256 bytes")
+        out[str(int(key))] = name
+    return out
+
+
+def _size(value: Any) -> int:
+    return units.parse_size(value)
+
+
+def _duration(value: Any) -> float:
+    return units.parse_duration(value)
+
+
+_SCHEMA: dict[str, _Key] = {
+    "server.socket": _Key("str", _str),
+    "server.socket_mode": _Key("mode", _mode),
+    "server.allowed_uids": _Key("ids", _ids),
+    "server.allowed_gids": _Key("ids", _ids),
+    "server.admin_uids": _Key("ids", _ids),
+    "server.admin_gids": _Key("ids", _ids),
+    "server.max_sessions": _Key("int", _int(1, 1_000_000)),
+    "server.metrics_port": _Key("int", _int(0, 65535)),
+    "server.metrics_address": _Key("str", _str),
+    "server.reflection": _Key("bool", _bool),
+    "server.drain_timeout": _Key("duration", _duration),
+    "server.log_level": _Key("str", _choice(LOG_LEVELS)),
+    "pool.size": _Key("size", _size),
+    "pool.backing": _Key("str", _choice(BACKINGS)),
+    "pool.path": _Key("str", _str),
+    "pool.persist": _Key("bool", _bool),
+    "pool.prefault": _Key("bool", _bool),
+    "pool.mlock": _Key("bool", _bool),
+    "pool.extent_size": _Key("size", _size),
+    "manager.policy": _Key("str", _choice(POLICIES)),
+    "manager.heartbeat_interval": _Key("duration", _duration),
+    "manager.liveness_timeout": _Key("duration", _duration),
+    "manager.default_lease": _Key("duration", _duration),
+    "manager.max_lease": _Key("duration", _duration),
+    "tenants.uids": _Key("map", _tenant_map),
+    "tenants.gids": _Key("map", _tenant_map),
+}
+
+KEYS: tuple[str, ...] = tuple(_SCHEMA)
+
+
+def env_name(key: str) -> str:
+    """`pool.extent_size` -> `KVD_POOL_EXTENT_SIZE`."""
+    return ENV_PREFIX + key.replace(".", "_").upper()
+
+
+_ENV_TO_KEY = {env_name(key): key for key in _SCHEMA}
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def _flatten(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section, table in doc.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown section [{section}] in {source}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table in {source}")
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if name not in _SCHEMA:
+                raise ConfigError(f"unknown key {name} in {source}")
+            flat[name] = value
+    return flat
+
+
+def _read_toml(path: str, source: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist ({source})") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable ({source})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    layer: dict[str, tuple[Any, str]] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        key = _ENV_TO_KEY.get(name)
+        if key is None:
+            # Only names under one of our sections are ours; other KVD_* names (e.g. the
+            # client's) are left alone.
+            section = name[len(ENV_PREFIX):].split("_", 1)[0].lower()
+            if section in _SECTIONS:
+                raise ConfigError(f"unknown setting in environment variable {name}")
+            continue
+        layer[key] = (value, f"environment variable {name}")
+    return layer
+
+
+def load_config(
+    path: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, tuple[Any, str]] | None = None,
+) -> Config:
+    """Build the effective Config.
+
+    `path` (or `$KVD_CONFIG` when None) names an optional TOML file; `env` defaults to
+    os.environ; `overrides` maps a key (`pool.size`) to (value, source), e.g.
+    `("8GiB", "flag --pool-size")`, and wins over everything.
+    """
+    env = os.environ if env is None else env
+    raw: dict[str, tuple[Any, str]] = {}
+    defaults = _flatten(_read_toml(str(DEFAULTS_PATH), "embedded defaults"), "embedded defaults")
+    for key in _SCHEMA:
+        if key not in defaults:  # a developer error: every key must have a default
+            raise ConfigError(f"embedded defaults lack {key}")
+        raw[key] = (defaults[key], "embedded defaults")
+
+    source = ""
+    if path is None and env.get(CONFIG_ENV):
+        path, where = env[CONFIG_ENV], f"${CONFIG_ENV}"
+    else:
+        where = "--config"
+    if path:
+        source = str(path)
+        for key, value in _flatten(_read_toml(source, where), f"config file {source}").items():
+            raw[key] = (value, f"config file {source}")
+    raw.update(_env_layer(env))
+    for key, (value, origin) in (overrides or {}).items():
+        if key not in _SCHEMA:
+            raise ConfigError(f"unknown key {key} ({origin})")
+        raw[key] = (value, origin)
+
+    values: dict[str, Any] = {}
+    for key, (value, origin) in raw.items():
+        try:
+            values[key] = _SCHEMA[key].parse(value)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc} (from {origin})") from None
+    _check(values, raw)
+    if not values["server.socket"]:
+        values["server.socket"] = default_socket_path(env)
+    extent_cap = values["pool.size"] // SLOT_ALIGNMENT * SLOT_ALIGNMENT
+    values["pool.extent_size"] = min(values["pool.extent_size"], extent_cap)
+
+    sections: dict[str, Any] = {}
+    for name, cls in (("server", ServerConfig), ("pool", PoolConfig),
+                      ("manager", ManagerConfig), ("tenants", TenantsConfig)):
+        kwargs = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(name + ".")}
+        sections[name] = cls(**kwargs)
+    return Config(**sections, source=source)
+
+
+def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
+    """Rules that involve a value's range or two keys."""
+
+    def fail(key: str, message: str) -> None:
+        raise ConfigError(f"{key}: {message} (from {raw[key][1]})")
+
+    if values["pool.size"] < SLOT_ALIGNMENT:
+        fail("pool.size", f"must be at least {SLOT_ALIGNMENT} bytes")
+    extent = values["pool.extent_size"]
+    if extent < SLOT_ALIGNMENT or extent % SLOT_ALIGNMENT:
+        fail("pool.extent_size", f"must be a positive multiple of {SLOT_ALIGNMENT} bytes")
+    if values["pool.backing"] == "file" and not values["pool.path"]:
+        fail("pool.path", 'must name a directory when pool.backing = "file"')
+    if values["pool.persist"] and values["pool.backing"] != "file":
+        fail("pool.persist", 'only applies to pool.backing = "file"')
+    socket = values["server.socket"]
+    if socket and not os.path.isabs(socket):
+        fail("server.socket", f"must be an absolute path, got {socket!r}")
+    if socket and len((socket + ATTACH_SUFFIX).encode()) > 107:
+        fail("server.socket", "is too long for a Unix socket path (at most 100 bytes)")
+    for key in ("manager.heartbeat_interval", "manager.liveness_timeout"):
+        if values[key] <= 0:
+            fail(key, "must be greater than 0")
+    if values["manager.liveness_timeout"] <= values["manager.heartbeat_interval"]:
+        fail("manager.liveness_timeout", "must be longer than manager.heartbeat_interval")
+    if values["manager.default_lease"] > values["manager.max_lease"]:
+        fail("manager.default_lease", "must not exceed manager.max_lease")
+    for key in ("manager.heartbeat_interval", "manager.liveness_timeout",
+                "manager.default_lease", "manager.max_lease"):
+        if values[key] * 1000 > 2**32 - 1:
+            fail(key, "is too long (the wire carries it as 32-bit milliseconds)")
+
+
+def _toml_value(kind: str, value: Any) -> str:
+    if kind == "size":
+        text = units.format_size(value)
+        return str(value) if "." in text else json.dumps(text)  # a decimal is not exact
+    if kind == "duration":
+        text = units.format_duration(value)
+        return json.dumps(text) if units.parse_duration(text) == value else repr(float(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (int, float, str, list)):
+        return json.dumps(value)
+    raise TypeError(f"cannot render {value!r}")

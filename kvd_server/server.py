@@ -1,0 +1,354 @@
+"""Assembles a running daemon: pool, core, gRPC (engine, admin, health), attach server, sweeper,
+metrics, signals, drain and systemd notifications.
+
+`serve(config)` returns the process exit code: 0 after a drain, 1 when the daemon cannot start
+(another daemon on the socket, a pool it cannot create, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvd_proto import kvd_pb2, kvd_pb2_grpc
+from kvd_server import __version__, notify
+from kvd_server.attach import AttachRefused, AttachReply, AttachRequest, AttachServer, PeerCred
+from kvd_server.config import Config
+from kvd_server.core import KvdCore
+from kvd_server.errors import KvdError
+from kvd_server.extents import SLOT_ALIGNMENT, ExtentAllocator
+from kvd_server.pool import HostPool, PoolError
+from kvd_server.service import AdminService, EngineService, RpcRecorder
+from kvd_server.units import format_duration, format_size
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+SWEEP_INTERVAL = 0.1
+DRAIN_POLL = 0.05
+STOP_GRACE = 1.0
+HEALTH_SERVICES = ("", "kvd.v1.KvdEngine")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message tells the operator what to do."""
+
+
+def grpc_target(path: str) -> str:
+    """`unix:` target for a socket path (absolute paths become unix:///abs/path)."""
+    return f"unix://{path}" if path.startswith("/") else f"unix:{path}"
+
+
+def _prepare_socket_path(path: str) -> None:
+    """Create the socket directory (0750) and clear a stale socket; refuse a live daemon."""
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        try:
+            os.makedirs(directory, mode=0o750, exist_ok=True)
+            os.chmod(directory, 0o750)
+        except OSError as exc:
+            raise StartupError(f"cannot create the socket directory {directory}: "
+                               f"{exc.strerror}; create it or choose --socket") from None
+    for candidate in (path, path + ".attach"):
+        try:
+            mode = os.lstat(candidate).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISSOCK(mode):
+            raise StartupError(f"{candidate} exists and is not a socket; remove it or choose "
+                               "another --socket")
+        if _socket_is_live(candidate):
+            raise StartupError(f"another kvd daemon is serving on {candidate}; stop it first "
+                               "(kvd drain --socket ...) or choose another --socket")
+        log.info("removing stale socket %s", candidate)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(candidate)
+
+
+def _socket_is_live(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            # EACCES and friends: someone else's live socket we may not touch.
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+        return True
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class Daemon:
+    """One daemon's parts and its life cycle (start, serve, drain, stop)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.pool: Any = None
+        self.core: Any = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._attach: Any = None
+        self._metrics_server: Any = None
+        self._rpc = RpcRecorder()
+        self._engine: EngineService | None = None
+        self._stop = asyncio.Event()
+        self._drain_timeout = config.server.drain_timeout
+        self._started = time.monotonic()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # -- stats and drain entry points
+
+    def stats(self) -> dict[str, Any]:
+        """The stats document: the core's, plus what only the service and the pool know."""
+        doc = self.core.stats()
+        cfg = self.config
+        server = doc.setdefault("server", {})
+        for key, value in (("version", __version__), ("pid", os.getpid()),
+                           ("uptime_seconds", time.monotonic() - self._started),
+                           ("socket", cfg.server.socket),
+                           ("attach_socket", cfg.server.attach_socket),
+                           ("policy", cfg.manager.policy)):
+            server.setdefault(key, value)
+        pool = doc.setdefault("pool", {})
+        for key, value in (("total_bytes", cfg.pool.size), ("backing", cfg.pool.backing),
+                           ("path", cfg.pool.path or None),
+                           ("prefault_bytes_done", self.pool.prefaulted_bytes),
+                           ("mlocked", self.pool.mlocked)):
+            pool.setdefault(key, value)
+        if self._engine is not None:
+            totals = doc.setdefault("stats", {})
+            totals["step_calls_total"] = self._engine.step_calls
+            totals["step_ops_total"] = self._engine.step_ops
+        doc["rpc"] = self._rpc.section()
+        return doc
+
+    def request_drain(self, timeout: float | None = None) -> bool:
+        """Start draining (idempotent): False when a drain is already under way."""
+        if self._stop.is_set():
+            return False
+        if timeout is not None:
+            self._drain_timeout = timeout
+        self._stop.set()
+        return True
+
+    # -- life cycle
+
+    async def run(self) -> int:
+        cfg = self.config
+        self._log_summary()
+        try:
+            _prepare_socket_path(cfg.server.socket)
+        except StartupError as exc:
+            log.error("%s", exc)
+            return 1
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self._start()
+            if not self._stop.is_set():
+                await self._prepare_pool()
+            if not self._stop.is_set():
+                self.core.set_serving()
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+                notify.ready(f"serving {format_size(cfg.pool.size)} on {cfg.server.socket}")
+                log.info("serving on %s", cfg.server.socket)
+            await self._stop.wait()
+            await self._drain()
+            return 0
+        except StartupError as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            await self._shutdown()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def _log_summary(self) -> None:
+        cfg = self.config
+        log.info("kvd %s starting (pid %d, config %s)", __version__, os.getpid(),
+                 cfg.source or "embedded defaults")
+        log.info("pool: %s %s%s, prefault=%s, mlock=%s, extents of %s",
+                 format_size(cfg.pool.size), cfg.pool.backing,
+                 f" in {cfg.pool.path}" if cfg.pool.backing == "file" else "",
+                 cfg.pool.prefault, cfg.pool.mlock, format_size(cfg.pool.extent_size))
+        log.info("sockets: %s (gRPC), %s (attach), mode %04o", cfg.server.socket,
+                 cfg.server.attach_socket, cfg.server.socket_mode)
+        log.info("policy %s, heartbeat %s, liveness timeout %s, max %d sessions",
+                 cfg.manager.policy, format_duration(cfg.manager.heartbeat_interval),
+                 format_duration(cfg.manager.liveness_timeout), cfg.server.max_sessions)
+        log.info("metrics: %s", f"http://{cfg.server.metrics_address}:{cfg.server.metrics_port}"
+                 "/metrics" if cfg.server.metrics_port else "off")
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.request_drain():
+            log.info("%s received: draining", signal.Signals(sig).name)
+
+    async def _start(self) -> None:
+        cfg = self.config
+        try:
+            self.pool = HostPool.create(cfg.pool.size, cfg.pool.backing, cfg.pool.path,
+                                        cfg.pool.persist)
+        except (PoolError, OSError) as exc:
+            raise StartupError(f"cannot create the pool: {exc}") from None
+        self.core = KvdCore(cfg, ExtentAllocator(self.pool.size, cfg.pool.extent_size))
+        metrics = self._start_metrics()
+        self._rpc = RpcRecorder(metrics)
+
+        server = grpc.aio.server(options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ])
+        self._engine = EngineService(self.core, cfg, self.pool.size, self._rpc)
+        kvd_pb2_grpc.add_KvdEngineServicer_to_server(self._engine, server)
+        kvd_pb2_grpc.add_KvdAdminServicer_to_server(
+            AdminService(self.core, cfg, self._rpc, self.stats, self.request_drain), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if cfg.server.reflection:
+            self._enable_reflection(server)
+        server.add_insecure_port(grpc_target(cfg.server.socket))
+        await server.start()
+        self._server = server
+        os.chmod(cfg.server.socket, cfg.server.socket_mode)
+
+        self._attach = AttachServer(cfg.server.attach_socket, cfg.server.socket_mode,
+                                    self._on_attach)
+        await self._attach.start()
+        self._tasks.append(asyncio.create_task(self._sweeper(), name="kvd-sweeper"))
+
+    def _start_metrics(self) -> Any:
+        cfg = self.config.server
+        if not cfg.metrics_port:
+            return None
+        from kvd_server import metrics
+
+        registry, rpc_metrics = metrics.build_registry(
+            metrics.on_loop(asyncio.get_running_loop(), self.stats))
+        try:
+            self._metrics_server = metrics.start_metrics(registry, cfg.metrics_address,
+                                                         cfg.metrics_port)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {cfg.metrics_address}:"
+                               f"{cfg.metrics_port}: {exc.strerror or exc}") from None
+        return rpc_metrics
+
+    @staticmethod
+    def _enable_reflection(server: grpc.aio.Server) -> None:
+        try:
+            from grpc_reflection.v1alpha import reflection
+        except ImportError:
+            log.warning("server.reflection is on but grpcio-reflection is not installed; "
+                        "serving without reflection")
+            return
+        names = (kvd_pb2.DESCRIPTOR.services_by_name["KvdEngine"].full_name,
+                 kvd_pb2.DESCRIPTOR.services_by_name["KvdAdmin"].full_name,
+                 health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+
+    async def _set_health(self, status: int) -> None:
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, status)
+
+    def _on_attach(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
+        """Attach handler (runs on the loop): a session for an engine, just the pool for a
+        data-plane worker; the core decides who may attach."""
+        try:
+            session = self.core.attach(peer, request.role)
+        except KvdError as exc:
+            raise AttachRefused(exc.code.name, str(exc)) from None
+        fields = {
+            "token": session.token if session else "",
+            "session_id": session.session_id if session else "",
+            "pool_bytes": self.pool.size, "pool_id": self.pool.pool_id,
+            "instance_id": self.core.instance_id, "slot_alignment": SLOT_ALIGNMENT,
+            "daemon_version": __version__,
+            "tenant": session.tenant if session else self.core.tenant_of(peer),
+        }
+        return AttachReply(fields=fields, fd=self.pool.fd)
+
+    async def _prepare_pool(self) -> None:
+        cfg = self.config.pool
+        if cfg.prefault:
+            started = time.monotonic()
+            loop = asyncio.get_running_loop()
+            last = [-1]
+
+            def progress(done: int, total: int) -> None:
+                tenth = done * 10 // max(total, 1)
+                if tenth != last[0]:
+                    last[0] = tenth
+                    loop.call_soon_threadsafe(notify.status,
+                                              f"pre-faulting the pool: {tenth * 10}%")
+                    log.info("pre-faulting the pool: %d%% (%s of %s)", tenth * 10,
+                             format_size(done), format_size(total))
+
+            await asyncio.to_thread(self.pool.prefault, progress)
+            log.info("pool pre-faulted in %.1fs", time.monotonic() - started)
+        if cfg.mlock:
+            self.pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL)
+            try:
+                self.core.sweep()
+            except Exception:  # a sweep bug must not stop liveness for every later sweep
+                log.exception("sweep failed")
+
+    async def _drain(self) -> None:
+        timeout = self._drain_timeout
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        notify.stopping("draining")
+        if self.core is None:
+            return
+        self.core.start_drain()
+        deadline = time.monotonic() + timeout
+        pending = self.core.loads_in_flight()
+        log.info("draining: new stores refused, %d load(s) in flight, waiting up to %s",
+                 pending, format_duration(timeout))
+        while pending and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL)
+            pending = self.core.loads_in_flight()
+        if pending:
+            log.warning("drain timeout: %d load(s) still in flight; exiting anyway", pending)
+        else:
+            log.info("drained")
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._attach is not None:
+            await self._attach.close()
+        if self._server is not None:
+            await self._server.stop(STOP_GRACE)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self._server is not None or self._attach is not None:
+            _remove(self.config.server.socket)
+            _remove(self.config.server.attach_socket)
+        log.info("kvd stopped")
+
+
+async def serve(config: Config) -> int:
+    """Run a daemon until it is drained (SIGTERM/SIGINT or KvdAdmin.Drain); the exit code."""
+    return await Daemon(config).run()

@@ -1,0 +1,179 @@
+"""Configuration: embedded defaults, precedence, validation messages and rendering."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvd_server.config import (
+    DEFAULTS_PATH,
+    KEYS,
+    Config,
+    ConfigError,
+    default_socket_path,
+    env_name,
+    load_config,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "kvd.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_match_the_documented_keys():
+    cfg = load_config(env={"XDG_RUNTIME_DIR": "/run/user/1000"})
+    assert cfg.server.socket == "/run/user/1000/kvd/kvd.sock"
+    assert cfg.server.attach_socket == "/run/user/1000/kvd/kvd.sock.attach"
+    assert cfg.server.socket_mode == 0o660
+    assert cfg.server.allowed_uids == () and cfg.server.admin_gids == ()
+    assert cfg.server.max_sessions == 1024
+    assert cfg.server.metrics_port == 0 and cfg.server.metrics_address == "127.0.0.1"
+    assert cfg.server.reflection is False
+    assert cfg.server.drain_timeout == 30.0
+    assert cfg.server.log_level == "info"
+    assert cfg.pool.size == 1 << 30 and cfg.pool.backing == "memfd" and cfg.pool.path == ""
+    assert cfg.pool.persist is False and cfg.pool.prefault is True and cfg.pool.mlock is False
+    assert cfg.pool.extent_size == 64 << 20
+    m = cfg.manager
+    assert (m.policy, m.heartbeat_interval, m.liveness_timeout) == ("lru", 1.0, 10.0)
+    assert (m.default_lease, m.max_lease) == (2.0, 30.0)
+    assert cfg.tenants.uids == {} and cfg.tenants.gids == {}
+    assert cfg.source == ""
+
+
+def test_every_default_key_is_commented_and_documented():
+    text = DEFAULTS_PATH.read_text()
+    lines = text.splitlines()
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    for key in KEYS:
+        name = key.split(".", 1)[1]
+        index = next(i for i, line in enumerate(lines) if line.startswith(f"{name} ="))
+        while lines[index - 1] and lines[index - 1][0].isalpha():  # a group of related keys
+            index -= 1
+        assert lines[index - 1].startswith("#"), f"{key} has no comment in default_config.toml"
+        assert f"`{key}`" in doc, f"{key} missing from docs/configuration.md"
+        assert env_name(key) in doc, f"{env_name(key)} missing from docs/configuration.md"
+
+
+def test_socket_default_rule():
+    assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"}) == "/run/user/7/kvd/kvd.sock"
+    assert re.fullmatch(r"/tmp/kvd-\d+/kvd\.sock", default_socket_path({}))
+
+
+def test_precedence_file_env_flag(tmp_path):
+    path = write(tmp_path, '[pool]\nsize = "256MiB"\n[manager]\npolicy = "arc"\n')
+    cfg = load_config(path, env={})
+    assert cfg.pool.size == 256 << 20 and cfg.manager.policy == "arc"
+    assert cfg.source == path
+    cfg = load_config(path, env={"KVD_POOL_SIZE": "128MiB"})
+    assert cfg.pool.size == 128 << 20 and cfg.manager.policy == "arc"
+    cfg = load_config(path, env={"KVD_POOL_SIZE": "128MiB"},
+                      overrides={"pool.size": ("64MiB", "flag --pool-size")})
+    assert cfg.pool.size == 64 << 20
+
+
+def test_kvd_config_env_names_the_file(tmp_path):
+    path = write(tmp_path, '[server]\nmax_sessions = 8\n')
+    assert load_config(env={"KVD_CONFIG": path}).server.max_sessions == 8
+    # An explicit path wins over $KVD_CONFIG.
+    other = tmp_path / "other.toml"
+    other.write_text("[server]\nmax_sessions = 9\n")
+    assert load_config(str(other), env={"KVD_CONFIG": path}).server.max_sessions == 9
+
+
+def test_env_forms_for_lists_bools_and_maps():
+    cfg = load_config(env={
+        "KVD_SERVER_ALLOWED_UIDS": "1000, 1001",
+        "KVD_SERVER_REFLECTION": "yes",
+        "KVD_TENANTS_UIDS": "1001=team-a,1002=team-b",
+        "KVD_SERVER_SOCKET_MODE": "0600",
+        "KVD_SOMETHING_ELSE": "ignored: not one of our sections",
+    })
+    assert cfg.server.allowed_uids == (1000, 1001)
+    assert cfg.server.reflection is True
+    assert cfg.tenants.uids == {"1001": "team-a", "1002": "team-b"}
+    assert cfg.server.socket_mode == 0o600
+
+
+def test_extent_is_capped_at_the_pool_size():
+    cfg = load_config(env={"KVD_POOL_SIZE": "16MiB"})
+    assert cfg.pool.extent_size == 16 << 20
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("[pool]\nsize = \"lots\"\n", r"pool\.size: .*'lots'.* \(from config file .*kvd\.toml\)"),
+        ("[pool]\nsise = \"1GiB\"\n", r"unknown key pool\.sise in config file"),
+        ("[poool]\n", r"unknown section \[poool\]"),
+        ("[manager]\npolicy = \"fifo\"\n", r"manager\.policy: 'fifo' is not one of lru, arc"),
+        ("[server]\nsocket_mode = \"0999\"\n", r"server\.socket_mode: expected an octal mode"),
+        ("[server]\nmetrics_port = 70000\n", r"server\.metrics_port: 70000 is out of range"),
+        ("[server]\nreflection = \"maybe\"\n", r"server\.reflection: expected true or false"),
+        ("[server]\nsocket = \"relative.sock\"\n", r"server\.socket: must be an absolute path"),
+        ("[pool]\nbacking = \"file\"\n", r"pool\.path: must name a directory"),
+        ("[pool]\nextent_size = \"1000\"\n", r"pool\.extent_size: must be a positive multiple"),
+        ("[manager]\nliveness_timeout = \"1s\"\nheartbeat_interval = \"2s\"\n",
+         r"manager\.liveness_timeout: must be longer than manager\.heartbeat_interval"),
+        ("[manager]\ndefault_lease = \"1m\"\n", r"manager\.default_lease: must not exceed"),
+        ("[tenants]\nuids = {alice = \"a\"}\n", r"tenants\.uids: expected an integer"),
+        ("[pool\n", r"not valid TOML"),
+    ],
+)
+def test_bad_file_values_name_key_and_source(tmp_path, text, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(path, env={})
+
+
+def test_bad_env_and_flag_values_name_their_source():
+    with pytest.raises(ConfigError, match=r"pool\.size: .* \(from environment variable "
+                                          r"KVD_POOL_SIZE\)"):
+        load_config(env={"KVD_POOL_SIZE": "12XB"})
+    with pytest.raises(ConfigError, match=r"unknown setting in environment variable "
+                                          r"KVD_SERVER_SOCKETS"):
+        load_config(env={"KVD_SERVER_SOCKETS": "/x"})
+    with pytest.raises(ConfigError, match=r"manager\.policy: .* \(from flag --policy\)"):
+        load_config(env={}, overrides={"manager.policy": ("mru", "flag --policy")})
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist \(--config\)"):
+        load_config(str(tmp_path / "nope.toml"), env={})
+    with pytest.raises(ConfigError, match=r"does not exist \(\$KVD_CONFIG\)"):
+        load_config(env={"KVD_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_toml_rendering_round_trips(tmp_path):
+    cfg = load_config(env={
+        "KVD_SERVER_SOCKET": "/tmp/x/kvd.sock",
+        "KVD_POOL_SIZE": "1000000000",
+        "KVD_MANAGER_DEFAULT_LEASE": "1.25s",
+        "KVD_MANAGER_LIVENESS_TIMEOUT": "1500ms",
+        "KVD_TENANTS_GIDS": "50=ops",
+        "KVD_SERVER_ADMIN_UIDS": "0,7",
+    })
+    text = cfg.to_toml()
+    tomllib.loads(text)
+    again = load_config(write(tmp_path, text), env={})
+    assert again == cfg
+    assert isinstance(again, Config)
+
+
+def test_dict_rendering_is_json_with_base_units():
+    cfg = load_config(env={"KVD_SERVER_SOCKET": "/tmp/x/kvd.sock"})
+    doc = json.loads(cfg.to_json())
+    assert doc == cfg.to_dict()
+    assert doc["pool"]["size"] == 1 << 30
+    assert doc["manager"]["liveness_timeout"] == 10.0
+    assert doc["server"]["socket_mode"] == "0660"
+    assert set(doc) == {"server", "pool", "manager", "tenants"}
+    assert sum(len(v) for v in doc.values()) == len(KEYS)
