@@ -1,0 +1,8 @@
+"""vLLM 0.33 plug-in: load with spec_name "KvdOffloadingSpec", spec_module_path "kvd_client.vllm".
+
+Importing this package imports vLLM; the rest of kvd_client does not.
+"""
+
+from .spec import KvdOffloadingSpec
+
+__all__ = ["KvdOffloadingSpec"]

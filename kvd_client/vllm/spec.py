@@ -1,0 +1,66 @@
+"""KvdOffloadingSpec: what vLLM loads through `spec_module_path: kvd_client.vllm`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvd_client.client import KvdClient
+from kvd_client.paths import default_socket_path
+
+from .manager import KvdOffloadingManager
+from .namespace import layout_of, salt_of
+
+log = logging.getLogger(__name__)
+
+
+class KvdOffloadingSpec(OffloadingSpec):
+    """Offload vLLM's KV cache to the node's kvd daemon.
+
+    kv_connector_extra_config keys: `kvd_socket` (default: $KVD_SOCKET, else the daemon's
+    default path), `kvd_deadline_ms` (per call, default 500), `kvd_lease_ms` (lookup lease,
+    default 5000), plus vLLM's own (`block_size` / `blocks_per_chunk`, `offload_prompt_only`).
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        extra: dict[str, Any] = dict(self.extra_config)
+        self.socket_path = str(extra.get("kvd_socket") or default_socket_path())
+        self.deadline_s = float(extra.get("kvd_deadline_ms", 500)) / 1000.0
+        self.lease_ms = int(extra.get("kvd_lease_ms", 5000))
+        self._manager: KvdOffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            import vllm
+
+            client = KvdClient(
+                self.socket_path, model=self.config.model.name, layout=layout_of(self.config),
+                salt=salt_of(self.config), engine_id=self.config.engine_id,
+                engine_kind="vllm", engine_version=getattr(vllm, "__version__", ""),
+                deadline_s=self.deadline_s)
+            self._manager = KvdOffloadingManager(
+                client, enable_events=self.kv_events_config.enable_kv_cache_events,
+                lease_ms=self.lease_ms)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from .worker import KvdOffloadingWorker
+
+            parallel = self.config.parallel
+            self._worker = KvdOffloadingWorker(
+                self.socket_path, kv_caches, blocks_per_chunk=self.blocks_per_chunk,
+                rank=parallel.rank, world_size=parallel.world_size,
+                expected_shard_bytes=self.config.worker_kv_bytes_per_block
+                * self.blocks_per_chunk)
+        return self._worker

@@ -1,0 +1,136 @@
+"""The worker side: vLLM's OffloadingWorker over kvd's data plane, in every worker process.
+
+Each worker maps the daemon's pool (a data-plane attach: the fd, no session) and copies its
+own rank's shard of each slot. Specs name the pool they refer to; after a daemon restart the
+worker attaches again and keeps the previous mapping for transfers already planned against it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvd_client.attach import AttachError
+from kvd_client.client import attach_dataplane
+from kvd_client.dataplane import EngineTensor, GroupRef, SlotLayout, make_layout, plan_transfer
+from kvd_client.dataplane.backend import CopyBackend
+from kvd_client.dataplane.cpu import CpuBackend
+from kvd_client.pool_map import PoolMapping
+
+from .specs import KvdSlotsSpec
+
+log = logging.getLogger(__name__)
+
+MAX_MAPPINGS = 2   # the current pool and the one before a daemon restart
+
+
+class KvdOffloadingWorker(OffloadingWorker):
+    def __init__(self, socket_path: str, kv_caches: CanonicalKVCaches, *,
+                 blocks_per_chunk: int, rank: int, world_size: int,
+                 expected_shard_bytes: int) -> None:
+        self.socket_path = socket_path
+        self.rank = rank
+        self.tensors = [
+            EngineTensor(base=t.tensor.data_ptr(),
+                         row_stride=t.tensor.stride(0) * t.tensor.element_size(),
+                         page_bytes=t.tensor.shape[1] * t.tensor.element_size()
+                         if t.tensor.ndim > 1 else t.page_size_bytes,
+                         num_blocks=t.tensor.shape[0])
+            for t in kv_caches.tensors
+        ]
+        refs = [tuple(GroupRef(r.tensor_idx, r.page_size_bytes) for r in group)
+                for group in kv_caches.group_data_refs]
+        self.layout: SlotLayout = make_layout(self.tensors, refs, blocks_per_chunk,
+                                              max(1, world_size))
+        # The scheduler sized slots from vLLM's worker_kv_bytes_per_block; a mismatch would
+        # make ranks overwrite each other's shards, so refuse to copy at all.
+        self.usable = self.layout.shard_bytes <= expected_shard_bytes
+        if not self.usable:
+            log.error("kvd: this worker's KV pages need %d bytes per chunk but slots hold %d per "
+                      "rank; offload disabled on this worker", self.layout.shard_bytes,
+                      expected_shard_bytes)
+        on_gpu = any(t.tensor.is_cuda for t in kv_caches.tensors)
+        self._on_gpu = on_gpu
+        self._mappings: dict[str, tuple[PoolMapping, np.ndarray]] = {}
+        self._backend: CopyBackend | None = None if on_gpu else CpuBackend()
+        self._skipped: list[TransferResult] = []
+        self._attach()
+
+    # ----------------------------------------------------------- pool mapping
+    def _attach(self) -> str | None:
+        try:
+            info, mapping = attach_dataplane(self.socket_path)
+        except AttachError as exc:
+            log.warning("kvd worker could not attach to %s: %s", self.socket_path, exc.message)
+            return None
+        if info.pool_id in self._mappings:
+            mapping.close()
+            return info.pool_id
+        while len(self._mappings) >= MAX_MAPPINGS:
+            old_id = next(iter(self._mappings))
+            old, _ = self._mappings.pop(old_id)
+            old.close()
+        array = mapping.numpy(0, mapping.size)
+        self._mappings[info.pool_id] = (mapping, array)
+        if self._on_gpu and self._backend is None:
+            from kvd_client.dataplane.cuda import CudaBackend
+
+            self._backend = CudaBackend(array.ctypes.data, mapping.size)
+        return info.pool_id
+
+    def _pool_base(self, pool_id: str) -> int | None:
+        entry = self._mappings.get(pool_id)
+        if entry is None and pool_id and self._attach() == pool_id:
+            entry = self._mappings.get(pool_id)
+        return None if entry is None else int(entry[1].ctypes.data)
+
+    # ---------------------------------------------------------- transfers
+    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec,
+                *, to_pool: bool, expedited: bool) -> bool:
+        assert isinstance(host, KvdSlotsSpec), f"unexpected spec {type(host).__name__}"
+        base = self._pool_base(host.pool_id) if self.usable else None
+        if base is None or self._backend is None or not (host.offsets >= 0).any():
+            if not to_pool and (host.offsets >= 0).any():
+                log.error("kvd worker: load job %d names pool %s which is not mapped; "
+                          "its blocks are not loaded", job_id, host.pool_id)
+            self._skipped.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        plan = plan_transfer(self.layout, self.tensors, pool_base=base, rank=self.rank,
+                             slot_offsets=host.offsets, block_ids=gpu.block_ids,
+                             group_sizes=gpu.group_sizes, block_indices=gpu.block_indices,
+                             to_pool=to_pool)
+        return self._backend.submit(job_id, plan, is_store=to_pool, expedited=expedited)
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, src_spec, dst_spec, to_pool=True, expedited=False)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        return self._submit(job_id, dst_spec, src_spec, to_pool=False, expedited=expedited)
+
+    def get_finished(self) -> list[TransferResult]:
+        out, self._skipped = self._skipped, []
+        if self._backend is not None:
+            out += [TransferResult(d.job_id, d.success, d.transfer_size, d.transfer_time)
+                    for d in self._backend.get_finished()]
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self._backend is not None:
+            self._backend.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()
+        for mapping, _ in self._mappings.values():
+            mapping.close()
+        self._mappings.clear()

@@ -1,0 +1,213 @@
+"""A CPU engine harness around vLLM 0.33's real Scheduler and OffloadingConnector.
+
+It follows the pattern of vLLM's own connector test harness (a real scheduler, both connector
+roles, CPU KV tensors, the spec loaded through `spec_module_path`), written for kvd: the spec is
+KvdOffloadingSpec against a real `kvd serve`, and the "model" writes a recognisable pattern
+into every KV block it computes so tests can check the bytes that come back from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.forward_context import ForwardContext
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+MODEL = "facebook/opt-125m"
+EOS = 50256
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    round_trips: list[int] = field(default_factory=list)
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """One engine instance: scheduler + worker connector + CPU KV cache."""
+
+    def __init__(self, socket_path: str, *, block_size: int = 16, num_gpu_blocks: int = 64,
+                 blocks_per_chunk: int = 1, head_size: int = 8,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        extra_config: dict[str, Any] = {
+            "spec_name": "KvdOffloadingSpec",
+            "spec_module_path": "kvd_client.vllm",
+            "kvd_socket": socket_path,
+            "offload_prompt_only": False,
+        }
+        if blocks_per_chunk > 1:
+            extra_config["block_size"] = block_size * blocks_per_chunk
+        extra_config.update(extra or {})
+        model_config = ModelConfig(model=MODEL, dtype="float16", seed=42)
+        config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512,
+                                             max_model_len=4096, enable_chunked_prefill=True,
+                                             is_encoder_decoder=False),
+            # GPU prefix caching off: every prefix hit must come from kvd.
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
+                                                kv_role="kv_both",
+                                                kv_connector_extra_config=extra_config),
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = num_gpu_blocks
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size,
+                                 dtype=torch.float32)
+        group = KVCacheGroupSpec(["layer0"], spec)
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_gpu_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * num_gpu_blocks,
+                                            layers=["layer0"],
+                                            layer_stride=spec.page_size_bytes * num_gpu_blocks,
+                                            block_stride=spec.page_size_bytes)],
+            kv_cache_groups=[group])
+        sched_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, config)
+        self.config = config
+        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                                   log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(config),
+                                   block_size=sched_block, hash_block_size=hash_block)
+        self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        self.kv = torch.zeros(num_gpu_blocks, 2, block_size, 1, head_size, dtype=torch.float32)
+        with set_current_vllm_config(config):
+            self.worker.register_kv_caches({"layer0": self.kv})
+        self.connector = self.scheduler.connector
+        self.manager = self.connector.connector_scheduler.manager
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(block_size, sha256)
+        self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        self.stats = EngineStats()
+        self.blocks_seen: dict[str, list[int]] = {}
+        self.poison = False   # write -1 instead of the pattern: loaded blocks must not look so
+
+    # ------------------------------------------------------------------ requests
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Request:
+        params = SamplingParams(max_tokens=max_tokens)
+        params.update_from_generation_config({}, EOS)
+        req = Request(request_id=req_id, prompt_token_ids=tokens, sampling_params=params,
+                      pooling_params=None, block_hasher=self._hasher)
+        self.scheduler.add_request(req)
+        return req
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def expected_block(self, tokens: list[int], i: int) -> torch.Tensor:
+        """The bytes the 'model' would have written into logical block i of a prompt."""
+        return self.pattern(tokens[: (i + 1) * self.block_size], i, self.kv[0].shape)
+
+    @staticmethod
+    def pattern(token_ids: list[int], block_index: int, shape: torch.Size) -> torch.Tensor:
+        """What the 'model' writes into a block: a function of its tokens' prefix."""
+        seed = hash((tuple(token_ids), block_index)) & 0x7FFFFFFF
+        g = torch.Generator().manual_seed(seed)
+        return torch.rand(shape, generator=g)
+
+    def _compute(self, out: Any) -> None:
+        """Fill every block this step computes with its pattern (the model's KV writes)."""
+        for req_id, num in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is None or num == 0:
+                continue
+            ids = self.block_ids(req_id)
+            # schedule() has already advanced num_computed_tokens past this step's tokens.
+            done = req.num_computed_tokens
+            before = done - num
+            for i in range(min(len(ids), done // self.block_size)):
+                if (i + 1) * self.block_size <= before:
+                    continue  # computed earlier (or loaded): leave it alone
+                start = i * self.block_size
+                tokens = req.all_token_ids[: start + self.block_size]
+                if self.poison:
+                    self.kv[ids[i]] = -1.0
+                else:
+                    self.kv[ids[i]] = self.pattern(tokens, i, self.kv[ids[i]].shape)
+
+    # -------------------------------------------------------------------- steps
+    def step(self) -> Any:
+        trips = self.manager.client.round_trips
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        self.worker.handle_preemptions(meta)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(self._ctx)
+        self._compute(out)
+        self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        worker_meta = self.worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
+        self.worker.clear_connector_metadata()
+        running = self.scheduler.running
+        ids = [r.request_id for r in running]
+        for new in out.scheduled_new_reqs:
+            self.stats.hit_tokens.setdefault(new.req_id, new.num_computed_tokens)
+        for rid in out.num_scheduled_tokens:
+            self.blocks_seen[rid] = self.block_ids(rid)
+        runner_out = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=KVConnectorOutput(finished_sending=sending,
+                                                  finished_recving=recving,
+                                                  invalid_block_ids=set(),
+                                                  kv_connector_worker_meta=worker_meta))
+        self.scheduler.update_from_output(out, runner_out)
+        self.stats.steps += 1
+        self.stats.round_trips.append(self.manager.client.round_trips - trips)
+        return out
+
+    def busy(self) -> bool:
+        cs = self.connector.connector_scheduler
+        return bool(self.scheduler.requests or cs._jobs or self.scheduler.finished_req_ids
+                    or self.manager.has_pending_work())
+
+    def run(self, max_steps: int = 200) -> int:
+        """Step until every request finished and every transfer completed."""
+        for n in range(max_steps):
+            if not self.busy():
+                return n
+            self.step()
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def close(self) -> None:
+        self.manager.shutdown()
+        worker = self.worker.connector_worker
+        if worker is not None and getattr(worker, "worker", None) is not None:
+            worker.worker.shutdown()

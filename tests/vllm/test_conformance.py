@@ -1,0 +1,169 @@
+"""KvdOffloadingSpec driven by vLLM 0.33's real Scheduler against a real `kvd serve`.
+
+Mirrors the behaviours vLLM's own offloading-connector tests check (store then hit, loads,
+preemption, abort, reset), plus what a shared daemon adds (two engines sharing blocks, the
+daemon dying under a running engine) and the scheduler-thread budget (<= 1 round trip per step,
+none on steps with nothing to send).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from vllm.v1.request import RequestStatus
+
+pytestmark = [pytest.mark.vllm]
+
+BS = 16
+
+
+def prompt(seed: int, n_tokens: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 50000, (n_tokens,), generator=g).tolist()
+
+
+def test_repeated_prefix_hits_on_second_request(engines):
+    e = engines()
+    tokens = prompt(1, 5 * BS + 3)
+    e.add("a", tokens)
+    e.run()
+    assert e.stats.hit_tokens["a"] == 0
+    e.add("b", tokens + [1, 2, 3])
+    e.run()
+    assert e.stats.hit_tokens["b"] == 5 * BS
+
+
+def test_loaded_bytes_equal_stored_bytes_across_engines(engines, daemon):
+    writer = engines()
+    tokens = prompt(2, 6 * BS)
+    writer.add("w", tokens)
+    writer.run()
+    reader = engines()
+    reader.poison = True          # anything the reader computes itself is -1
+    reader.add("r", tokens + [9])
+    reader.run()
+    hit_blocks = reader.stats.hit_tokens["r"] // BS
+    assert hit_blocks >= 5, reader.stats.hit_tokens
+    ids = reader.blocks_seen["r"]
+    for i in range(hit_blocks):
+        assert torch.equal(reader.kv[ids[i]], reader.expected_block(tokens, i)), f"block {i}"
+    doc = daemon.stats()
+    assert doc["stats"]["pins"] == 0 and doc["blocks"]["storing"] == 0
+
+
+def test_round_trips_per_step(engines):
+    e = engines()
+    tokens = prompt(3, 4 * BS)
+    e.add("a", tokens)
+    e.run()
+    e.add("b", tokens)
+    e.run()
+    assert max(e.stats.round_trips) <= 1
+    idle_before = len(e.stats.round_trips)
+    for _ in range(5):           # nothing to schedule, nothing to send
+        e.step()
+    assert e.stats.round_trips[idle_before:] == [0] * 5
+
+
+def test_blocks_per_chunk_greater_than_one(engines):
+    e = engines(blocks_per_chunk=2)
+    tokens = prompt(4, 8 * BS + 5)
+    e.add("a", tokens)
+    e.run()
+    reader = engines(blocks_per_chunk=2)
+    reader.poison = True
+    reader.add("b", tokens)
+    reader.run()
+    hit = reader.stats.hit_tokens["b"] // BS
+    assert hit >= 6
+    ids = reader.blocks_seen["b"]
+    for i in range(hit):
+        assert torch.equal(reader.kv[ids[i]], reader.expected_block(tokens, i)), f"block {i}"
+
+
+def test_preemption_leaves_no_pins_or_pending_stores(engines, daemon):
+    e = engines(num_gpu_blocks=12)
+    e.add("a", prompt(5, 5 * BS), max_tokens=40)
+    e.add("b", prompt(6, 5 * BS), max_tokens=40)
+    e.run(max_steps=400)
+    doc = daemon.stats()
+    assert doc["stats"]["pins"] == 0 and doc["blocks"]["storing"] == 0
+    assert doc["namespaces"][0]["stores_completed_total"] > 0
+
+
+def test_abort_while_loading(engines, daemon):
+    writer = engines()
+    tokens = prompt(7, 6 * BS)
+    writer.add("w", tokens)
+    writer.run()
+    e = engines()
+    e.add("x", tokens)
+    for _ in range(3):           # lookups resolve, the load starts
+        e.step()
+    e.scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+    e.run()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and daemon.stats()["stats"]["pins"]:
+        time.sleep(0.05)
+    assert daemon.stats()["stats"]["pins"] == 0
+
+
+def test_reset_drops_blocks_and_later_requests_miss(engines, daemon):
+    e = engines()
+    tokens = prompt(8, 4 * BS)
+    e.add("a", tokens)
+    e.run()
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    for _ in range(3):
+        e.step()
+    e.add("b", tokens)
+    e.run()
+    assert e.stats.hit_tokens["b"] == 0
+    doc = daemon.stats()
+    assert doc["stats"]["resets_total"] >= 1 and doc["blocks"]["zombie"] == 0
+    e.add("c", tokens)           # stored again after the reset: hits
+    e.run()
+    assert e.stats.hit_tokens["c"] == 4 * BS - BS or e.stats.hit_tokens["c"] >= 3 * BS
+
+
+def test_two_engines_share_one_daemon(engines):
+    a, b = engines(), engines()
+    tokens = prompt(9, 7 * BS)
+    a.add("a1", tokens)
+    a.run()
+    b.add("b1", tokens + [5])
+    b.run()
+    assert b.stats.hit_tokens["b1"] == 7 * BS
+    assert a.manager.client.namespace_id == b.manager.client.namespace_id
+
+
+def test_daemon_killed_mid_run_then_restarted(start_daemon, workdir):
+    from .harness import Engine
+
+    d = start_daemon("--pool-size", "64MiB", "--extent-size", "4MiB")
+    e = Engine(d.socket)
+    try:
+        assert e.manager.client.wait_available(10)
+        e.add("a", prompt(10, 4 * BS))
+        e.run()
+        d.proc.kill()
+        d.proc.wait(10)
+        # the engine keeps scheduling: no exception, requests finish without offload
+        t0 = time.monotonic()
+        e.add("b", prompt(11, 4 * BS), max_tokens=3)
+        e.run()
+        assert time.monotonic() - t0 < 10
+        assert not e.manager.client.available
+        d2 = start_daemon("--pool-size", "64MiB", "--extent-size", "4MiB", socket=d.socket)
+        assert e.manager.client.wait_available(5), "engine did not reconnect"
+        tokens = prompt(12, 4 * BS)
+        e.add("c", tokens)
+        e.run()
+        e.add("d", tokens)
+        e.run()
+        assert e.stats.hit_tokens["d"] >= 3 * BS
+        assert d2.stats()["sessions"] >= 1
+    finally:
+        e.close()
