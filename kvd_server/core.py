@@ -359,8 +359,13 @@ class KvdCore:
             raise FailedPrecondition("session is not registered; call RegisterSession first")
         return s.ns
 
-    def _req(self, s: Session, req_id: str) -> tuple[str, str]:
-        if req_id not in s.requests and len(s.requests) < MAX_OPEN_REQUESTS_PER_SESSION:
+    def _req(self, s: Session, req_id: str) -> tuple[str, str] | None:
+        """The manager's request key; None (no request scope) for an empty req_id."""
+        if not req_id:
+            return None
+        if req_id not in s.requests:
+            if len(s.requests) >= MAX_OPEN_REQUESTS_PER_SESSION:
+                return None  # too many unfinished requests: record no more recency for it
             s.requests.add(req_id)
         return (s.id, req_id)
 

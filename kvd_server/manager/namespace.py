@@ -22,6 +22,7 @@ from .types import BlockCounts, Lookup, NotReadyError, OffloadEvent, SlotSource,
 # Bounds that keep a misbehaving client from growing the daemon without limit.
 MAX_PENDING_EVENTS = 100_000
 MAX_OPEN_REQUESTS = 100_000
+MAX_KEYS_PER_REQUEST = 65_536   # a request longer than this records no further recency
 
 
 @dataclass(slots=True)
@@ -112,7 +113,7 @@ class NamespaceManager:
                 reused: Sequence[bytes] = ()) -> None:
         fresh = []
         for key in keys:
-            if key in state.seen:
+            if key in state.seen or len(state.seen) >= MAX_KEYS_PER_REQUEST:
                 continue
             state.key_groups.setdefault(group_of(key), []).append(key)
             state.seen.add(key)

@@ -14,7 +14,13 @@ from collections.abc import Iterable, Sequence
 
 from .base import Block, Policy, RequestState, order_request_keys
 
-Rank = tuple[int, int]
+Rank = int
+_POS = 1 << 32   # a rank packs (request_rank, -position) into one int: fewer objects per block
+
+
+def _rank(order: int, position: int = 0) -> int:
+    """Ascending like (order, -position): a request's tail sorts before its head."""
+    return order * _POS + (_POS - 1 - min(position, _POS - 1))
 
 
 class LRUPolicy(Policy):
@@ -51,7 +57,7 @@ class LRUPolicy(Policy):
         if block is None:
             return False
         self._next_rank += 1
-        block.rank = (self._next_rank, 0)
+        block.rank = _rank(self._next_rank)
         return key in self._evictable
 
     def _rebuild(self) -> None:
@@ -84,9 +90,9 @@ class LRUPolicy(Policy):
         position = req.position(key)
         if position is None:
             self._next_rank += 1
-            block.rank = (self._next_rank, 0)
+            block.rank = _rank(self._next_rank)
         else:
-            block.rank = (self._request_rank(req), -position)
+            block.rank = _rank(self._request_rank(req), position)
         if block.ref == 0:
             self._evictable.add(key)
             heapq.heappush(self._heap, (block.rank, key))
@@ -106,7 +112,7 @@ class LRUPolicy(Policy):
             block = self.blocks.get(key)
             if position is None or block is None:
                 continue
-            rank = (request_rank, -position)
+            rank = _rank(request_rank, position)
             if block.rank >= rank:
                 continue
             block.rank = rank

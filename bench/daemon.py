@@ -1,0 +1,188 @@
+"""Daemon benchmarks: step throughput from concurrent clients, lookup latency vs index size,
+daemon memory per resident block, and the raw stream round trip a step is compared with.
+
+Every client is a separate process talking to a real `kvd serve` over its Unix socket.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from kvd_client.attach import attach  # noqa: E402
+from kvd_client.paths import grpc_target  # noqa: E402
+from kvd_proto import SESSION_TOKEN_METADATA, kvd_pb2, kvd_pb2_grpc  # noqa: E402
+
+BLOCK = 4096
+
+
+def start_daemon(workdir: str, pool: str, *extra: str, prefault: bool = False
+                 ) -> tuple[subprocess.Popen, str]:
+    sock = os.path.join(workdir, "kvd.sock")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVD_POOL_PREFAULT": str(prefault).lower(),
+           "KVD_MANAGER_LIVENESS_TIMEOUT": "60s"}
+    log = open(os.path.join(workdir, "kvd.log"), "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "kvd_server", "serve", "--socket", sock,
+                             "--pool-size", pool, *extra], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = subprocess.run([sys.executable, "-m", "kvd_server", "health", "--socket", sock],
+                           env=env, capture_output=True)
+        if r.returncode == 0:
+            return proc, sock
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("daemon did not start")
+
+
+class Session:
+    def __init__(self, sock: str, model: str = "bench") -> None:
+        info = attach(sock)
+        os.close(info.fd)
+        self.channel = grpc.insecure_channel(grpc_target(sock))
+        self.stub = kvd_pb2_grpc.KvdEngineStub(self.channel)
+        self.md = ((SESSION_TOKEN_METADATA, info.token),)
+        self.reg = self.stub.RegisterSession(kvd_pb2.RegisterSessionRequest(
+            model=model, layout=kvd_pb2.KvLayout(block_bytes=BLOCK, num_ranks=1,
+                                                 shard_bytes=BLOCK)), metadata=self.md, timeout=5)
+
+    def step(self, ops: list[kvd_pb2.StepOp]) -> kvd_pb2.StepResponse:
+        return self.stub.Step(kvd_pb2.StepRequest(ops=ops), metadata=self.md, timeout=5)
+
+    def fill(self, n: int, prefix: bytes) -> None:
+        """Store n blocks (bytes are not written: only the index is measured)."""
+        for start in range(0, n, 4096):
+            keys = [prefix + i.to_bytes(8, "big") for i in range(start, min(n, start + 4096))]
+            r = self.step([kvd_pb2.StepOp(prepare_store=kvd_pb2.PrepareStoreRequest(keys=keys))])
+            got = r.results[0].prepare_store
+            self.step([kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
+                keys=got.keys_to_store, success=True, epoch=got.epoch))])
+
+
+def _client(sock: str, seconds: float, keys_per_step: int, seed: int, out: mp.Queue) -> None:
+    s = Session(sock)
+    import random
+
+    rng = random.Random(seed)
+    steps = 0
+    lat = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        keys = [b"hot" + rng.randrange(50_000).to_bytes(8, "big")
+                for _ in range(keys_per_step)]
+        t0 = time.perf_counter()
+        s.step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=list(dict.fromkeys(keys))))])
+        lat.append(time.perf_counter() - t0)
+        steps += 1
+    out.put((steps, lat))
+
+
+def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64) -> dict:
+    q: mp.Queue = mp.Queue()
+    procs = [mp.Process(target=_client, args=(sock, seconds, keys, i, q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=seconds + 60) for _ in procs]
+    for p in procs:
+        p.join(10)
+    steps = sum(r[0] for r in results)
+    lat = sorted(x for r in results for x in r[1])
+    return {"clients": clients, "steps_per_second": steps / seconds,
+            "p50_seconds": lat[len(lat) // 2], "p99_seconds": lat[int(len(lat) * 0.99)]}
+
+
+def lookup_latency(s: Session, resident_prefix: bytes, resident: int, n: int = 2000) -> dict:
+    import random
+
+    rng = random.Random(1)
+    lat = []
+    for _ in range(n):
+        keys = list(dict.fromkeys(resident_prefix + rng.randrange(resident).to_bytes(8, "big")
+                                  for _ in range(64)))
+        t0 = time.perf_counter()
+        s.step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=keys))])
+        lat.append(time.perf_counter() - t0)
+    lat.sort()
+    return {"resident_blocks": resident, "p50_seconds": lat[n // 2],
+            "p99_seconds": lat[int(n * 0.99)]}
+
+
+def stream_rtt(s: Session, n: int = 2000) -> float:
+    """Median round trip of one message on an open bidirectional stream (SessionStream)."""
+    import queue
+    import threading
+
+    requests: queue.Queue = queue.Queue()
+
+    def gen():
+        while True:
+            item = requests.get()
+            if item is None:
+                return
+            yield item
+
+    call = s.stub.SessionStream(gen(), metadata=s.md)
+    times = []
+    it = iter(call)
+    for i in range(n):
+        t0 = time.perf_counter()
+        requests.put(kvd_pb2.SessionHeartbeat(seq=i + 1))
+        next(it)
+        times.append(time.perf_counter() - t0)
+    requests.put(None)
+    call.cancel()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(quick: bool = False) -> dict:
+    out: dict = {}
+    big = 100_000 if quick else 1_000_000
+    with tempfile.TemporaryDirectory(prefix="kvd-b-", dir="/tmp") as work:
+        # 1M blocks of one 4 KiB slot each: a 4 GiB pool, not pre-faulted (never touched).
+        pool = f"{(big + 20_000) * BLOCK // (1 << 20) + 64}MiB"
+        proc, sock = start_daemon(work, pool, "--extent-size", "64MiB")
+        try:
+            out["stream_rtt_seconds"] = stream_rtt(Session(sock))  # ends that session
+            s = Session(sock)
+            rss0 = rss_bytes(proc.pid)
+            s.fill(10_000, b"res")
+            out["lookup_10k"] = lookup_latency(s, b"res", 10_000)
+            s.fill(big, b"big")
+            rss1 = rss_bytes(proc.pid)
+            out["lookup_big"] = lookup_latency(s, b"big", big)
+            out["memory"] = {"resident_blocks": big + 10_000, "rss_before_bytes": rss0,
+                             "rss_after_bytes": rss1,
+                             "bytes_per_block": (rss1 - rss0) / (big + 10_000)}
+            s.fill(50_000, b"hot")
+            out["throughput"] = [throughput(sock, c, seconds=2.0 if quick else 3.0)
+                                 for c in (1, 2, 4, 8)]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=2))
