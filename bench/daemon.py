@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,7 +122,6 @@ def lookup_latency(s: Session, resident_prefix: bytes, resident: int, n: int = 2
 def stream_rtt(s: Session, n: int = 2000) -> float:
     """Median round trip of one message on an open bidirectional stream (SessionStream)."""
     import queue
-    import threading
 
     requests: queue.Queue = queue.Queue()
 
