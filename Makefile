@@ -52,7 +52,8 @@ soak: $(VENV)/.stamp-vllm ## long fault, fuzz and load runs (< 30 min)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m soak $(PYTEST_ARGS)
 
 bench: $(VENV)/.stamp-vllm ## run the benchmarks, write bench/results/
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) bench/run_all.py
+	$(PIP) install matplotlib
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) bench/run_all.py $(BENCH_ARGS)
 
 proto: $(VENV)/.stamp-test ## regenerate the committed gRPC code in kvd_proto/
 	$(PY) tools/gen_proto.py

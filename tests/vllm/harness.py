@@ -163,7 +163,8 @@ class Engine:
 
     # -------------------------------------------------------------------- steps
     def step(self) -> Any:
-        trips = self.manager.client.round_trips
+        client = getattr(self.manager, "client", None)   # None for vLLM's own managers
+        trips = client.round_trips if client is not None else 0
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         self.worker.handle_preemptions(meta)
@@ -190,7 +191,8 @@ class Engine:
                                                   kv_connector_worker_meta=worker_meta))
         self.scheduler.update_from_output(out, runner_out)
         self.stats.steps += 1
-        self.stats.round_trips.append(self.manager.client.round_trips - trips)
+        if client is not None:
+            self.stats.round_trips.append(client.round_trips - trips)
         return out
 
     def busy(self) -> bool:
@@ -207,7 +209,8 @@ class Engine:
         raise AssertionError(f"engine still busy after {max_steps} steps")
 
     def close(self) -> None:
-        self.manager.shutdown()
+        if hasattr(self.manager, "client"):
+            self.manager.shutdown()
         worker = self.worker.connector_worker
         if worker is not None and getattr(worker, "worker", None) is not None:
             worker.worker.shutdown()
