@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,41 +17,14 @@ except Exception as exc:  # pragma: no cover - only without the vllm test enviro
     pytest.skip(f"vLLM is not importable ({exc}); run `make vllm-env`",
                 allow_module_level=True)
 
-from tests.multiproc.conftest import Daemon, spawn_daemon  # noqa: E402
+# The daemon fixtures are the multi-process tests' own: a real `kvd serve` (64 MiB pool).
+from tests.multiproc.conftest import Daemon, daemon, start_daemon, workdir  # noqa: E402,F401
 
 from .harness import Engine  # noqa: E402
 
 
 @pytest.fixture
-def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvd-v-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def start_daemon(workdir: Path) -> Iterator[Callable[..., Daemon]]:
-    started: list[Daemon] = []
-
-    def start(*args: str, **kwargs: Any) -> Daemon:
-        daemon = spawn_daemon(workdir, *args, **kwargs)
-        started.append(daemon)
-        return daemon
-
-    yield start
-    for daemon in started:
-        daemon.close()
-
-
-@pytest.fixture
-def daemon(start_daemon: Callable[..., Daemon]) -> Daemon:
-    return start_daemon("--pool-size", "64MiB", "--extent-size", "4MiB")
-
-
-@pytest.fixture
-def engines(daemon: Daemon) -> Iterator[Callable[..., Engine]]:
+def engines(daemon: Daemon) -> Iterator[Callable[..., Engine]]:  # noqa: F811
     made: list[Engine] = []
 
     def make(**kwargs: Any) -> Engine:
