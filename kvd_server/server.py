@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import os
 import signal
@@ -349,6 +350,21 @@ class Daemon:
         log.info("kvd stopped")
 
 
+def tune_gc() -> None:
+    """Keep the cyclic GC off the request path.
+
+    The index holds millions of long-lived objects and has no reference cycles on its hot
+    paths; with the default thresholds every few thousand allocations trigger a collection and
+    full collections walk the whole index (vLLM's in-process LRU paid ~7 s of GC pauses over a
+    3,000-session replay). Objects that exist at start are frozen out of collection, and young
+    collections run far less often.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 1000)
+
+
 async def serve(config: Config) -> int:
     """Run a daemon until it is drained (SIGTERM/SIGINT or KvdAdmin.Drain); the exit code."""
+    tune_gc()
     return await Daemon(config).run()
