@@ -433,7 +433,12 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
             code, message = _status_of(exc)
             reason = f"session stream failed: {message}"
             await context.abort(code, message)
-        except Exception:
+        except Exception as exc:
+            if type(exc).__name__ == "_ServerStoppedError":
+                # The daemon is stopping (drain done): streams end with it; not an error.
+                reason = "daemon stopped"
+                code = grpc.StatusCode.UNAVAILABLE
+                return
             log.exception("SessionStream failed")
             code = grpc.StatusCode.INTERNAL
             reason = "session stream failed"
