@@ -103,6 +103,9 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(latest, indent=2) + "\n")
     plots(latest, rp)
+    import report
+
+    report.main()
     print(json.dumps(latest["targets"], indent=2))
     print(f"wrote {RESULTS / 'latest.json'} in {latest['elapsed_seconds']:.0f}s")
     return 0
