@@ -24,6 +24,29 @@ def prompt(seed: int, n_tokens: int) -> list[int]:
     return torch.randint(1, 50000, (n_tokens,), generator=g).tolist()
 
 
+def write_then_read(engines, seed: int, n_tokens: int, **engine_kwargs):
+    """One engine computes and offloads a prompt; a fresh engine reads it back.
+
+    The reader poisons (-1) everything it computes itself, so its hit blocks can only hold the
+    writer's bytes if they came from kvd. Returns (reader, tokens, hit blocks).
+    """
+    writer = engines(**engine_kwargs)
+    tokens = prompt(seed, n_tokens)
+    writer.add("w", tokens)
+    writer.run()
+    reader = engines(**engine_kwargs)
+    reader.poison = True
+    reader.add("r", tokens + [9])
+    reader.run()
+    return reader, tokens, reader.stats.hit_tokens["r"] // BS
+
+
+def assert_loaded_bytes(reader, tokens, hit_blocks: int) -> None:
+    ids = reader.blocks_seen["r"]
+    for i in range(hit_blocks):
+        assert torch.equal(reader.kv[ids[i]], reader.expected_block(tokens, i)), f"block {i}"
+
+
 def test_repeated_prefix_hits_on_second_request(engines):
     e = engines()
     tokens = prompt(1, 5 * BS + 3)
@@ -36,19 +59,9 @@ def test_repeated_prefix_hits_on_second_request(engines):
 
 
 def test_loaded_bytes_equal_stored_bytes_across_engines(engines, daemon):
-    writer = engines()
-    tokens = prompt(2, 6 * BS)
-    writer.add("w", tokens)
-    writer.run()
-    reader = engines()
-    reader.poison = True          # anything the reader computes itself is -1
-    reader.add("r", tokens + [9])
-    reader.run()
-    hit_blocks = reader.stats.hit_tokens["r"] // BS
+    reader, tokens, hit_blocks = write_then_read(engines, 2, 6 * BS)
     assert hit_blocks >= 5, reader.stats.hit_tokens
-    ids = reader.blocks_seen["r"]
-    for i in range(hit_blocks):
-        assert torch.equal(reader.kv[ids[i]], reader.expected_block(tokens, i)), f"block {i}"
+    assert_loaded_bytes(reader, tokens, hit_blocks)
     doc = daemon.stats()
     assert doc["stats"]["pins"] == 0 and doc["blocks"]["storing"] == 0
 
@@ -68,19 +81,9 @@ def test_round_trips_per_step(engines):
 
 
 def test_blocks_per_chunk_greater_than_one(engines):
-    e = engines(blocks_per_chunk=2)
-    tokens = prompt(4, 8 * BS + 5)
-    e.add("a", tokens)
-    e.run()
-    reader = engines(blocks_per_chunk=2)
-    reader.poison = True
-    reader.add("b", tokens)
-    reader.run()
-    hit = reader.stats.hit_tokens["b"] // BS
-    assert hit >= 6
-    ids = reader.blocks_seen["b"]
-    for i in range(hit):
-        assert torch.equal(reader.kv[ids[i]], reader.expected_block(tokens, i)), f"block {i}"
+    reader, tokens, hit_blocks = write_then_read(engines, 4, 8 * BS + 5, blocks_per_chunk=2)
+    assert hit_blocks >= 6
+    assert_loaded_bytes(reader, tokens, hit_blocks)
 
 
 def test_preemption_leaves_no_pins_or_pending_stores(engines, daemon):
