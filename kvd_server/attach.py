@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 4096
 REQUEST_TIMEOUT_S = 2.0
-MAX_CONCURRENT = 256
+MAX_WAITING = 256     # connections still owing their request line; the oldest goes first
 ROLES = ("engine", "dataplane")
 
 
@@ -109,7 +109,9 @@ class AttachServer:
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(MAX_CONCURRENT)
+        # Insertion-ordered: when too many peers sit silent, the one silent longest is dropped,
+        # so silent or slow peers can never keep a real engine from attaching.
+        self._waiting: dict[asyncio.Task[None], None] = {}
         self.attaches_total = 0
         self.refusals_total = 0
 
@@ -140,23 +142,33 @@ class AttachServer:
                 log.warning("attach accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
+            if len(self._waiting) >= MAX_WAITING:
+                oldest = next(iter(self._waiting))
+                self._waiting.pop(oldest)
+                oldest.cancel()
             task = loop.create_task(self._serve(conn))
             self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self._waiting[task] = None
+            task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._conns.discard(task)
+        self._waiting.pop(task, None)
 
     async def _serve(self, conn: socket.socket) -> None:
-        async with self._slots:
-            try:
-                conn.setblocking(False)
-                await asyncio.wait_for(self._exchange(conn), REQUEST_TIMEOUT_S)
-            except TimeoutError:
-                log.debug("attach peer sent no complete request in %.0fs", REQUEST_TIMEOUT_S)
-            except OSError as exc:
-                log.debug("attach connection failed: %s", exc)
-            except Exception:  # the side channel must never take the daemon down
-                log.exception("attach handler failed")
-            finally:
-                conn.close()
+        try:
+            conn.setblocking(False)
+            await asyncio.wait_for(self._exchange(conn), REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            log.debug("attach peer sent no complete request in %.0fs", REQUEST_TIMEOUT_S)
+        except asyncio.CancelledError:
+            log.debug("dropped a silent attach peer to make room")
+        except OSError as exc:
+            log.debug("attach connection failed: %s", exc)
+        except Exception:  # the side channel must never take the daemon down
+            log.exception("attach handler failed")
+        finally:
+            conn.close()
 
     async def _exchange(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -170,6 +182,7 @@ class AttachServer:
             if len(buf) > MAX_REQUEST_BYTES:
                 break
         line = buf.split(b"\n", 1)[0]
+        self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         try:
             if len(line) > MAX_REQUEST_BYTES or (b"\n" not in buf and len(buf) > MAX_REQUEST_BYTES):
                 raise AttachRefused("INVALID_ARGUMENT",

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 MAX_NAMESPACES = 1024
 MAX_LEASES_PER_SESSION = 65_536
 MAX_OPEN_REQUESTS_PER_SESSION = 65_536
+# A slot whose writer's session ended mid-store stays out of use while that writer may still be
+# copying into it (a stalled engine resumes and finishes its write): until its process is gone
+# and a grace period passed, or at most this long.
+QUARANTINE_MAX_S = 600.0
 DEFAULT_TENANT = "default"
 
 
@@ -163,12 +167,38 @@ class Session:
         return sum(self.pins.values())
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` may still run (and so still write through its mapping of the pool).
+
+    0 (a peer in another pid namespace) is unknown: assumed alive. A zombie has no mappings.
+    """
+    if pid <= 0:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+@dataclass(slots=True)
+class Quarantined:
+    ns: Namespace
+    slots: list[int]
+    pid: int
+    since: float
+
+
 class KvdCore:
     """Everything the daemon knows, minus the bytes (those live in the pool)."""
 
     def __init__(self, config: Any, extents: ExtentAllocator, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 alive: Callable[[int], bool] = pid_alive) -> None:
         self.config = config
+        self.alive = alive
+        self._quarantine: list[Quarantined] = []
         self.extents = extents
         self.clock = clock
         self.state = DaemonState.STARTING
@@ -294,7 +324,7 @@ class KvdCore:
 
     def _gc_namespaces(self) -> None:
         for ns_id in [i for i, ns in self._namespaces.items()
-                      if ns.sessions == 0 and ns.mgr.is_empty()]:
+                      if ns.sessions == 0 and ns.mgr.is_empty() and not ns.slots.in_use]:
             self._namespaces[ns_id].slots.release_extents()
             del self._namespaces[ns_id]
 
@@ -319,9 +349,12 @@ class KvdCore:
                 for _ in range(count):
                     mgr.complete_load((key,), None, epoch)
                 released += count
+            held: list[int] = []
             for epoch, key in s.pending:
-                mgr.complete_store((key,), False, None, epoch)
+                mgr.complete_store((key,), False, None, epoch, hold=held)
                 failed += 1
+            if held:
+                self._quarantine.append(Quarantined(ns, held, s.peer.pid, self.clock()))
             for req_id in s.requests:
                 mgr.forget_request((s.id, req_id))
             ns.sessions -= 1
@@ -333,8 +366,10 @@ class KvdCore:
                  "stores", s.id, reason, released, leases, failed)
 
     def sweep(self) -> None:
-        """Expire leases and end sessions silent for longer than the liveness timeout."""
+        """Expire leases, end silent sessions, release quarantined slots whose writer is gone."""
         now = self.clock()
+        if self._quarantine:
+            self._release_quarantine(now)
         heap = self._lease_heap
         while heap and heap[0][0] <= now:
             expiry, _, token, key = heapq.heappop(heap)
@@ -352,6 +387,22 @@ class KvdCore:
         timeout = self.config.manager.liveness_timeout
         for s in [s for s in self._sessions.values() if now - s.last_seen > timeout]:
             self.close_session(s, f"no heartbeat for {now - s.last_seen:.1f}s", reaped=True)
+
+    def _release_quarantine(self, now: float) -> None:
+        grace = self.config.manager.liveness_timeout
+        keep: list[Quarantined] = []
+        for q in self._quarantine:
+            if now - q.since >= QUARANTINE_MAX_S or (now - q.since >= grace
+                                                      and not self.alive(q.pid)):
+                for slot in q.slots:
+                    q.ns.slots.free(slot)
+                self._maybe_release(q.ns)
+            else:
+                keep.append(q)
+        self._quarantine = keep
+
+    def quarantined_slots(self) -> int:
+        return sum(len(q.slots) for q in self._quarantine)
 
     # ------------------------------------------------------------ operations
     def _ns(self, s: Session) -> Namespace:
@@ -615,7 +666,8 @@ class KvdCore:
                        "instance_id": self.instance_id},
             "pool": {"total_bytes": ext.pool_bytes, "used_bytes": ext.used_bytes,
                      "free_bytes": ext.free_bytes, "extent_bytes": ext.extent_bytes,
-                     "extents_total": ext.total, "extents_free": ext.free_extents()},
+                     "extents_total": ext.total, "extents_free": ext.free_extents(),
+                     "quarantined_slots": self.quarantined_slots()},
             "blocks": {**totals, "total": totals["storing"] + totals["ready"]
                        + totals["pinned"]},
             "sessions": len(self._sessions),

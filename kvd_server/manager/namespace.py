@@ -193,7 +193,8 @@ class NamespaceManager:
         """Release a lease taken with pin()."""
         self.complete_load((key,), None, epoch)
 
-    def _release_zombie(self, epoch: int, key: bytes, *, loading: bool) -> None:
+    def _release_zombie(self, epoch: int, key: bytes, *, loading: bool,
+                        hold: list[int] | None = None) -> None:
         zkey = (epoch, key)
         block = self._zombies.get(zkey)
         if block is None:
@@ -205,7 +206,13 @@ class NamespaceManager:
         elif loading or block.ref >= 0:
             return  # a store completion for a pinned zombie, or the reverse: not ours
         del self._zombies[zkey]
-        self.slots.free(block.slot)
+        self._free_or_hold(block.slot, hold)
+
+    def _free_or_hold(self, slot: int, hold: list[int] | None) -> None:
+        if hold is None:
+            self.slots.free(slot)
+        else:
+            hold.append(slot)  # the caller frees it later (quarantine)
 
     def touch(self, keys: Sequence[bytes], req: Hashable | None = None) -> None:
         self.policy.touch(keys, self._request(req))
@@ -287,12 +294,17 @@ class NamespaceManager:
         return StoreGrant(new, slots, evicted)
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True,
-                       req: Hashable | None = None, epoch: int | None = None) -> int:
-        """Make pending blocks readable (success) or free them; returns how many changed."""
+                       req: Hashable | None = None, epoch: int | None = None,
+                       hold: list[int] | None = None) -> int:
+        """Make pending blocks readable (success) or free them; returns how many changed.
+
+        With `hold`, the slots of failed stores are appended to it instead of being freed: the
+        caller quarantines them while the writer might still be copying into them.
+        """
         if epoch is not None and epoch != self.epoch:
             if epoch < self.epoch:
                 for key in keys:
-                    self._release_zombie(epoch, key, loading=False)
+                    self._release_zombie(epoch, key, loading=False, hold=hold)
             return 0
         changed: list[bytes] = []
         for key in keys:
@@ -306,7 +318,7 @@ class NamespaceManager:
                 self.policy.mark_evictable(key)
             else:
                 self.policy.remove(key)
-                self.slots.free(block.slot)
+                self._free_or_hold(block.slot, hold)
             changed.append(key)
         if changed:
             if success:

@@ -225,3 +225,29 @@ def test_stats_document_shape():
         assert section in doc
     assert isinstance(doc["sessions"], int)
     assert set(doc["blocks"]) == {"storing", "ready", "pinned", "zombie", "total"}
+
+
+def test_slots_of_a_dead_writer_are_quarantined_until_its_process_is_gone():
+    cfg_core, clock = make_core(pool=64 << 10, extent=64 << 10)      # 8 slots
+    alive = {4242: True}
+    core = KvdCore(cfg_core.config, ExtentAllocator(64 << 10, 64 << 10), clock=clock,
+                   alive=lambda pid: alive.get(pid, False))
+    core.set_serving()
+    writer = core.attach(PeerCred(pid=4242, uid=1000, gid=1000))
+    core.register(writer, EngineInfo(), "m", LAYOUT, "")
+    ans, _ = core.prepare_store(writer, keys(1), "r", None)
+    core.close_session(writer, "stream closed")        # mid-store; the process still runs
+    other = session(core)
+    grant, _ = core.prepare_store(other, keys(*range(10, 17)), "r", None)
+    assert ans.slot_offsets[0] not in grant.slot_offsets    # never reused while it may write
+    assert core.stats()["pool"]["quarantined_slots"] == 1
+    core.complete_store(other, grant.keys_to_store, True, "r", 0)
+    clock.now += 60
+    core.heartbeat(other)
+    core.sweep()                                     # still alive: still quarantined
+    assert core.stats()["pool"]["quarantined_slots"] == 1
+    alive[4242] = False
+    core.sweep()
+    assert core.stats()["pool"]["quarantined_slots"] == 0
+    grant, _ = core.prepare_store(other, keys(20), "r", None)
+    assert grant.slot_offsets == ans.slot_offsets and not grant.evicted_keys
