@@ -1,0 +1,142 @@
+"""16 engine processes hammer one daemon at once for a bounded time, over a shared key
+universe larger than the pool (so stores contend and the pool evicts). Afterwards the daemon's
+state is compared with what the clients recorded and with a reference model rebuilt from the
+namespace's event stream:
+
+- no lost or duplicated completions: the daemon's started / completed / failed store counters
+  equal the sums of the clients' grants and completions;
+- no divergence: the set of HITs equals the model (stored events minus removed events), the
+  ready count equals its size, and every HIT holds exactly its writer's bytes; no reader ever
+  saw a wrong byte;
+- nothing left behind: no pin, lease, pending store or session, free + used = total;
+- the daemon's anonymous memory (RSS minus the shared pool) grows by a bounded amount.
+
+`KVD_SOAK_LOAD_S` sets the duration (3 s by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+
+from kvd_proto import kvd_pb2
+from tests.fault.load_worker import BLOCK, MODEL
+from tests.fault.test_crash_points import readline_within, reap
+from tests.multiproc.conftest import PY, ROOT, Engine, block_bytes_of, clean_env, keys_for
+
+pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
+CLIENTS = 16
+DURATION = float(os.environ.get("KVD_SOAK_LOAD_S", "3"))
+UNIVERSE = 6000                     # > 4096 slots of 16 KiB in the 64 MiB pool
+RSS_GROWTH_LIMIT = 64 << 20
+
+
+def rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/PID/status")
+
+
+class Observer(threading.Thread):
+    """Drains the namespace's events while the clients run: the reference model."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(name="observer", daemon=True)
+        self.engine = engine
+        self.stop = threading.Event()
+        self.ready: set[bytes] = set()
+        self.stored = self.removed = 0
+        self.lock = threading.Lock()
+
+    def drain(self) -> None:
+        with self.lock:
+            for _ in range(10_000):
+                out = self.engine.call("TakeEvents", kvd_pb2.TakeEventsRequest(max_events=65536))
+                for ev in out.events:
+                    if ev.removed:
+                        self.removed += 0 if ev.metadata_only else len(ev.keys)
+                        self.ready.difference_update(ev.keys)
+                    else:
+                        self.stored += len(ev.keys)
+                        self.ready.update(ev.keys)
+                if not out.more:
+                    return
+
+    def run(self) -> None:
+        while not self.stop.wait(0.3):
+            self.drain()
+
+
+def test_sixteen_engines_at_once_match_the_reference(daemon):
+    observer_engine = Engine(daemon.socket, MODEL, block=BLOCK, engine_id="observer")
+    observer = Observer(observer_engine)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for i in range(CLIENTS):
+            procs.append(subprocess.Popen(
+                [PY, "-m", "tests.fault.load_worker", daemon.socket, f"w{i}", str(DURATION),
+                 str(UNIVERSE)], env=clean_env(), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        for p in procs:
+            assert readline_within(p, 60).strip() == "ready"
+        rss_before = rss_anon(daemon.proc.pid)
+        observer.start()
+        for p in procs:                          # all start together
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        peak = rss_before
+        records = []
+        for p in procs:
+            line = readline_within(p, DURATION + 60)
+            records.append(json.loads(line))
+            peak = max(peak, rss_anon(daemon.proc.pid))
+            assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
+        observer.stop.set()
+        observer.join(10)
+        observer.drain()
+
+        doc = daemon.stats()
+        (ns,) = [n for n in doc["namespaces"] if n["model"] == MODEL]
+        total = {k: sum(r[k] for r in records) for k in records[0]}
+        assert total["corrupt"] == 0, "a client read a block that was not its key's bytes"
+        assert total["mismatched"] == 0
+        assert total["steps"] > CLIENTS * 10, f"too little load to mean anything: {total}"
+        # no lost or duplicated completions
+        assert ns["stores_started_total"] == total["granted"], (ns, total)
+        assert ns["stores_completed_total"] == total["completed"], (ns, total)
+        assert ns["stores_failed_total"] == total["failed"], (ns, total)
+        assert ns["evictions_total"] > 0, "the pool never filled: no eviction pressure"
+        assert observer.stored == total["completed"]
+        assert observer.removed == ns["evictions_total"]
+        # no divergence between the index and the reference model
+        universe = keys_for("load", UNIVERSE)
+        got = [s for i in range(0, UNIVERSE, 2048)
+               for s in observer_engine.lookup(universe[i:i + 2048]).states]
+        hits = {k for k, s in zip(universe, got, strict=True) if s == kvd_pb2.BLOCK_STATE_HIT}
+        assert hits == observer.ready, (len(hits), len(observer.ready))
+        assert doc["blocks"]["ready"] == len(hits)
+        for i in range(0, len(universe), 512):
+            chunk = [k for k in universe[i:i + 512] if k in hits]
+            if chunk:
+                for key, data in zip(chunk, observer_engine.load(chunk), strict=True):
+                    assert data == block_bytes_of(key, BLOCK), f"block {key.hex()} diverged"
+        # nothing left behind
+        doc = daemon.stats()
+        assert doc["sessions"] == 1 and doc["stats"]["pins"] == 0
+        assert doc["stats"]["leases"] == 0 and doc["blocks"]["storing"] == 0
+        assert doc["pool"]["free_bytes"] + doc["pool"]["used_bytes"] == doc["pool"]["total_bytes"]
+        growth = peak - rss_before
+        assert growth < RSS_GROWTH_LIMIT, f"daemon anonymous memory grew by {growth >> 20} MiB"
+    finally:
+        observer.stop.set()
+        for p in procs:
+            reap(p)
+        observer_engine.close()
+    assert "Traceback" not in daemon.log()
