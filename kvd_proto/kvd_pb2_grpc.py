@@ -643,6 +643,13 @@ class KvdAdminStub:
     Admin service
     ---------------------------------------------------------------------------------------------
 
+    Authorisation. A call carrying `kvd-session-token` (an engine) is refused with
+    PERMISSION_DENIED. Reset and Drain need metadata `kvd-admin-token`: a token the attach socket
+    issues to admin peers (request `{"version":1,"role":"admin"}`, answer field `admin_token`,
+    valid 5 minutes; see docs/attach.md), or the static token of `server.admin_token_file`.
+    Stats, ListSessions and GetConfig need no token on the Unix socket. On the optional TLS TCP
+    listener (`server.admin_listen`) every call needs the admin token. A missing, unknown or
+    expired token: PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -683,6 +690,13 @@ class KvdAdminServicer:
     Admin service
     ---------------------------------------------------------------------------------------------
 
+    Authorisation. A call carrying `kvd-session-token` (an engine) is refused with
+    PERMISSION_DENIED. Reset and Drain need metadata `kvd-admin-token`: a token the attach socket
+    issues to admin peers (request `{"version":1,"role":"admin"}`, answer field `admin_token`,
+    valid 5 minutes; see docs/attach.md), or the static token of `server.admin_token_file`.
+    Stats, ListSessions and GetConfig need no token on the Unix socket. On the optional TLS TCP
+    listener (`server.admin_listen`) every call needs the admin token. A missing, unknown or
+    expired token: PERMISSION_DENIED.
     """
 
     def Stats(self, request, context):
@@ -692,7 +706,7 @@ class KvdAdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Drops every ready block (all namespaces, or one) and bumps the epochs.
+        """Drops every ready block (all namespaces, or one) and bumps the epochs. Admin token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -700,7 +714,7 @@ class KvdAdminServicer:
 
     def Drain(self, request, context):
         """Starts draining: health NOT_SERVING, new stores refused with UNAVAILABLE, loads in flight
-        finish (bounded by `timeout_ms`), then the daemon exits 0.
+        finish (bounded by `timeout_ms`), then the daemon exits 0. Admin token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -760,6 +774,13 @@ class KvdAdmin:
     Admin service
     ---------------------------------------------------------------------------------------------
 
+    Authorisation. A call carrying `kvd-session-token` (an engine) is refused with
+    PERMISSION_DENIED. Reset and Drain need metadata `kvd-admin-token`: a token the attach socket
+    issues to admin peers (request `{"version":1,"role":"admin"}`, answer field `admin_token`,
+    valid 5 minutes; see docs/attach.md), or the static token of `server.admin_token_file`.
+    Stats, ListSessions and GetConfig need no token on the Unix socket. On the optional TLS TCP
+    listener (`server.admin_listen`) every call needs the admin token. A missing, unknown or
+    expired token: PERMISSION_DENIED.
     """
 
     @staticmethod

@@ -26,7 +26,7 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 4096
 REQUEST_TIMEOUT_S = 2.0
 MAX_WAITING = 256     # connections still owing their request line; the oldest goes first
-ROLES = ("engine", "dataplane")
+ROLES = ("engine", "dataplane", "admin")
 
 
 @dataclass(slots=True, frozen=True)

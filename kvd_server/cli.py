@@ -22,7 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvd_server import __version__
-from kvd_server.config import Config, ConfigError, default_socket_path, load_config
+from kvd_server.config import (
+    ATTACH_SUFFIX,
+    Config,
+    ConfigError,
+    default_socket_path,
+    load_config,
+)
 from kvd_server.units import format_duration, format_size
 
 EXIT_OK = 0
@@ -66,6 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
                              "/tmp/kvd-$UID/kvd.sock)")
     common.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                         help=f"deadline for each call to the daemon (default {DEFAULT_TIMEOUT:g})")
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--admin-token-file", metavar="PATH",
+                        default=os.environ.get("KVD_ADMIN_TOKEN_FILE") or None,
+                        help="file holding the daemon's static admin token (default: "
+                             "$KVD_ADMIN_TOKEN_FILE; on the Unix socket reset and drain ask the "
+                             "daemon for a token instead, which works for root, the daemon's "
+                             "user and server.admin_uids/admin_gids)")
+    remote = client.add_argument_group(
+        "remote admin", "talk to the daemon's TLS admin listener (server.admin_listen) instead "
+                        "of its Unix socket; every call then needs --admin-token-file")
+    remote.add_argument("--address", metavar="HOST:PORT",
+                        help="the daemon's TLS admin listener")
+    remote.add_argument("--tls-ca", metavar="PATH",
+                        help="PEM CA bundle that signed the daemon's certificate (default: the "
+                             "system's roots)")
+    remote.add_argument("--tls-cert", metavar="PATH",
+                        help="PEM client certificate, when the daemon requires one")
+    remote.add_argument("--tls-key", metavar="PATH", help="PEM key of --tls-cert")
     settings = argparse.ArgumentParser(add_help=False)
     settings.add_argument("--config", metavar="PATH",
                           help="TOML configuration file (default: $KVD_CONFIG, else the "
@@ -90,20 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
                                    "server.socket; --timeout is unused.")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("stats", parents=[common], help="show the daemon's statistics",
+    p = sub.add_parser("stats", parents=[common, client], help="show the daemon's statistics",
                        description="Grouped statistics (server, pool, blocks, sessions, "
                                    "namespaces, stats, rpc) with human units.")
     p.add_argument("--json", action="store_true",
                    help="print the stats document verbatim as one JSON object")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("sessions", parents=[common], help="list the attached engine sessions",
+    p = sub.add_parser("sessions", parents=[common, client], help="list the attached engine sessions",
                        description="List the live engine sessions.")
     p.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_sessions)
 
-    p = sub.add_parser("reset", parents=[common], help="drop cached blocks",
+    p = sub.add_parser("reset", parents=[common, client], help="drop cached blocks",
                        description="Drop every ready block (of all namespaces, or one) and bump "
                                    "the epochs. Loads and stores in flight finish harmlessly. "
                                    "Asks for confirmation on a terminal unless --yes.")
@@ -111,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=cmd_reset)
 
-    p = sub.add_parser("drain", parents=[common], help="drain the daemon and make it exit",
+    p = sub.add_parser("drain", parents=[common, client], help="drain the daemon and make it exit",
                        description="Health NOT_SERVING, new stores refused, loads in flight "
                                    "finish (up to the drain timeout), then the daemon exits 0.")
     p.add_argument("--drain-timeout", metavar="DURATION", default=None,
@@ -119,12 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "server.drain_timeout of the daemon)")
     p.set_defaults(func=cmd_drain)
 
-    p = sub.add_parser("health", parents=[common], help="check whether the daemon serves",
+    p = sub.add_parser("health", parents=[common, client], help="check whether the daemon serves",
                        description="Query the standard gRPC health service. Prints SERVING or "
                                    "NOT_SERVING. Exit 0 SERVING, 1 NOT_SERVING, 2 unreachable.")
     p.set_defaults(func=cmd_health)
 
-    p = sub.add_parser("config", parents=[common, settings], help="show the effective config",
+    p = sub.add_parser("config", parents=[common, client, settings], help="show the effective config",
                        description="Print the running daemon's effective configuration as "
                                    "TOML; with --local, what `kvd serve` with the same flags "
                                    "and environment would use (no daemon needed).")
@@ -177,24 +201,66 @@ def _client_socket(args: argparse.Namespace) -> str:
 
 
 class _Daemon:
-    """A short-lived channel to the daemon with one-line errors instead of tracebacks."""
+    """A short-lived channel to the daemon with one-line errors instead of tracebacks.
 
-    def __init__(self, path: str, timeout: float) -> None:
-        self.path = path
-        self.timeout = timeout
-        _probe(path)
+    Over the Unix socket, `admin=True` calls (reset, drain) carry an admin token: read from
+    --admin-token-file, else asked for on the attach socket. Over --address (TLS) every call
+    carries the token from --admin-token-file.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
         import grpc
 
         from kvd_proto import kvd_pb2_grpc
 
         self._grpc = grpc
-        self.channel = grpc.insecure_channel(f"unix://{path}" if path.startswith("/")
-                                             else f"unix:{path}")
+        self.timeout = args.timeout
+        self._token_file = args.admin_token_file
+        self._token: str | None = None
+        self.remote = bool(getattr(args, "address", None))
+        if self.remote:
+            self.path = args.address
+            if not self._token_file:
+                raise CliError("--address needs --admin-token-file (the remote listener "
+                               "answers only admin-token holders)", EXIT_UNREACHABLE)
+            self.channel = grpc.secure_channel(args.address, _tls_credentials(args))
+        else:
+            self.path = _client_socket(args)
+            _probe(self.path)
+            self.channel = grpc.insecure_channel(f"unix://{self.path}"
+                                                 if self.path.startswith("/")
+                                                 else f"unix:{self.path}")
         self.admin = kvd_pb2_grpc.KvdAdminStub(self.channel)
 
-    def call(self, method: Callable[..., Any], request: Any) -> Any:
+    def admin_token(self) -> str:
+        if self._token is None:
+            from kvd_server.admin_auth import (
+                AdminTokenRefused,
+                TokenFileError,
+                read_token_file,
+                request_admin_token,
+            )
+
+            if self._token_file:
+                try:
+                    self._token = read_token_file(self._token_file)
+                except TokenFileError as exc:
+                    raise CliError(f"--admin-token-file: {exc}") from None
+            else:
+                try:
+                    self._token = request_admin_token(self.path + ATTACH_SUFFIX, self.timeout)
+                except AdminTokenRefused as exc:
+                    raise CliError(f"no admin permission: {exc.code}: {exc} (pass "
+                                   "--admin-token-file, or run as root, the daemon's user or "
+                                   "one of server.admin_uids/admin_gids)") from None
+        return self._token
+
+    def call(self, method: Callable[..., Any], request: Any, *, admin: bool = False) -> Any:
+        metadata = ()
+        if admin or self.remote:
+            metadata = (("kvd-admin-token", self.admin_token()),)
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=metadata)
         except self._grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
             if code in (self._grpc.StatusCode.UNAVAILABLE,
@@ -212,6 +278,25 @@ class _Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tls_credentials(args: argparse.Namespace) -> Any:
+    import grpc
+
+    def read(path: str | None, flag: str) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as fh:
+                return fh.read(1 << 20)
+        except OSError as exc:
+            raise CliError(f"{flag} {path}: {exc.strerror or exc}", EXIT_UNREACHABLE) from None
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CliError("--tls-cert and --tls-key go together", EXIT_UNREACHABLE)
+    return grpc.ssl_channel_credentials(read(args.tls_ca, "--tls-ca"),
+                                        read(args.tls_key, "--tls-key"),
+                                        read(args.tls_cert, "--tls-cert"))
 
 
 def _probe(path: str) -> None:
@@ -258,7 +343,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from kvd_proto import kvd_pb2
 
-    with _Daemon(_client_socket(args), args.timeout) as d:
+    with _Daemon(args) as d:
         text = d.call(d.admin.Stats, kvd_pb2.StatsRequest()).json
     if args.json:
         print(text)
@@ -274,7 +359,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 
     if not 0 < args.limit <= 10000:
         raise CliError("--limit must be within 1..10000", EXIT_UNREACHABLE)
-    with _Daemon(_client_socket(args), args.timeout) as d:
+    with _Daemon(args) as d:
         answer = d.call(d.admin.ListSessions, kvd_pb2.ListSessionsRequest(limit=args.limit))
     if args.json:
         print(json.dumps(json_format.MessageToDict(answer, preserving_proto_field_name=True,
@@ -287,15 +372,16 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 def cmd_reset(args: argparse.Namespace) -> int:
     from kvd_proto import kvd_pb2
 
-    path = _client_socket(args)
+    path = args.address or _client_socket(args)
     what = f"namespace {args.namespace}" if args.namespace else "every namespace"
     if not args.yes and sys.stdin.isatty():
         answer = input(f"Drop every cached block of {what} on {path}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("aborted")
             return EXIT_ERROR
-    with _Daemon(path, args.timeout) as d:
-        out = d.call(d.admin.Reset, kvd_pb2.AdminResetRequest(namespace_id=args.namespace))
+    with _Daemon(args) as d:
+        out = d.call(d.admin.Reset, kvd_pb2.AdminResetRequest(namespace_id=args.namespace),
+                     admin=True)
     print(f"dropped {out.dropped_blocks} block(s) in {out.namespaces} namespace(s)")
     return EXIT_OK
 
@@ -310,8 +396,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
             timeout_ms = max(1, round(parse_duration(args.drain_timeout) * 1000))
         except ValueError as exc:
             raise CliError(f"--drain-timeout: {exc}", EXIT_UNREACHABLE) from None
-    with _Daemon(_client_socket(args), args.timeout) as d:
-        out = d.call(d.admin.Drain, kvd_pb2.DrainRequest(timeout_ms=timeout_ms))
+    with _Daemon(args) as d:
+        out = d.call(d.admin.Drain, kvd_pb2.DrainRequest(timeout_ms=timeout_ms), admin=True)
     print("draining: the daemon exits once loads in flight finish" if out.started
           else "a drain was already under way")
     return EXIT_OK
@@ -320,7 +406,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with _Daemon(_client_socket(args), args.timeout) as d:
+    with _Daemon(args) as d:
         stub = health_pb2_grpc.HealthStub(d.channel)
         out = d.call(stub.Check, health_pb2.HealthCheckRequest(service=""))
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(out.status)
@@ -337,7 +423,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         return EXIT_OK
     from kvd_proto import kvd_pb2
 
-    with _Daemon(_client_socket(args), args.timeout) as d:
+    with _Daemon(args) as d:
         out = d.call(d.admin.GetConfig, kvd_pb2.GetConfigRequest())
     print(out.json if args.json else out.toml.rstrip("\n"))
     return EXIT_OK

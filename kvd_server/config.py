@@ -45,6 +45,11 @@ class ServerConfig:
     reflection: bool
     drain_timeout: float
     log_level: str
+    admin_token_file: str
+    admin_listen: str
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
 
     @property
     def attach_socket(self) -> str:
@@ -75,9 +80,16 @@ class ManagerConfig:
 class TenantsConfig:
     uids: dict[str, str] = field(default_factory=dict)
     gids: dict[str, str] = field(default_factory=dict)
+    quotas: dict[str, int] = field(default_factory=dict)  # tenant -> bytes of pool
+    default_quota: int = 0                                # bytes; 0: no quota
 
     def __hash__(self) -> int:  # dict fields: hash the sorted items instead
-        return hash((tuple(sorted(self.uids.items())), tuple(sorted(self.gids.items()))))
+        return hash((tuple(sorted(self.uids.items())), tuple(sorted(self.gids.items())),
+                     tuple(sorted(self.quotas.items())), self.default_quota))
+
+    def quota_of(self, tenant: str) -> int:
+        """Bytes of pool the tenant may hold (0: no limit)."""
+        return self.quotas.get(tenant, self.default_quota)
 
 
 @dataclass(slots=True, frozen=True)
@@ -231,6 +243,30 @@ def _tenant_map(value: Any) -> dict[str, str]:
     return out
 
 
+def _quota_map(value: Any) -> dict[str, int]:
+    if isinstance(value, str):  # env/flag form: "team-a=4GiB,team-b=2GiB"
+        pairs: dict[str, str] = {}
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            if "=" not in item:
+                raise ValueError(f"expected TENANT=SIZE pairs separated by commas, got {value!r}")
+            name, size = item.split("=", 1)
+            pairs[name.strip()] = size.strip()
+        value = pairs
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a table of tenant name = size, got {value!r}")
+    out: dict[str, int] = {}
+    for name, size in value.items():
+        if not 1 <= len(str(name).encode()) <= 256:
+            raise ValueError(f"tenant name {name!r} must be 1..256 bytes")
+        try:
+            out[str(name)] = units.parse_size(size)
+        except ValueError as exc:
+            raise ValueError(f"quota of tenant {name!r}: {exc}") from None
+    return out
+
+
 def _size(value: Any) -> int:
     return units.parse_size(value)
 
@@ -252,6 +288,11 @@ _SCHEMA: dict[str, _Key] = {
     "server.reflection": _Key("bool", _bool),
     "server.drain_timeout": _Key("duration", _duration),
     "server.log_level": _Key("str", _choice(LOG_LEVELS)),
+    "server.admin_token_file": _Key("str", _str),
+    "server.admin_listen": _Key("str", _str),
+    "server.tls_cert": _Key("str", _str),
+    "server.tls_key": _Key("str", _str),
+    "server.tls_client_ca": _Key("str", _str),
     "pool.size": _Key("size", _size),
     "pool.backing": _Key("str", _choice(BACKINGS)),
     "pool.path": _Key("str", _str),
@@ -266,6 +307,8 @@ _SCHEMA: dict[str, _Key] = {
     "manager.max_lease": _Key("duration", _duration),
     "tenants.uids": _Key("map", _tenant_map),
     "tenants.gids": _Key("map", _tenant_map),
+    "tenants.quotas": _Key("sizemap", _quota_map),
+    "tenants.default_quota": _Key("size", _size),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)
@@ -412,6 +455,28 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
                 "manager.default_lease", "manager.max_lease"):
         if values[key] * 1000 > 2**32 - 1:
             fail(key, "is too long (the wire carries it as 32-bit milliseconds)")
+    listen = values["server.admin_listen"]
+    if listen:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            fail("server.admin_listen", f"must be HOST:PORT (e.g. 0.0.0.0:7443), got {listen!r}")
+        for key in ("server.tls_cert", "server.tls_key", "server.admin_token_file"):
+            if not values[key]:
+                fail(key, "is required when server.admin_listen is set (the TCP listener "
+                          "serves only TLS, and only to holders of the admin token)")
+    for key in ("server.tls_cert", "server.tls_key", "server.tls_client_ca",
+                "server.admin_token_file"):
+        if values[key] and not os.path.isabs(values[key]):
+            fail(key, f"must be an absolute path, got {values[key]!r}")
+    smallest = min(values["pool.extent_size"], values["pool.size"] // SLOT_ALIGNMENT
+                   * SLOT_ALIGNMENT)
+    for tenant, quota in values["tenants.quotas"].items():
+        if quota < smallest:
+            fail("tenants.quotas", f"quota of tenant {tenant!r} ({quota} bytes) is smaller "
+                                   f"than one extent ({smallest} bytes, pool.extent_size)")
+    if 0 < values["tenants.default_quota"] < smallest:
+        fail("tenants.default_quota", f"must be 0 (no quota) or at least one extent "
+                                      f"({smallest} bytes, pool.extent_size)")
 
 
 def _toml_value(kind: str, value: Any) -> str:
@@ -423,6 +488,9 @@ def _toml_value(kind: str, value: Any) -> str:
         return json.dumps(text) if units.parse_duration(text) == value else repr(float(value))
     if isinstance(value, bool):
         return "true" if value else "false"
+    if kind == "sizemap":
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value('size', v)}"
+                               for k, v in value.items()) + "}"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (int, float, str, list)):

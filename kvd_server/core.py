@@ -30,7 +30,7 @@ from kvd_server.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvd_server.extents import ExtentAllocator, NamespaceSlots
+from kvd_server.extents import ExtentAllocator, NamespaceSlots, TenantBudget
 from kvd_server.manager import Lookup, NamespaceManager, OffloadEvent
 
 log = logging.getLogger(__name__)
@@ -206,6 +206,7 @@ class KvdCore:
         self.started = clock()
         self._sessions: dict[str, Session] = {}         # token -> session
         self._namespaces: dict[str, Namespace] = {}
+        self._budgets: dict[str, TenantBudget] = {}     # tenant -> its extent quota
         self._lease_heap: list[tuple[float, int, str, bytes]] = []
         self._lease_seq = 0
         self._session_seq = 0
@@ -314,13 +315,23 @@ class KvdCore:
             if len(self._namespaces) >= MAX_NAMESPACES:
                 raise ResourceExhausted(f"{MAX_NAMESPACES} namespaces exist already")
         try:
-            slots = NamespaceSlots(self.extents, layout.block_bytes)
+            slots = NamespaceSlots(self.extents, layout.block_bytes,
+                                   budget=self._budget(tenant))
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         mgr = NamespaceManager(slots, self.config.manager.policy)
         ns = Namespace(ns_id, model, layout, salt, tenant, slots, mgr)
         self._namespaces[ns_id] = ns
         return ns
+
+    def _budget(self, tenant: str) -> TenantBudget:
+        budget = self._budgets.get(tenant)
+        if budget is None:
+            quota = self.config.tenants.quota_of(tenant)
+            budget = TenantBudget(tenant, max(1, quota // self.extents.extent_bytes)
+                                  if quota else None)
+            self._budgets[tenant] = budget
+        return budget
 
     def _gc_namespaces(self) -> None:
         for ns_id in [i for i, ns in self._namespaces.items()
@@ -674,6 +685,9 @@ class KvdCore:
             "clients": {"active": len(self._sessions), "attached_total": self.attached_total,
                         "reaped_total": self.reaped_total, "closed_total": self.closed_total},
             "namespaces": namespaces,
+            "tenants": {b.tenant: {"used_bytes": b.held * ext.extent_bytes,
+                                   "quota_bytes": (b.max_extents or 0) * ext.extent_bytes}
+                        for b in self._budgets.values()},
             "stats": {**counters, "pins": pins, "leases": leases,
                       "leases_expired_total": self.leases_expired_total,
                       "resets_total": self.resets_total},

@@ -50,11 +50,30 @@ class ExtentAllocator:
         return self.pool_bytes - self.used_bytes
 
 
+class TenantBudget:
+    """Extents one tenant may hold across all its namespaces (`tenants.quotas`).
+
+    Counting whole extents keeps the check O(1) and makes a quota mean the same for every
+    block size; a namespace of a tenant at its quota evicts its own blocks to store more.
+    """
+
+    def __init__(self, tenant: str, max_extents: int | None) -> None:
+        self.tenant = tenant
+        self.max_extents = max_extents
+        self.held = 0
+
+    def room(self, free_extents: int) -> int:
+        """Extents the tenant may still take out of `free_extents`."""
+        if self.max_extents is None:
+            return free_extents
+        return max(0, min(free_extents, self.max_extents - self.held))
+
+
 class NamespaceSlots:
     """A SlotSource over extents taken on demand (see manager/types.py)."""
 
     def __init__(self, extents: ExtentAllocator, slot_bytes: int,
-                 quota_slots: int | None = None) -> None:
+                 quota_slots: int | None = None, budget: TenantBudget | None = None) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot size must be positive")
         self.stride = align_up(slot_bytes)
@@ -65,6 +84,7 @@ class NamespaceSlots:
         self.extents = extents
         self.per_extent = extents.extent_bytes // self.stride
         self.quota_slots = quota_slots
+        self.budget = budget
         self._held: list[int] = []     # extent indexes, in the order taken
         self._position: dict[int, int] = {}  # extent index -> its position in _held
         self._allocated = 0            # never-used ids below this have been handed out
@@ -73,7 +93,10 @@ class NamespaceSlots:
 
     # SlotSource
     def capacity(self) -> int:
-        cap = (len(self._held) + self.extents.free_extents()) * self.per_extent
+        free = self.extents.free_extents()
+        if self.budget is not None:
+            free = self.budget.room(free)
+        cap = (len(self._held) + free) * self.per_extent
         return cap if self.quota_slots is None else min(cap, self.quota_slots)
 
     def free_count(self) -> int:
@@ -94,6 +117,8 @@ class NamespaceSlots:
                 raise RuntimeError("pool ran out of extents during allocation")
             self._position[index] = len(self._held)
             self._held.append(index)
+            if self.budget is not None:
+                self.budget.held += 1
             take = min(n - len(out), self.per_extent)
             out.extend(range(self._allocated, self._allocated + take))
             self._allocated += take
@@ -135,6 +160,8 @@ class NamespaceSlots:
         self._held.clear()
         self._position.clear()
         self.reset()
+        if self.budget is not None:
+            self.budget.held -= n
         return n
 
     def extents_held(self) -> int:

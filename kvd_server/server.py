@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_server import __version__, notify
+from kvd_server.admin_auth import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileError, read_token_file
 from kvd_server.attach import AttachRefused, AttachReply, AttachRequest, AttachServer, PeerCred
 from kvd_server.config import Config
 from kvd_server.core import KvdCore
@@ -103,6 +104,8 @@ class Daemon:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._attach: Any = None
+        self._admin_server: grpc.aio.Server | None = None
+        self._tokens = AdminTokens()
         self._metrics_server: Any = None
         self._rpc = RpcRecorder()
         self._engine: EngineService | None = None
@@ -207,6 +210,11 @@ class Daemon:
         except (PoolError, OSError) as exc:
             raise StartupError(f"cannot create the pool: {exc}") from None
         self.core = KvdCore(cfg, ExtentAllocator(self.pool.size, cfg.pool.extent_size))
+        if cfg.server.admin_token_file:
+            try:
+                self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))
+            except TokenFileError as exc:
+                raise StartupError(f"server.admin_token_file: {exc}") from None
         metrics = self._start_metrics()
         self._rpc = RpcRecorder(metrics)
 
@@ -217,7 +225,8 @@ class Daemon:
         self._engine = EngineService(self.core, cfg, self.pool.size, self._rpc)
         kvd_pb2_grpc.add_KvdEngineServicer_to_server(self._engine, server)
         kvd_pb2_grpc.add_KvdAdminServicer_to_server(
-            AdminService(self.core, cfg, self._rpc, self.stats, self.request_drain), server)
+            AdminService(self.core, cfg, self._rpc, self.stats, self.request_drain,
+                         self._tokens), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if cfg.server.reflection:
@@ -230,7 +239,42 @@ class Daemon:
         self._attach = AttachServer(cfg.server.attach_socket, cfg.server.socket_mode,
                                     self._on_attach)
         await self._attach.start()
+        if cfg.server.admin_listen:
+            await self._start_admin_listener()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvd-sweeper"))
+
+    async def _start_admin_listener(self) -> None:
+        """The optional remote admin port: KvdAdmin and health only, TLS only, every call
+        with the admin token (the engine service never leaves the node)."""
+        cfg = self.config.server
+        try:
+            cert = _read_pem(cfg.tls_cert, "server.tls_cert")
+            key = _read_pem(cfg.tls_key, "server.tls_key")
+            ca = _read_pem(cfg.tls_client_ca, "server.tls_client_ca") if cfg.tls_client_ca \
+                else None
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                require_client_auth=ca is not None)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise StartupError(f"cannot set up TLS for server.admin_listen: {exc}") from None
+        server = grpc.aio.server(options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ])
+        kvd_pb2_grpc.add_KvdAdminServicer_to_server(
+            AdminService(self.core, self.config, self._rpc, self.stats, self.request_drain,
+                         self._tokens, remote=True), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = server.add_secure_port(cfg.admin_listen, creds)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {cfg.admin_listen}: {exc}") from None
+        if not port:
+            raise StartupError(f"cannot listen on {cfg.admin_listen} (address in use or "
+                               "not local?)")
+        await server.start()
+        self._admin_server = server
+        log.info("remote admin: TLS on %s%s", cfg.admin_listen,
+                 " (client certificates required)" if ca else "")
 
     def _start_metrics(self) -> Any:
         cfg = self.config.server
@@ -268,6 +312,16 @@ class Daemon:
     def _on_attach(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
         """Attach handler (runs on the loop): a session for an engine, just the pool for a
         data-plane worker; the core decides who may attach."""
+        if request.role == "admin":
+            if not self.core.is_admin(peer):
+                raise AttachRefused("PERMISSION_DENIED",
+                                    f"uid {peer.uid} / gid {peer.gid} is not an admin (root, the "
+                                    "daemon's uid, server.admin_uids / server.admin_gids)")
+            log.info("admin token issued to pid %d uid %d", peer.pid, peer.uid)
+            return AttachReply(fields={"admin_token": self._tokens.issue(),
+                                       "expires_ms": int(ADMIN_TOKEN_TTL_S * 1000),
+                                       "instance_id": self.core.instance_id,
+                                       "daemon_version": __version__})
         try:
             session = self.core.attach(peer, request.role)
         except KvdError as exc:
@@ -338,6 +392,8 @@ class Daemon:
                 await task
         if self._attach is not None:
             await self._attach.close()
+        if self._admin_server is not None:
+            await self._admin_server.stop(STOP_GRACE)
         if self._server is not None:
             await self._server.stop(STOP_GRACE)
         if self._metrics_server is not None:
@@ -348,6 +404,17 @@ class Daemon:
             _remove(self.config.server.socket)
             _remove(self.config.server.attach_socket)
         log.info("kvd stopped")
+
+
+def _read_pem(path: str, key: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(1 << 20)
+    except OSError as exc:
+        raise ValueError(f"{key} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{key} {path} is not a PEM file")
+    return data
 
 
 def tune_gc() -> None:

@@ -20,6 +20,7 @@ import grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_server import __version__
+from kvd_server.admin_auth import ADMIN_TOKEN_METADATA, AdminTokens
 from kvd_server.config import SLOT_ALIGNMENT, Config
 from kvd_server.core import EngineInfo, KvdCore, Layout, TransferStats
 from kvd_server.errors import KvdError
@@ -464,31 +465,49 @@ def _state_name(state: Any) -> str:
 class AdminService(kvd_pb2_grpc.KvdAdminServicer):
     """kvd.v1.KvdAdmin, for operators and the `kvd` CLI.
 
-    Authorisation: the gRPC peer on a Unix socket carries no credentials, so an admin call is
-    one that presents no session token on the daemon's Unix socket; the socket's mode and its
-    0750 directory restrict who can connect at all. (A separate admin socket can narrow this.)
+    Authorisation (docs/reliability.md, "Security"): engine session tokens are refused on every
+    admin call. On the Unix socket, Stats, ListSessions and GetConfig need only access to the
+    socket (its mode and its 0750 directory); Reset and Drain need an admin token as
+    `kvd-admin-token` metadata, issued on the attach socket to admin peers (SO_PEERCRED) or read
+    from `server.admin_token_file`. On the TLS TCP listener (`remote`) every call needs it.
     """
 
     def __init__(self, core: KvdCore, config: Config, rpc: RpcRecorder,
                  stats: Callable[[], dict[str, Any]],
-                 drain: Callable[[float], bool]) -> None:
+                 drain: Callable[[float], bool], tokens: AdminTokens, *,
+                 remote: bool = False) -> None:
         self._core = core
         self._config = config
         self._rpc = rpc
         self._stats = stats
         self._drain = drain
+        self._tokens = tokens
+        self._remote = remote
 
-    @staticmethod
-    def _check_admin(context: grpc.aio.ServicerContext) -> None:
-        for key, _ in context.invocation_metadata() or ():
+    def _check_admin(self, context: grpc.aio.ServicerContext, *, write: bool = False) -> None:
+        admin_token = ""
+        for key, value in context.invocation_metadata() or ():
             if key == TOKEN_METADATA:
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                    "admin calls are refused to engine sessions (a session token "
                                    "was presented)")
-        peer = context.peer() or ""
-        if not peer.startswith("unix:"):
+            if key == ADMIN_TOKEN_METADATA:
+                admin_token = value if isinstance(value, str) else ""
+        if not self._remote and not (context.peer() or "").startswith("unix:"):
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               "admin calls are only accepted on the daemon's Unix socket")
+                               "admin calls are only accepted on the daemon's Unix socket or "
+                               "its TLS admin listener")
+        if not (write or self._remote):
+            return
+        if not admin_token:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"this call needs an admin token ({ADMIN_TOKEN_METADATA} "
+                               "metadata): `kvd` gets one on the attach socket for root, the "
+                               "daemon's user and server.admin_uids/admin_gids, or pass "
+                               "--admin-token-file")
+        if not self._tokens.valid(admin_token):
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               "admin token is unknown or expired; ask for a new one")
 
     async def Stats(self, request, context):
         async def handle():
@@ -499,7 +518,7 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
 
     async def Reset(self, request, context):
         async def handle():
-            self._check_admin(context)
+            self._check_admin(context, write=True)
             ns = _check_str(request.namespace_id, "namespace_id")
             dropped, namespaces = self._core.admin_reset(ns or None)
             log.info("admin reset of %s: %d blocks dropped over %d namespace(s)",
@@ -510,7 +529,7 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
 
     async def Drain(self, request, context):
         async def handle():
-            self._check_admin(context)
+            self._check_admin(context, write=True)
             timeout = (request.timeout_ms / 1000 if request.timeout_ms
                        else self._config.server.drain_timeout)
             return kvd_pb2.DrainResponse(started=self._drain(timeout))

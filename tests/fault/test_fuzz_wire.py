@@ -124,6 +124,7 @@ payloads = st.one_of(
     attach_docs.map(_line),                                              # mutated requests
     st.just(_line({"version": 1, "pid": 1, "role": "engine"})),          # valid
     st.just(_line({"version": 1, "pid": 1, "role": "dataplane"})),
+    st.just(_line({"version": 1, "pid": 1, "role": "admin"})),
     st.binary(max_size=600),                                             # garbage, no newline
     st.binary(max_size=600).map(lambda b: b + b"\n"),                    # garbage line
     st.sampled_from([b"[]\n", b"1\n", b"null\n", b'"x"\n', b"\n", b"   \n", b"\xff\xfe\n",
@@ -188,6 +189,9 @@ def test_fuzz_attach_socket(daemon):
                     assert reply.get("code") in ATTACH_CODES, reply
                     assert reply.get("error"), reply
                 assert accounting(daemon) == before, "a refused attach changed the daemon"
+            elif "admin_token" in reply:      # role admin (the tests run as root or the
+                assert not fds, reply         # daemon's user): a token, never the pool
+                assert len(reply["admin_token"]) == 64, reply
             else:
                 assert len(fds) == 1 and reply["pool_bytes"] > 0, reply
                 if reply.get("token"):        # an engine session: reaped after the liveness
@@ -355,6 +359,7 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
     closed = Engine(daemon.socket, "fuzz-owner-model", block=4096, engine_id="closed")
     closed.close()
     admin = daemon.admin()
+    admin_md = daemon.admin_md()
     owned = list(pending.keys_to_store) + ready
     keys = st.lists(st.one_of(st.sampled_from(owned), st.binary(min_size=1, max_size=8)),
                     max_size=6, unique=True)
@@ -410,7 +415,7 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
         before = accounting(daemon)
         if kind == "admin":
             method, request = req
-            md = () if as_ == "admin" else attacker.md
+            md = admin_md if as_ == "admin" else attacker.md
             _, code = timed(getattr(admin, method), request, metadata=md)
             if as_ != "admin":
                 assert code == grpc.StatusCode.PERMISSION_DENIED, code

@@ -112,6 +112,12 @@ class Daemon:
     def admin(self) -> kvd_pb2_grpc.KvdAdminStub:
         return kvd_pb2_grpc.KvdAdminStub(self.channel())
 
+    def admin_md(self) -> tuple[tuple[str, str], ...]:
+        """Metadata carrying an admin token, asked for on the attach socket (as `kvd reset`)."""
+        from kvd_server.admin_auth import ADMIN_TOKEN_METADATA, request_admin_token
+
+        return ((ADMIN_TOKEN_METADATA, request_admin_token(self.socket + ".attach", 5.0)),)
+
     def engine_stub(self) -> kvd_pb2_grpc.KvdEngineStub:
         return kvd_pb2_grpc.KvdEngineStub(self.channel())
 

@@ -191,8 +191,14 @@ def test_admin_calls(shared: Daemon, engine: Engine):
     admin = shared.admin()
     expect(grpc.StatusCode.PERMISSION_DENIED, lambda: admin.Stats(
         kvd_pb2.StatsRequest(), metadata=engine.md, timeout=5), "session token")
+    expect(grpc.StatusCode.PERMISSION_DENIED, lambda: admin.Reset(
+        kvd_pb2.AdminResetRequest(namespace_id="0" * 64), timeout=5), "admin token")
+    expect(grpc.StatusCode.PERMISSION_DENIED, lambda: admin.Drain(
+        kvd_pb2.DrainRequest(), metadata=(("kvd-admin-token", "f" * 64),), timeout=5),
+        "unknown or expired")
     expect(grpc.StatusCode.NOT_FOUND, lambda: admin.Reset(
-        kvd_pb2.AdminResetRequest(namespace_id="0" * 64), timeout=5))
+        kvd_pb2.AdminResetRequest(namespace_id="0" * 64), metadata=shared.admin_md(),
+        timeout=5))
     out = shared.kvd("reset", "--namespace", "nope", "--yes")
     assert out.returncode == 1 and "NOT_FOUND" in out.stderr
     expect(INVALID, lambda: admin.ListSessions(kvd_pb2.ListSessionsRequest(limit=10001),

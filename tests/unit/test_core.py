@@ -251,3 +251,39 @@ def test_slots_of_a_dead_writer_are_quarantined_until_its_process_is_gone():
     assert core.stats()["pool"]["quarantined_slots"] == 0
     grant, _ = core.prepare_store(other, keys(20), "r", None)
     assert grant.slot_offsets == ans.slot_offsets and not grant.evicted_keys
+
+
+def test_tenant_quota_caps_its_extents_and_never_touches_another_tenant():
+    # 1 MiB pool of four 256 KiB extents, 32 slots of 8 KiB each; team-a may hold one extent.
+    core, _ = make_core(**{"tenants.uids": {"2000": "team-a", "3000": "team-b"},
+                           "tenants.quotas": {"team-a": "256KiB"}})
+    a1, a2 = session(core, uid=2000, model="m1"), session(core, uid=2000, model="m2")
+    b = session(core, uid=3000, model="m1")
+    answer, epoch = core.prepare_store(b, keys(*range(40)), "r", None)
+    assert not answer.cannot_store
+    core.complete_store(b, keys(*range(40)), True, "r", epoch)     # b: 2 extents
+    answer, epoch = core.prepare_store(a1, keys(*range(32)), "r", None)
+    assert not answer.cannot_store
+    # a1 holds team-a's only extent with stores in flight: a2 (same tenant) gets no room,
+    # although the pool still has a free extent.
+    assert core.prepare_store(a2, keys(100), "r", None)[0].cannot_store
+    core.complete_store(a1, keys(*range(32)), True, "r", epoch)
+    # At its quota, team-a evicts its own blocks to store more; team-b keeps every block.
+    answer, epoch = core.prepare_store(a1, keys(*range(32, 40)), "r", None)
+    assert not answer.cannot_store and len(answer.keys_to_store) == 8
+    assert sorted(answer.evicted_keys) == sorted(keys(*range(8)))
+    core.complete_store(a1, keys(*range(32, 40)), True, "r", epoch)
+    assert core.lookup(b, keys(*range(40)))[0] == [Lookup.HIT] * 40
+    doc = core.stats()
+    assert doc["tenants"]["team-a"] == {"used_bytes": 256 << 10, "quota_bytes": 256 << 10}
+    assert doc["tenants"]["team-b"]["quota_bytes"] == 0
+    assert doc["pool"]["extents_free"] == 1
+    # team-b has no quota: it may take the last extent.
+    answer, epoch = core.prepare_store(b, keys(*range(40, 72)), "r", None)
+    assert not answer.cannot_store and not answer.evicted_keys
+    pool_accounting(core)
+
+
+def test_tenant_quota_smaller_than_an_extent_is_a_config_error():
+    with pytest.raises(ValueError, match="smaller than one extent"):
+        make_core(**{"tenants.quotas": {"team-a": "4KiB"}})
