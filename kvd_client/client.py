@@ -28,12 +28,17 @@ from .attach import AttachError, AttachInfo, attach
 from .layout import ClientLayout
 from .paths import default_socket_path, grpc_target
 from .pool_map import PoolMapping
+from .step_stream import StepStream, StepStreamClosed, status_code
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_OPS = 200            # the proto allows 256 ops per step
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+# KVD_CLIENT_STEP_STREAM=0 sends every step as a unary Step call (for comparison and for
+# daemons behind proxies without bidirectional streams).
+USE_STEP_STREAM = os.environ.get("KVD_CLIENT_STEP_STREAM", "1").strip().lower() not in (
+    "0", "false", "no", "off")
 # Codes after which the session is gone or the daemon is unusable: degrade and reconnect.
 _FATAL = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED,
@@ -76,6 +81,8 @@ class KvdClient:
         self._stub: kvd_pb2_grpc.KvdEngineStub | None = None
         self._metadata: tuple[tuple[str, str], ...] = ()
         self._stream: grpc.Future | None = None
+        self._steps: StepStream | None = None
+        self._use_step_stream = USE_STEP_STREAM
         self._closed = threading.Event()
         self._wake = threading.Event()
         self._backoff = BACKOFF_MIN_S
@@ -159,22 +166,50 @@ class KvdClient:
             queued = list(self._queue)
             self._queue.clear()
             request = kvd_pb2.StepRequest(ops=queued + ops)
+            deadline = deadline_s or self.deadline_s
+            self.round_trips += 1
             try:
-                self.round_trips += 1
-                response = self._stub.Step(request, timeout=deadline_s or self.deadline_s,
-                                           metadata=self._metadata)
-            except grpc.RpcError as err:
-                code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-                if code in _FATAL:
-                    self._degrade(f"{code.name}: {err.details() if hasattr(err, 'details') else err}")
+                response = self._send(request, deadline)
+            except (grpc.RpcError, StepStreamClosed) as err:
+                if isinstance(err, StepStreamClosed):
+                    code, details = err.code, err.details
                 else:
-                    # A request the daemon rejected (a bug or a stale epoch): drop it, stay up.
-                    self._rate_limited_warning(f"kvd rejected a step: {code.name}: "
-                                               f"{err.details()}")
+                    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+                    details = err.details() if hasattr(err, "details") else str(err)
+                self._rejected(code, details)
+                return None
+            if response.error_code:
+                self._rejected(status_code(response.error_code), response.error_message)
                 return None
             if response.epoch:
                 self.epoch = response.epoch
             return list(response.results[len(queued):])
+
+    def _send(self, request: kvd_pb2.StepRequest, deadline: float) -> kvd_pb2.StepResponse:
+        """One step on the open StepStream (opened on first use), or as a unary call when the
+        daemon has no StepStream or it is turned off (caller holds the lock)."""
+        assert self._stub is not None
+        if self._use_step_stream:
+            if self._steps is None:
+                self._steps = StepStream(self._stub, self._metadata)
+            try:
+                return self._steps.call(request, deadline)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                # An older daemon: nothing ran; use unary Step on this connection from now on.
+                log.info("kvd daemon has no StepStream; using unary Step calls")
+                self._steps.close()
+                self._steps = None
+                self._use_step_stream = False
+        return self._stub.Step(request, timeout=deadline, metadata=self._metadata)
+
+    def _rejected(self, code: grpc.StatusCode, details: str) -> None:
+        if code in _FATAL:
+            self._degrade(f"{code.name}: {details}")
+        else:
+            # A request the daemon rejected (a bug or a stale epoch): drop it, stay up.
+            self._rate_limited_warning(f"kvd rejected a step: {code.name}: {details}")
 
     def _try_connect(self) -> bool:
         """Attach, map, register and open the liveness stream. False (quietly) on failure."""
@@ -264,6 +299,10 @@ class KvdClient:
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+        self._use_step_stream = USE_STEP_STREAM
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None

@@ -310,12 +310,16 @@ class StepRequest(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[StepOp, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "epoch")
+    __slots__ = ("results", "epoch", "error_code", "error_message")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
     epoch: int
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    error_code: int
+    error_message: str
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., epoch: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class TransferReport(_message.Message):
     __slots__ = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "load_sizes", "store_sizes")

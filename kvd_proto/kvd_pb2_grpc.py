@@ -48,6 +48,11 @@ class KvdEngineStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/kvd.v1.KvdEngine/StepStream',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvd.v1.KvdEngine/Lookup',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.LookupRequest.SerializeToString,
@@ -126,6 +131,18 @@ class KvdEngineServicer:
         call an engine makes once per scheduler step. Operations run one after the other against
         the same index; a failing operation fails the whole call (nothing after it runs; the
         operations before it keep their effect) and the status message names its index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """The same steps on one long-lived stream: one StepResponse per StepRequest, in order. This
+        is what kvd's client uses (a message on an open stream costs about half a unary call).
+        A step the daemon rejects is answered in-band: `error_code` holds the gRPC status code
+        number and `error_message` its message, as Step would have failed, and the stream stays
+        open. A missing, unknown or expired session token ends the stream with UNAUTHENTICATED.
+        Per-message deadlines are the client's business (cancel the stream when one passes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,6 +230,11 @@ def add_KvdEngineServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.StepRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.StepRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.StepResponse.SerializeToString,
             ),
@@ -328,6 +350,33 @@ class KvdEngine:
             request,
             target,
             '/kvd.v1.KvdEngine/Step',
+            kvd_dot_v1_dot_kvd__pb2.StepRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvd.v1.KvdEngine/StepStream',
             kvd_dot_v1_dot_kvd__pb2.StepRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.StepResponse.FromString,
             options,

@@ -150,12 +150,15 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
 
     # -- session plumbing
 
-    def _session(self, context: grpc.aio.ServicerContext) -> Any:
-        token = ""
+    @staticmethod
+    def _token(context: grpc.aio.ServicerContext) -> str:
         for key, value in context.invocation_metadata() or ():
             if key == TOKEN_METADATA:
-                token = value if isinstance(value, str) else value.decode(errors="replace")
-                break
+                return value if isinstance(value, str) else value.decode(errors="replace")
+        return ""
+
+    def _session(self, context: grpc.aio.ServicerContext) -> Any:
+        token = self._token(context)
         if not token:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
                                f"missing session token (metadata {TOKEN_METADATA}); attach first")
@@ -352,40 +355,83 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
     async def Reset(self, request, context):
         return await self._unary_op("Reset", "reset")(request, context)
 
+    def _run_step(self, s: Any, request: kvd_pb2.StepRequest) -> kvd_pb2.StepResponse:
+        """One step for Step and StepStream: bounds first, then the ops in order."""
+        ops = request.ops
+        if len(ops) > MAX_OPS_PER_STEP:
+            raise _invalid(f"step has {len(ops)} ops, more than MAX_OPS_PER_STEP "
+                           f"({MAX_OPS_PER_STEP})")
+        total = 0
+        for i, op in enumerate(ops):
+            if op.WhichOneof("op") is None:
+                raise _invalid(f"op #{i} carries no operation")
+            total += _op_keys(op)
+        if total > MAX_KEYS_PER_STEP:
+            raise _invalid(f"step carries {total} keys over its ops, more than "
+                           f"MAX_KEYS_PER_STEP ({MAX_KEYS_PER_STEP})")
+        self.step_calls += 1
+        self.step_ops += len(ops)
+        self._rpc.observe_step(len(ops), total)
+        out = kvd_pb2.StepResponse()
+        epoch = 0
+        for i, op in enumerate(ops):
+            kind = op.WhichOneof("op")
+            try:
+                result = self._OPS[kind](self, s, getattr(op, kind))
+            except (KvdError, RequestError, ManagerError) as exc:
+                code, message = _status_of(exc)
+                raise RequestError(code, f"op #{i} ({kind}): {message}") from exc
+            epoch = getattr(result, "epoch", epoch) or epoch
+            getattr(out.results.add(), kind).CopyFrom(result)
+        out.epoch = epoch or self._current_epoch(s)
+        return out
+
     async def Step(self, request: kvd_pb2.StepRequest,
                    context: grpc.aio.ServicerContext) -> kvd_pb2.StepResponse:
         async def handle() -> kvd_pb2.StepResponse:
-            s = self._session(context)
-            ops = request.ops
-            if len(ops) > MAX_OPS_PER_STEP:
-                raise _invalid(f"step has {len(ops)} ops, more than MAX_OPS_PER_STEP "
-                               f"({MAX_OPS_PER_STEP})")
-            total = 0
-            for i, op in enumerate(ops):
-                if op.WhichOneof("op") is None:
-                    raise _invalid(f"op #{i} carries no operation")
-                total += _op_keys(op)
-            if total > MAX_KEYS_PER_STEP:
-                raise _invalid(f"step carries {total} keys over its ops, more than "
-                               f"MAX_KEYS_PER_STEP ({MAX_KEYS_PER_STEP})")
-            self.step_calls += 1
-            self.step_ops += len(ops)
-            self._rpc.observe_step(len(ops), total)
-            out = kvd_pb2.StepResponse()
-            epoch = 0
-            for i, op in enumerate(ops):
-                kind = op.WhichOneof("op")
-                try:
-                    result = self._OPS[kind](self, s, getattr(op, kind))
-                except (KvdError, RequestError, ManagerError) as exc:
-                    code, message = _status_of(exc)
-                    raise RequestError(code, f"op #{i} ({kind}): {message}") from exc
-                epoch = getattr(result, "epoch", epoch) or epoch
-                getattr(out.results.add(), kind).CopyFrom(result)
-            out.epoch = epoch or self._current_epoch(s)
-            return out
+            return self._run_step(self._session(context), request)
 
         return await self._rpc.unary("Step", context, handle)
+
+    async def StepStream(self, request_iterator: AsyncIterator[kvd_pb2.StepRequest],
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[kvd_pb2.StepResponse]:
+        """Steps on one stream; each is recorded as a `Step` call. Rejections are in-band;
+        only a session that is gone ends the stream (UNAUTHENTICATED)."""
+        try:
+            self._session(context)
+        except (KvdError, RequestError) as exc:
+            code, message = _status_of(exc)
+            self._rpc.record("Step", 0.0, code)
+            await context.abort(code, message)
+        token = self._token(context)
+        requests = aiter(request_iterator)
+        while True:
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                if type(exc).__name__ == "_ServerStoppedError":
+                    return  # the daemon is stopping: the stream ends with it
+                raise
+            start = time.perf_counter()
+            try:
+                s = self._core.authenticate(token)
+            except KvdError as exc:
+                code, message = _status_of(exc)
+                self._rpc.record("Step", time.perf_counter() - start, code)
+                await context.abort(code, message)
+            try:
+                out = self._run_step(s, request)
+                code = grpc.StatusCode.OK
+            except Exception as exc:
+                code, message = _status_of(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("Step failed")
+                out = kvd_pb2.StepResponse(error_code=code.value[0], error_message=message)
+            self._rpc.record("Step", time.perf_counter() - start, code)
+            yield out
 
     def _current_epoch(self, s: Any) -> int:
         epoch = getattr(s, "epoch", 0)

@@ -24,6 +24,7 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from tests.fault.crash_points import MODEL, PHASES, READY_N, READY_SEED, new_keys
+from tests.fault.summary import record
 from tests.multiproc.conftest import (
     PY,
     ROOT,
@@ -195,6 +196,7 @@ def test_engine_dies_at_a_chosen_point(daemon, phase, how):
         wait_until(lambda: daemon.stats()["pool"]["quarantined_slots"] == 0, SETTLE_S,
                    "the dead victim's quarantined slots to come back")
         check_no_slot_leaked(daemon.socket, daemon.stats())
+        record("crash points")
         check_pool_identity(daemon.stats())
     finally:
         if victim is not None:

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvd_proto import kvd_pb2
+from tests.fault.summary import record
 from tests.multiproc.conftest import (
     PY,
     ROOT,
@@ -51,11 +52,13 @@ def test_random_kills_leave_exact_accounting_and_no_torn_blocks(daemon):
             proc.kill()                           # SIGKILL mid-whatever
         for proc in procs:
             proc.wait(10)
+            record("torn blocks", int(proc.returncode == 3))
             assert proc.returncode != 3, f"round {round_no}: a client read a torn block"
         wait_until(lambda: _settled(daemon), 15,
                    f"round {round_no}: dead sessions' pins, leases and stores to be released")
         doc = daemon.stats()
         pool = doc["pool"]
+        record("leaks", abs(pool["total_bytes"] - pool["free_bytes"] - pool["used_bytes"]))
         assert pool["free_bytes"] + pool["used_bytes"] == pool["total_bytes"]
         # every visible block holds exactly what its writer completed
         reader = Engine(daemon.socket, "chaos-model")
@@ -66,8 +69,10 @@ def test_random_kills_leave_exact_accounting_and_no_torn_blocks(daemon):
                     if s == kvd_pb2.BLOCK_STATE_HIT]
             if hits:
                 for key, data in zip(hits, reader.load(hits), strict=True):
+                    record("torn blocks", int(data != block_bytes_of(key)))
                     assert data == block_bytes_of(key), f"round {round_no}: torn block visible"
         finally:
             reader.close()
+        record("crash rounds")
     log = daemon.log()
     assert "Traceback" not in log, log[-3000:]

@@ -1,4 +1,5 @@
-"""Fuzz the wire: random, mutated and oversized requests to every engine RPC and to Step.
+"""Fuzz the wire: random, mutated and oversized requests to every engine RPC, to Step and to
+StepStream (one stream for the whole run, which in-band rejections must not close).
 
 Every answer must be OK or one of the documented status codes (never UNKNOWN or INTERNAL),
 the daemon must keep serving, and a rejected call must leave the index unchanged.
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd_proto import kvd_pb2
+from tests.fault.summary import record
 from tests.multiproc.conftest import Engine
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
@@ -57,6 +59,20 @@ ops = st.one_of(
 tokens = st.sampled_from(["good", "none", "garbage"])
 
 
+class _InBand(Exception):
+    """A StepStream answer with error_code set, shaped like a grpc.RpcError."""
+
+    def __init__(self, answer: kvd_pb2.StepResponse) -> None:
+        super().__init__(answer.error_message)
+        self.answer = answer
+
+    def code(self) -> grpc.StatusCode:
+        return {c.value[0]: c for c in grpc.StatusCode}[self.answer.error_code]
+
+    def details(self) -> str:
+        return self.answer.error_message
+
+
 def _index(daemon) -> tuple:
     doc = daemon.stats()
     return (json.dumps(doc["blocks"], sort_keys=True), doc["pool"]["used_bytes"],
@@ -72,12 +88,20 @@ def target(daemon):
 
 
 def test_fuzz_step_and_unary_rpcs(target):
+    import queue
+
     daemon, engine = target
+    # One StepStream for every "stream" case: in-band rejections must leave it open.
+    stream_requests: queue.SimpleQueue = queue.SimpleQueue()
+    stream = engine.stub.StepStream(iter(stream_requests.get, None), metadata=engine.md)
 
     @settings(max_examples=CASES, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
-    @given(batch=st.lists(ops, max_size=6), token=tokens, unary=st.booleans())
-    def case(batch, token, unary):
+    @given(batch=st.lists(ops, max_size=6), token=tokens,
+           mode=st.sampled_from(["step", "unary", "stream"]))
+    def case(batch, token, mode):
+        unary = mode == "unary"
+        record("fuzz cases")
         md = {"good": engine.md, "none": (),
               "garbage": (("kvd-session-token", "x" * 70),)}[token]
         before = _index(daemon)
@@ -92,10 +116,15 @@ def test_fuzz_step_and_unary_rpcs(target):
                 if method is None:
                     return
                 getattr(engine.stub, method)(getattr(batch[0], kind), metadata=md, timeout=5)
+            elif mode == "stream" and token == "good":
+                stream_requests.put(kvd_pb2.StepRequest(ops=batch))
+                answer = next(stream)
+                if answer.error_code:
+                    raise _InBand(answer)
             else:
                 engine.stub.Step(kvd_pb2.StepRequest(ops=batch), metadata=md, timeout=5)
             code = grpc.StatusCode.OK
-        except grpc.RpcError as err:
+        except (grpc.RpcError, _InBand) as err:
             code = err.code()
             assert code in ALLOWED, f"{code}: {err.details()}"
             if code in (grpc.StatusCode.UNAUTHENTICATED,) or (code != grpc.StatusCode.OK
@@ -107,5 +136,7 @@ def test_fuzz_step_and_unary_rpcs(target):
                 reset=kvd_pb2.ResetRequest())]), metadata=engine.md, timeout=5)
 
     case()
+    stream_requests.put(None)
+    record("daemon crashes", int(daemon.proc.poll() is not None))
     assert daemon.serving()
     assert "Traceback" not in daemon.log()

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from kvd_client.attach import attach as client_attach
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
+from tests.fault.summary import record
 from tests.multiproc.conftest import (
     EXTENT,
     POOL,
@@ -71,6 +72,7 @@ def daemon() -> Iterator[Daemon]:
     try:
         yield d
     finally:
+        record("daemon crashes", int(d.proc.poll() is not None))
         d.close()
         log = d.log()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -180,6 +182,7 @@ def test_fuzz_attach_socket(daemon):
         if b"\n" not in payload and not half_close:
             half_close = True                 # a silent peer is its own test below
         ran.append(1)
+        record("fuzz cases")
         before = accounting(daemon)
         reply, fds = attach_raw(path, payload, half_close)
         try:
@@ -289,6 +292,7 @@ def test_fuzz_register_session_and_stream(daemon):
                beats=st.lists(st.integers(0, 2**64 - 1), max_size=4))
         def case(req, again, beats) -> None:
             ran.append(1)
+            record("fuzz cases")
             info = attach(daemon.socket)
             os.close(info.fd)
             md = ((TOKEN, info.token),)
@@ -411,6 +415,7 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
     @given(call=calls())
     def case(call) -> None:
         ran.append(1)
+        record("fuzz cases")
         kind, as_, req = call
         before = accounting(daemon)
         if kind == "admin":

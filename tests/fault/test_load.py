@@ -25,6 +25,7 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from tests.fault.load_worker import BLOCK, MODEL
+from tests.fault.summary import record
 from tests.fault.test_crash_points import readline_within, reap
 from tests.multiproc.conftest import PY, ROOT, Engine, block_bytes_of, clean_env, keys_for
 
@@ -120,15 +121,21 @@ def test_sixteen_engines_at_once_match_the_reference(daemon):
         got = [s for i in range(0, UNIVERSE, 2048)
                for s in observer_engine.lookup(universe[i:i + 2048]).states]
         hits = {k for k, s in zip(universe, got, strict=True) if s == kvd_pb2.BLOCK_STATE_HIT}
+        record("load clients", CLIENTS)
+        record("load steps", total["steps"])
+        record("divergences", len(hits ^ observer.ready) + total["corrupt"] + total["mismatched"])
         assert hits == observer.ready, (len(hits), len(observer.ready))
         assert doc["blocks"]["ready"] == len(hits)
         for i in range(0, len(universe), 512):
             chunk = [k for k in universe[i:i + 512] if k in hits]
             if chunk:
                 for key, data in zip(chunk, observer_engine.load(chunk), strict=True):
+                    record("divergences", int(data != block_bytes_of(key, BLOCK)))
                     assert data == block_bytes_of(key, BLOCK), f"block {key.hex()} diverged"
         # nothing left behind
         doc = daemon.stats()
+        record("leaks", doc["sessions"] - 1 + doc["stats"]["pins"] + doc["stats"]["leases"]
+               + doc["blocks"]["storing"])
         assert doc["sessions"] == 1 and doc["stats"]["pins"] == 0
         assert doc["stats"]["leases"] == 0 and doc["blocks"]["storing"] == 0
         assert doc["pool"]["free_bytes"] + doc["pool"]["used_bytes"] == doc["pool"]["total_bytes"]

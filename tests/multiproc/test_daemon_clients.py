@@ -193,3 +193,33 @@ def test_dataplane_attach_maps_the_pool_without_a_session(daemon: Daemon, engine
     finally:
         worker.close()
     assert daemon.stats()["sessions"] == 1
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["step-stream", "unary-step"])
+def test_kvd_client_steps_on_its_stream_or_unary(daemon, monkeypatch, stream):
+    from kvd_client import client as client_module
+    from kvd_client.client import KvdClient
+    from kvd_client.layout import ClientLayout
+
+    monkeypatch.setattr(client_module, "USE_STEP_STREAM", stream)
+    c = KvdClient(daemon.socket, model="stream-model",
+                  layout=ClientLayout(4096, 1, 4096, 16, "bf16"), deadline_s=2.0)
+    try:
+        assert c.wait_available(10)
+        keys = keys_for("client-stream", 3)
+        calls_before = daemon.stats()["rpc"].get("Step", {}).get("calls_total", 0)
+        (res,) = c.step([kvd_pb2.StepOp(prepare_store=kvd_pb2.PrepareStoreRequest(keys=keys))])
+        ps = res.prepare_store
+        c.queue(kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
+            keys=ps.keys_to_store, success=True, epoch=ps.epoch)))
+        (res,) = c.step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=keys))])
+        assert list(res.lookup.states) == [kvd_pb2.BLOCK_STATE_HIT] * 3
+        # A step the daemon rejects is dropped; the client stays up and keeps stepping.
+        assert c.step([kvd_pb2.StepOp()]) is None and c.available
+        (res,) = c.step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=keys))])
+        assert list(res.lookup.states) == [kvd_pb2.BLOCK_STATE_HIT] * 3
+        assert c.round_trips == 4
+        assert (c._steps is not None) == stream
+        assert daemon.stats()["rpc"]["Step"]["calls_total"] - calls_before == 4
+    finally:
+        c.close()

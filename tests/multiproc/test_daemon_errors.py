@@ -223,3 +223,46 @@ def test_full_pool_answers_cannot_store(start_daemon):
         assert daemon.stats()["pool"]["free_bytes"] == 0
     finally:
         e.close()
+
+
+def test_step_stream_answers_in_order_with_in_band_errors(shared: Daemon, engine: Engine):
+    import queue
+
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    call = engine.stub.StepStream(iter(requests.get, None), metadata=engine.md, timeout=30)
+    lookup = kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=[b"a"]))
+    keys = keys_for("stream", 2)
+    steps = [
+        kvd_pb2.StepRequest(ops=[lookup] * 257),                                  # too many ops
+        kvd_pb2.StepRequest(ops=[kvd_pb2.StepOp(prepare_store=kvd_pb2.PrepareStoreRequest(
+            keys=keys))]),
+        kvd_pb2.StepRequest(ops=[lookup, kvd_pb2.StepOp()]),                      # empty op #1
+        kvd_pb2.StepRequest(ops=[kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=keys))]),
+    ]
+    for step in steps:
+        requests.put(step)
+    answers = [next(call) for _ in steps]
+    assert answers[0].error_code == INVALID.value[0]
+    assert "MAX_OPS_PER_STEP" in answers[0].error_message and not answers[0].results
+    assert answers[1].error_code == 0 and len(answers[1].results[0].prepare_store.keys_to_store) == 2
+    assert answers[2].error_code == INVALID.value[0] and "op #1" in answers[2].error_message
+    assert list(answers[3].results[0].lookup.states) == [kvd_pb2.BLOCK_STATE_HIT_PENDING] * 2
+    # Every message counts as a Step call (and its errors as Step errors).
+    rpc = shared.stats()["rpc"]["Step"]
+    assert rpc["calls_total"] >= 4 and rpc["errors_total"] >= 2
+    # The session ending ends the stream with UNAUTHENTICATED.
+    engine.call("CloseSession", kvd_pb2.CloseSessionRequest())
+    requests.put(kvd_pb2.StepRequest(ops=[lookup]))
+    with pytest.raises(grpc.RpcError) as e:
+        next(call)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    requests.put(None)
+
+
+def test_step_stream_without_a_token_is_unauthenticated(shared: Daemon):
+    with grpc.insecure_channel(target(shared.socket)) as ch:
+        call = kvd_pb2_grpc.KvdEngineStub(ch).StepStream(iter([kvd_pb2.StepRequest()]),
+                                                         timeout=5)
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED

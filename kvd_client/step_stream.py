@@ -1,0 +1,89 @@
+"""Steps in lockstep on one open `KvdEngine.StepStream`, with a per-step deadline.
+
+A message on an open gRPC stream costs about half a unary call in Python (bench/README.md), and
+the scheduler makes one step per iteration, so the client keeps one stream open per session.
+gRPC's synchronous stream has no per-message timeout: a watchdog thread cancels the stream when
+the step in flight passes its deadline, which makes the waiting `next()` raise at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+
+from kvd_proto import kvd_pb2, kvd_pb2_grpc
+
+WATCH_INTERVAL_S = 0.025
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC status code of a StepResponse.error_code number."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+class StepStreamClosed(Exception):
+    """The stream ended or was cancelled; `code` says why (DEADLINE_EXCEEDED after the watchdog
+    cancelled it, else the stream's status)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class StepStream:
+    """One stream; `call` sends a step and waits for its answer. Not for concurrent callers
+    (KvdClient holds its lock around each step)."""
+
+    def __init__(self, stub: kvd_pb2_grpc.KvdEngineStub,
+                 metadata: tuple[tuple[str, str], ...]) -> None:
+        self._requests: queue.SimpleQueue[kvd_pb2.StepRequest | None] = queue.SimpleQueue()
+        self._call = stub.StepStream(iter(self._requests.get, None), metadata=metadata)
+        self._deadline = 0.0          # monotonic deadline of the step in flight; 0: none
+        self._closed = threading.Event()
+        self.timed_out = False
+        self._watchdog = threading.Thread(target=self._watch, name="kvd-step-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
+
+    def call(self, request: kvd_pb2.StepRequest, deadline_s: float) -> kvd_pb2.StepResponse:
+        """The step's answer (check its error_code); raises StepStreamClosed when the stream
+        is gone, grpc.RpcError with UNIMPLEMENTED when the daemon has no StepStream."""
+        if self._closed.is_set():
+            raise StepStreamClosed(grpc.StatusCode.CANCELLED, "step stream closed")
+        self._deadline = time.monotonic() + deadline_s
+        self._requests.put(request)
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise StepStreamClosed(grpc.StatusCode.UNAVAILABLE, "step stream ended") from None
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            if self.timed_out:
+                raise StepStreamClosed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"no answer within {deadline_s:g}s") from None
+            details = err.details() if hasattr(err, "details") else str(err)
+            raise StepStreamClosed(code, details or "") from None
+        finally:
+            self._deadline = 0.0
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._requests.put(None)
+            self._call.cancel()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            deadline = self._deadline
+            if deadline and time.monotonic() > deadline and self._deadline == deadline:
+                self.timed_out = True
+                self._closed.set()
+                self._call.cancel()
+                return
