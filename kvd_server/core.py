@@ -376,6 +376,14 @@ class KvdCore:
         log.info("session %s ended (%s): released %d pins, %d leases, failed %d pending "
                  "stores", s.id, reason, released, leases, failed)
 
+    def forgive(self, seconds: float) -> None:
+        """Credit every session with `seconds` of heartbeat: the daemon was not listening."""
+        if seconds >= 1.0:
+            log.warning("the daemon did not run for %.1fs (stopped or starved); liveness "
+                        "deadlines moved by that much", seconds)
+        for s in self._sessions.values():
+            s.last_seen += seconds
+
     def sweep(self) -> None:
         """Expire leases, end silent sessions, release quarantined slots whose writer is gone."""
         now = self.clock()

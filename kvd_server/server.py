@@ -358,9 +358,17 @@ class Daemon:
             self.pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked
 
     async def _sweeper(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            due = loop.time() + SWEEP_INTERVAL
             await asyncio.sleep(SWEEP_INTERVAL)
+            late = loop.time() - due
             try:
+                if late > SWEEP_INTERVAL:
+                    # The daemon itself was not running (stopped, swapped out, a long pause):
+                    # heartbeats may sit unread in socket buffers, so that silence is ours,
+                    # not the engines'. Do not reap anyone for it.
+                    self.core.forgive(late)
                 self.core.sweep()
             except Exception:  # a sweep bug must not stop liveness for every later sweep
                 log.exception("sweep failed")

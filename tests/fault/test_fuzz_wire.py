@@ -363,7 +363,6 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
     closed = Engine(daemon.socket, "fuzz-owner-model", block=4096, engine_id="closed")
     closed.close()
     admin = daemon.admin()
-    admin_md = daemon.admin_md()
     owned = list(pending.keys_to_store) + ready
     keys = st.lists(st.one_of(st.sampled_from(owned), st.binary(min_size=1, max_size=8)),
                     max_size=6, unique=True)
@@ -420,7 +419,7 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
         before = accounting(daemon)
         if kind == "admin":
             method, request = req
-            md = admin_md if as_ == "admin" else attacker.md
+            md = daemon.admin_md() if as_ == "admin" else attacker.md  # tokens expire
             _, code = timed(getattr(admin, method), request, metadata=md)
             if as_ != "admin":
                 assert code == grpc.StatusCode.PERMISSION_DENIED, code
@@ -444,9 +443,11 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
 
     case()
     assert len(ran) >= HOSTILE_CASES * 9 // 10, f"only {len(ran)} cases ran"
-    (row,) = [s for s in daemon.admin().ListSessions(kvd_pb2.ListSessionsRequest(),
-                                                     timeout=5).sessions
-              if s.engine.engine_id == "owner" or s.peer_pid == os.getpid() and s.pins]
+    rows = [s for s in daemon.admin().ListSessions(kvd_pb2.ListSessionsRequest(),
+                                                   timeout=5).sessions
+            if s.engine.engine_id == "owner" or s.peer_pid == os.getpid() and s.pins]
+    assert len(rows) == 1, f"the owner's session is gone: {daemon.log()[-3000:]}"
+    (row,) = rows
     assert (row.pins, row.pending_stores) == (1, 2)
     # The owner's own state still completes exactly.
     done = eng.call("CompleteStore", kvd_pb2.CompleteStoreRequest(

@@ -157,3 +157,33 @@ def test_metrics_endpoint_and_systemd_readiness(start_daemon, workdir):
         notify.settimeout(5)
         messages.append(notify.recv(4096).decode())
         assert any("STOPPING=1" in m for m in messages)
+
+
+def test_a_stopped_daemon_does_not_reap_sessions_for_its_own_silence(daemon: Daemon):
+    """SIGSTOP the daemon for 2.5x the liveness timeout: its engines' heartbeats wait in the
+    socket buffers, so after SIGCONT their sessions, pins and stores are all still there."""
+    import signal
+    import time
+
+    from kvd_proto import kvd_pb2
+    from tests.multiproc.conftest import Engine, keys_for
+
+    e = Engine(daemon.socket)
+    try:
+        e.store(keys_for("stall", 2))
+        grant = e.store(keys_for("stall-pending", 1), complete=False)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.5)                    # LIVENESS is 1 s
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        time.sleep(0.5)                        # several sweeps after the stall
+        (row,) = daemon.admin().ListSessions(kvd_pb2.ListSessionsRequest(), timeout=5).sessions
+        assert row.pending_stores == 1
+        done = e.call("CompleteStore", kvd_pb2.CompleteStoreRequest(
+            keys=grant.keys_to_store, success=True, epoch=grant.epoch,
+            slot_offsets=grant.slot_offsets))
+        assert done.completed == 1
+        assert "did not run for" in daemon.log()
+    finally:
+        e.close()

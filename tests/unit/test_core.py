@@ -287,3 +287,16 @@ def test_tenant_quota_caps_its_extents_and_never_touches_another_tenant():
 def test_tenant_quota_smaller_than_an_extent_is_a_config_error():
     with pytest.raises(ValueError, match="smaller than one extent"):
         make_core(**{"tenants.quotas": {"team-a": "4KiB"}})
+
+
+def test_a_daemon_stall_is_forgiven_not_blamed_on_the_sessions():
+    core, clock = make_core()
+    a = session(core)
+    core.prepare_store(a, keys(1), "r", None)
+    clock.now += 30            # the daemon was stopped for 30 s: nobody could be heard
+    core.forgive(30)
+    core.sweep()
+    assert core.stats()["sessions"] == 1 and core.stats()["blocks"]["storing"] == 1
+    clock.now += 6             # then 6 s of real silence (> 5 s liveness): reaped
+    core.sweep()
+    assert core.stats()["sessions"] == 0 and core.stats()["blocks"]["storing"] == 0
