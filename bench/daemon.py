@@ -57,9 +57,19 @@ class Session:
         self.reg = self.stub.RegisterSession(kvd_pb2.RegisterSessionRequest(
             model=model, layout=kvd_pb2.KvLayout(block_bytes=BLOCK, num_ranks=1,
                                                  shard_bytes=BLOCK)), metadata=self.md, timeout=5)
+        self._steps = None
 
     def step(self, ops: list[kvd_pb2.StepOp]) -> kvd_pb2.StepResponse:
+        """A unary Step call."""
         return self.stub.Step(kvd_pb2.StepRequest(ops=ops), metadata=self.md, timeout=5)
+
+    def stream_step(self, ops: list[kvd_pb2.StepOp]) -> kvd_pb2.StepResponse:
+        """A step on the session's StepStream, as KvdClient sends it."""
+        if self._steps is None:
+            from kvd_client.step_stream import StepStream
+
+            self._steps = StepStream(self.stub, self.md)
+        return self._steps.call(kvd_pb2.StepRequest(ops=ops), 5.0)
 
     def fill(self, n: int, prefix: bytes) -> None:
         """Store n blocks (bytes are not written: only the index is measured)."""
@@ -71,8 +81,10 @@ class Session:
                 keys=got.keys_to_store, success=True, epoch=got.epoch))])
 
 
-def _client(sock: str, seconds: float, keys_per_step: int, seed: int, out: mp.Queue) -> None:
+def _client(sock: str, seconds: float, keys_per_step: int, seed: int, out: mp.Queue,
+            stream: bool = True) -> None:
     s = Session(sock)
+    step = s.stream_step if stream else s.step
     import random
 
     rng = random.Random(seed)
@@ -83,15 +95,19 @@ def _client(sock: str, seconds: float, keys_per_step: int, seed: int, out: mp.Qu
         keys = [b"hot" + rng.randrange(50_000).to_bytes(8, "big")
                 for _ in range(keys_per_step)]
         t0 = time.perf_counter()
-        s.step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=list(dict.fromkeys(keys))))])
+        step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=list(dict.fromkeys(keys))))])
         lat.append(time.perf_counter() - t0)
         steps += 1
     out.put((steps, lat))
 
 
-def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64) -> dict:
+def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64,
+               stream: bool = True) -> dict:
+    """Step calls/s from `clients` processes, each stepping in lockstep (64-key lookups) on
+    its StepStream (`stream`) or with unary Step calls."""
     q: mp.Queue = mp.Queue()
-    procs = [mp.Process(target=_client, args=(sock, seconds, keys, i, q)) for i in range(clients)]
+    procs = [mp.Process(target=_client, args=(sock, seconds, keys, i, q, stream))
+             for i in range(clients)]
     for p in procs:
         p.start()
     results = [q.get(timeout=seconds + 60) for _ in procs]
@@ -99,7 +115,8 @@ def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64) ->
         p.join(10)
     steps = sum(r[0] for r in results)
     lat = sorted(x for r in results for x in r[1])
-    return {"clients": clients, "steps_per_second": steps / seconds,
+    return {"clients": clients, "transport": "stream" if stream else "unary",
+            "steps_per_second": steps / seconds,
             "p50_seconds": lat[len(lat) // 2], "p99_seconds": lat[int(len(lat) * 0.99)]}
 
 
@@ -112,7 +129,7 @@ def lookup_latency(s: Session, resident_prefix: bytes, resident: int, n: int = 2
         keys = list(dict.fromkeys(resident_prefix + rng.randrange(resident).to_bytes(8, "big")
                                   for _ in range(64)))
         t0 = time.perf_counter()
-        s.step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=keys))])
+        s.stream_step([kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=keys))])
         lat.append(time.perf_counter() - t0)
     lat.sort()
     return {"resident_blocks": resident, "p50_seconds": lat[n // 2],
@@ -174,8 +191,9 @@ def run(quick: bool = False) -> dict:
                              "rss_after_bytes": rss1,
                              "bytes_per_block": (rss1 - rss0) / (big + 10_000)}
             s.fill(50_000, b"hot")
-            out["throughput"] = [throughput(sock, c, seconds=2.0 if quick else 3.0)
-                                 for c in (1, 2, 4, 8)]
+            seconds = 2.0 if quick else 3.0
+            out["throughput"] = [throughput(sock, c, seconds=seconds) for c in (1, 2, 4, 8)]
+            out["throughput_unary"] = [throughput(sock, 8, seconds=seconds, stream=False)]
         finally:
             proc.terminate()
             proc.wait(30)
