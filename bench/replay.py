@@ -80,7 +80,7 @@ def _replay(engine, requests) -> dict:
 def run(shape: str = "chat", size: str = "small", capacity_chunks: int = 600) -> dict:
     requests = generate(shape, size)
     base = _engine("/nonexistent", {"spec_name": "BaselineCPUSpec",
-                                    "spec_module_path": "vllm_baseline",
+                                    "spec_module_path": "tests.vllm.baseline",
                                     "baseline_num_chunks": capacity_chunks})
     baseline = _replay(base, requests)
     with tempfile.TemporaryDirectory(prefix="kvd-r-", dir="/tmp") as work:

@@ -525,7 +525,12 @@ class KvdCore:
             pk = (epoch, key)
             count = s.pins.get(pk)
             if not count:
-                continue  # not pinned by this session: never touch another's pin
+                lease = s.leases.get(key)
+                if lease is not None and lease[1] == epoch:
+                    # Leased by this session and not loaded: the engine gives the lease back.
+                    del s.leases[key]
+                    mgr.unpin(key, epoch)
+                continue  # never touch another session's pin or lease
             if count == 1:
                 del s.pins[pk]
             else:

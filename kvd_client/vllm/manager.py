@@ -7,7 +7,10 @@ per step, in on_schedule_end, and none on a step with nothing to send**:
 - lookup answers from a local view. A key not known yet answers RETRY and is collected; the
   step's round trip resolves every collected key with a lease on the hits (leased hits come back
   with their slot offsets), so the next step answers HIT, and a HIT stays loadable: the daemon
-  cannot evict a leased block, and prepare_load turns the lease into a pin.
+  cannot evict a leased block, and prepare_load turns the lease into a pin. Full-attention
+  groups are resolved as prefixes (the daemon stops at the first key that is not a HIT, as
+  vLLM's scan does), and the leases a request took but did not load are released when it loads
+  or finishes, so leases never hold blocks vLLM's own manager would have been free to evict.
 - prepare_load returns a spec at once from the leased offsets and queues the pin.
 - prepare_store offers every new key at once with an empty spec, and on_schedule_end fills the
   spec's offsets from the daemon's answer before vLLM serialises it to the workers (it does so
@@ -73,13 +76,18 @@ class _StoreBatch:
 
 class KvdOffloadingManager(OffloadingManager):
     def __init__(self, client: KvdClient, *, enable_events: bool = False,
-                 lease_ms: int = LEASE_MS) -> None:
+                 lease_ms: int = LEASE_MS,
+                 sliding_window_groups: Collection[int] = ()) -> None:
         self.client = client
+        # Groups vLLM scans from the end for windows of hits: resolved key by key, not as a
+        # prefix. Every other group is full attention: a maximal-prefix scan.
+        self._suffix_groups = frozenset(sliding_window_groups)
         self.enable_events = enable_events
-        self.lease_ms = lease_ms
+        self.lease_ms = max(int(lease_ms), 100)     # hits need a lease: it carries the offset
         self._generation = client.generation
         self._step = 0
         self._answers: dict[bytes, _Answer] = {}
+        self._leased: dict[str, list[bytes]] = {}             # req_id -> keys it was leased
         self._pending: dict[str, dict[bytes, None]] = {}      # req_id -> keys (ordered set)
         self._pending_count = 0
         self._stores: list[_StoreBatch] = []
@@ -98,6 +106,7 @@ class KvdOffloadingManager(OffloadingManager):
         if self.client.generation != self._generation:
             self._generation = self.client.generation
             self._answers.clear()
+            self._leased.clear()
             self._pending.clear()
             self._pending_count = 0
             self._store_epochs.clear()
@@ -145,7 +154,28 @@ class KvdOffloadingManager(OffloadingManager):
             keys=[k for k, o in zip(keys, offsets, strict=True) if o != SKIP],
             req_id=req_context.req_id, positions=self._positions(keys, req_context)
             if SKIP not in offsets else []))
+        self._release_unloaded(req_context.req_id)
         return KvdSlotsSpec(offsets, pool_id)
+
+    def _release_unloaded(self, req_id: str) -> None:
+        """Give back the leases `req_id`'s lookups took on keys it did not load (the hits past
+        what vLLM loads, e.g. the last block it recomputes): vLLM's own manager holds nothing
+        for them, so neither may kvd. Their answers go too; a later lookup asks again."""
+        leased = self._leased.pop(req_id, None)
+        if not leased:
+            return
+        by_epoch: dict[int, list[bytes]] = {}
+        for key in leased:
+            answer = self._answers.get(key)
+            if answer is None or not answer.hit:
+                continue          # loaded (answer consumed), or already released
+            del self._answers[key]
+            by_epoch.setdefault(answer.epoch, []).append(key)
+        for epoch, keys in by_epoch.items():
+            for i in range(0, len(keys), MAX_KEYS_PER_OP):
+                # CompleteLoad of a key this session leased but did not pin ends the lease.
+                self.client.queue(kvd_pb2.StepOp(complete_load=kvd_pb2.CompleteLoadRequest(
+                    keys=keys[i:i + MAX_KEYS_PER_OP], epoch=epoch)))
 
     @staticmethod
     def _positions(keys: Sequence[bytes], ctx: ReqContext) -> list[int]:
@@ -203,6 +233,7 @@ class KvdOffloadingManager(OffloadingManager):
         dropped = self._pending.pop(req_context.req_id, None)
         if dropped:
             self._pending_count -= len(dropped)
+        self._release_unloaded(req_context.req_id)
         if self.client.available:
             self.client.queue(kvd_pb2.StepOp(request_finished=kvd_pb2.RequestFinishedRequest(
                 req_id=req_context.req_id)))
@@ -228,6 +259,7 @@ class KvdOffloadingManager(OffloadingManager):
                 self._stale_pins.setdefault(epoch, []).append(key)
         self._store_epochs.clear()
         self._pins.clear()
+        self._leased.clear()           # the reset ends every lease at the daemon
         self._reset_requested = self.client.available
 
     def on_reset_flushed(self) -> None:
@@ -269,14 +301,18 @@ class KvdOffloadingManager(OffloadingManager):
         for batch in stores:
             ops.append(kvd_pb2.StepOp(prepare_store=kvd_pb2.PrepareStoreRequest(
                 keys=batch.keys, req_id=batch.req_id, positions=batch.positions)))
-        lookups: list[list[bytes]] = []
+        lookups: list[tuple[str, list[bytes]]] = []
         for req_id, keys in self._pending.items():
-            key_list = list(keys)
-            for i in range(0, len(key_list), MAX_KEYS_PER_OP):
-                part = key_list[i:i + MAX_KEYS_PER_OP]
-                lookups.append(part)
-                ops.append(kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(
-                    keys=part, lease_ms=self.lease_ms, req_id=req_id)))
+            by_group: dict[bytes, list[bytes]] = {}
+            for key in keys:                         # in the order vLLM scanned them
+                by_group.setdefault(key[-4:], []).append(key)
+            for group, key_list in by_group.items():
+                prefix = int.from_bytes(group, "big") not in self._suffix_groups
+                for i in range(0, len(key_list), MAX_KEYS_PER_OP):
+                    part = key_list[i:i + MAX_KEYS_PER_OP]
+                    lookups.append((req_id, part))
+                    ops.append(kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(
+                        keys=part, lease_ms=self.lease_ms, req_id=req_id, prefix=prefix)))
         self._pending.clear()
         self._pending_count = 0
         loads, self._loads = self._loads, []
@@ -316,13 +352,17 @@ class KvdOffloadingManager(OffloadingManager):
                     batch.spec.offsets[i] = offset
                     self._store_epochs[key] = answer.epoch
         expires = sent_at + self.lease_ms / 1000.0 - LEASE_MARGIN_S
-        for part in lookups:
+        for req_id, part in lookups:
             answer = next(it).lookup
-            for i, key in enumerate(part):
-                state = answer.states[i] if i < len(answer.states) else kvd_pb2.BLOCK_STATE_MISS
+            # A prefix lookup answers up to the first key that is not a HIT; the keys after it
+            # stay unknown (vLLM's scan stops at a MISS; after a HIT_PENDING it asks again).
+            offsets = answer.slot_offsets
+            for i, (key, state) in enumerate(zip(part, answer.states, strict=False)):
                 if state == kvd_pb2.BLOCK_STATE_HIT:
-                    self._answers[key] = _Answer(True, answer.slot_offsets[i], pool_id,
+                    offset = offsets[i] if i < len(offsets) else SKIP
+                    self._answers[key] = _Answer(True, offset, pool_id,
                                                  answer.epoch, expires, self._step)
+                    self._leased.setdefault(req_id, []).append(key)
                 elif state == kvd_pb2.BLOCK_STATE_MISS:
                     self._answers[key] = _Answer(False, 0, pool_id, answer.epoch, 0.0,
                                                  self._step)

@@ -48,9 +48,11 @@ class KvdOffloadingSpec(OffloadingSpec):
                 salt=salt_of(self.config), engine_id=self.config.engine_id,
                 engine_kind="vllm", engine_version=getattr(vllm, "__version__", ""),
                 deadline_s=self.deadline_s)
+            sliding = [g.group_id for g in self.config.groups
+                       if g.sliding_window_size_in_chunks is not None]
             self._manager = KvdOffloadingManager(
                 client, enable_events=self.kv_events_config.enable_kv_cache_events,
-                lease_ms=self.lease_ms)
+                lease_ms=self.lease_ms, sliding_window_groups=sliding)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -300,3 +300,20 @@ def test_a_daemon_stall_is_forgiven_not_blamed_on_the_sessions():
     clock.now += 6             # then 6 s of real silence (> 5 s liveness): reaped
     core.sweep()
     assert core.stats()["sessions"] == 0 and core.stats()["blocks"]["storing"] == 0
+
+
+def test_complete_load_without_a_pin_gives_back_the_sessions_lease_only():
+    core, _ = make_core(pool=64 << 10, extent=64 << 10)   # 8 slots
+    a, b = session(core), session(core)
+    _, epoch = core.prepare_store(a, keys(*range(8)), "r", None)
+    core.complete_store(a, keys(*range(8)), True, "r", epoch)
+    core.lookup(a, keys(0, 1), lease_ms=5000)
+    core.lookup(b, keys(1), lease_ms=5000)
+    assert core.stats()["stats"]["leases"] == 3
+    core.complete_load(b, keys(0), "r", epoch)                 # b never leased key 0
+    assert core.stats()["stats"]["leases"] == 3
+    core.complete_load(a, keys(0, 1), "r", epoch)              # a gives back both its leases
+    assert core.stats()["stats"]["leases"] == 1
+    # key 0 is evictable again; key 1 is still protected by b's lease.
+    answer, _ = core.prepare_store(a, keys(9), "r", None)
+    assert answer.evicted_keys and keys(1)[0] not in answer.evicted_keys
