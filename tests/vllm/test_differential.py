@@ -3,10 +3,14 @@ in-process CPUOffloadingManager and with KvdOffloadingSpec against a real daemon
 capacity and eviction policy. Every request must get exactly the same number of hit tokens.
 
 The traces are bench/traces.py's seeded shapes (multi-turn chat with shared system prompts,
-agentic loops re-sending a growing context, long-document QA), sized so the cache evicts.
+agentic loops re-sending a growing context, long-document QA), sized so the cache evicts, and
+random traces of shared prefixes and continued conversations (`KVD_DIFF_SEEDS=1,2,...` picks
+the seeds; 4 by default, 36 more were run when this test was written).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -72,3 +76,50 @@ def test_kvd_hits_equal_vllms_own_offload(start_daemon, shape, chunks, per_chunk
     doc = daemon.stats()
     assert doc["stats"]["pins"] == 0 and doc["blocks"]["storing"] == 0
     assert doc["stats"]["evictions_total"] > 0, "the cache never evicted: raise the pressure"
+
+
+def random_trace(seed: int) -> list:
+    """Prompts built from a few shared prefixes, private suffixes and re-sent conversations."""
+    import random
+
+    from bench.traces import Request
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 50_000) for _ in range(16 * rng.randint(4, 30))]
+                for _ in range(3)]
+    out: list[Request] = []
+    for i in range(10):
+        if out and rng.random() < 0.4:
+            base = list(rng.choice(out).tokens)              # a conversation goes on
+        else:
+            base = list(rng.choice(prefixes))
+        tail = [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 16 * 20))]
+        out.append(Request(session=i, tokens=tuple((base + tail)[:MAX_TOKENS])))
+    return out
+
+
+@pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("KVD_DIFF_SEEDS", "1,2,3,4").split(",")])
+def test_kvd_hits_equal_vllms_own_offload_on_random_traces(start_daemon, seed):
+    import random
+
+    rng = random.Random(seed)
+    chunks, policy = rng.randint(64, 160), ("lru", "arc")[seed % 2]
+    requests = random_trace(seed)
+    baseline = Engine("/nonexistent", num_gpu_blocks=512,
+                      extra={"spec_name": "BaselineCPUSpec",
+                             "spec_module_path": "tests.vllm.baseline",
+                             "baseline_num_chunks": chunks, "eviction_policy": policy})
+    try:
+        expected = replay(baseline, requests)
+    finally:
+        baseline.close()
+    daemon = start_daemon("--pool-size", str(chunks * 4096), "--extent-size",
+                          str(chunks * 4096), "--policy", policy)
+    engine = Engine(daemon.socket, num_gpu_blocks=512)
+    try:
+        assert engine.manager.client.wait_available(10)
+        got = replay(engine, requests)
+    finally:
+        engine.close()
+    assert sum(expected.values()) > 0, "the trace never hits: it proves nothing"
+    assert got == expected, (chunks, policy)
