@@ -221,17 +221,23 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(parse(item) for item in value)
 
 
+def _pairs(value: Any, form: str) -> Any:
+    """The env/flag form of a table, "a=1,b=2", as a dict; anything else unchanged."""
+    if not isinstance(value, str):
+        return value
+    pairs: dict[str, str] = {}
+    for item in value.split(","):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise ValueError(f"expected {form} pairs separated by commas, got {value!r}")
+        key, val = item.split("=", 1)
+        pairs[key.strip()] = val.strip()
+    return pairs
+
+
 def _tenant_map(value: Any) -> dict[str, str]:
-    if isinstance(value, str):  # env/flag form: "1001=team-a,1002=team-b"
-        pairs: dict[str, str] = {}
-        for item in value.split(","):
-            if not item.strip():
-                continue
-            if "=" not in item:
-                raise ValueError(f"expected ID=TENANT pairs separated by commas, got {value!r}")
-            key, name = item.split("=", 1)
-            pairs[key.strip()] = name.strip()
-        value = pairs
+    value = _pairs(value, "ID=TENANT")      # "1001=team-a,1002=team-b"
     if not isinstance(value, dict):
         raise ValueError(f"expected a table of id = tenant name, got {value!r}")
     out: dict[str, str] = {}
@@ -244,16 +250,7 @@ def _tenant_map(value: Any) -> dict[str, str]:
 
 
 def _quota_map(value: Any) -> dict[str, int]:
-    if isinstance(value, str):  # env/flag form: "team-a=4GiB,team-b=2GiB"
-        pairs: dict[str, str] = {}
-        for item in value.split(","):
-            if not item.strip():
-                continue
-            if "=" not in item:
-                raise ValueError(f"expected TENANT=SIZE pairs separated by commas, got {value!r}")
-            name, size = item.split("=", 1)
-            pairs[name.strip()] = size.strip()
-        value = pairs
+    value = _pairs(value, "TENANT=SIZE")    # "team-a=4GiB,team-b=2GiB"
     if not isinstance(value, dict):
         raise ValueError(f"expected a table of tenant name = size, got {value!r}")
     out: dict[str, int] = {}

@@ -48,11 +48,9 @@ def replay(engine: Engine, requests) -> dict[str, int]:
     return hits
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
-@pytest.mark.parametrize("shape, chunks, per_chunk", CASES,
-                         ids=[f"{s}-{c}chunks-bpc{b}" for s, c, b in CASES])
-def test_kvd_hits_equal_vllms_own_offload(start_daemon, shape, chunks, per_chunk, policy):
-    requests = generate(shape, "smoke")
+def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 1):
+    """Replay `requests` with vLLM's own manager, then with kvd at the same capacity:
+    (vLLM's hits, kvd's hits, the daemon)."""
     baseline = Engine("/nonexistent", num_gpu_blocks=512, blocks_per_chunk=per_chunk,
                       extra={"spec_name": "BaselineCPUSpec",
                              "spec_module_path": "tests.vllm.baseline",
@@ -72,6 +70,15 @@ def test_kvd_hits_equal_vllms_own_offload(start_daemon, shape, chunks, per_chunk
     finally:
         engine.close()
     assert sum(expected.values()) > 0, "the trace never hits: it proves nothing"
+    return expected, got, daemon
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("shape, chunks, per_chunk", CASES,
+                         ids=[f"{s}-{c}chunks-bpc{b}" for s, c, b in CASES])
+def test_kvd_hits_equal_vllms_own_offload(start_daemon, shape, chunks, per_chunk, policy):
+    expected, got, daemon = run_both(start_daemon, generate(shape, "smoke"), chunks, policy,
+                                     per_chunk)
     assert got == expected
     doc = daemon.stats()
     assert doc["stats"]["pins"] == 0 and doc["blocks"]["storing"] == 0
@@ -104,22 +111,5 @@ def test_kvd_hits_equal_vllms_own_offload_on_random_traces(start_daemon, seed):
 
     rng = random.Random(seed)
     chunks, policy = rng.randint(64, 160), ("lru", "arc")[seed % 2]
-    requests = random_trace(seed)
-    baseline = Engine("/nonexistent", num_gpu_blocks=512,
-                      extra={"spec_name": "BaselineCPUSpec",
-                             "spec_module_path": "tests.vllm.baseline",
-                             "baseline_num_chunks": chunks, "eviction_policy": policy})
-    try:
-        expected = replay(baseline, requests)
-    finally:
-        baseline.close()
-    daemon = start_daemon("--pool-size", str(chunks * 4096), "--extent-size",
-                          str(chunks * 4096), "--policy", policy)
-    engine = Engine(daemon.socket, num_gpu_blocks=512)
-    try:
-        assert engine.manager.client.wait_available(10)
-        got = replay(engine, requests)
-    finally:
-        engine.close()
-    assert sum(expected.values()) > 0, "the trace never hits: it proves nothing"
+    expected, got, _ = run_both(start_daemon, random_trace(seed), chunks, policy)
     assert got == expected, (chunks, policy)
