@@ -24,26 +24,29 @@ MODEL = "load-model"
 BLOCK = 16 * 1024
 
 
-def main(socket: str, seed: str, duration: float, universe_n: int) -> int:
+def main(socket: str, seed: str, duration: float, universe_n: int,
+         reset_p: float = 0.0) -> int:
     rng = random.Random(seed)
     universe = keys_for("load", universe_n)
     engine = Engine(socket, MODEL, block=BLOCK, engine_id=f"load-{seed}")
     rec = {"granted": 0, "completed": 0, "failed": 0, "mismatched": 0, "cannot_store": 0,
-           "loads": 0, "load_races": 0, "corrupt": 0, "steps": 0, "evicted_seen": 0}
+           "loads": 0, "load_races": 0, "corrupt": 0, "steps": 0, "evicted_seen": 0,
+           "resets": 0, "slowest_step_s": 0.0}
     print("ready", flush=True)
     sys.stdin.readline()
     end = time.monotonic() + duration
-    for _ in range(1_000_000):                  # bounded by the clock below
-        if time.monotonic() > end:
-            break
-        rec["steps"] += 1
+
+    def one_step() -> None:
         keys = rng.sample(universe, 8)
-        if rng.random() < 0.5:
+        if rng.random() < reset_p:
+            engine.call("Reset", kvd_pb2.ResetRequest())
+            rec["resets"] += 1
+        elif rng.random() < 0.5:
             grant = engine.call("PrepareStore", kvd_pb2.PrepareStoreRequest(keys=keys, req_id=seed))
             rec["cannot_store"] += grant.cannot_store
             rec["evicted_seen"] += len(grant.evicted_keys)
             if not grant.keys_to_store:
-                continue
+                return
             rec["granted"] += len(grant.keys_to_store)
             for key, offset in zip(grant.keys_to_store, grant.slot_offsets, strict=True):
                 engine.write(offset, block_bytes_of(key, BLOCK))
@@ -61,7 +64,7 @@ def main(socket: str, seed: str, duration: float, universe_n: int) -> int:
             hits = [k for k, s in zip(keys, res.states, strict=True)
                     if s == kvd_pb2.BLOCK_STATE_HIT]
             if not hits:
-                continue
+                return
             try:
                 out = engine.call("PrepareLoad", kvd_pb2.PrepareLoadRequest(keys=hits,
                                                                              req_id=seed))
@@ -69,7 +72,7 @@ def main(socket: str, seed: str, duration: float, universe_n: int) -> int:
                 if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 rec["load_races"] += 1
-                continue
+                return
             for key, offset in zip(hits, out.slot_offsets, strict=True):
                 if engine.read(offset) != block_bytes_of(key, BLOCK):
                     rec["corrupt"] += 1
@@ -78,10 +81,19 @@ def main(socket: str, seed: str, duration: float, universe_n: int) -> int:
                                                                     epoch=out.epoch))
         if rng.random() < 0.1:
             engine.call("RequestFinished", kvd_pb2.RequestFinishedRequest(req_id=seed))
+
+    for _ in range(1_000_000):                  # bounded by the clock below
+        if time.monotonic() > end:
+            break
+        rec["steps"] += 1
+        started = time.monotonic()
+        one_step()
+        rec["slowest_step_s"] = max(rec["slowest_step_s"], time.monotonic() - started)
     engine.close()
     print(json.dumps(rec), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])))
+    sys.exit(main(sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]),
+                  float(sys.argv[5]) if len(sys.argv) > 5 else 0.0))
