@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stats", parents=[common, client], help="show the daemon's statistics",
                        description="Grouped statistics (server, pool, blocks, sessions, "
-                                   "namespaces, stats, rpc) with human units.")
+                                   "stats, tenants, namespaces, rpc) with human units.")
     p.add_argument("--json", action="store_true",
                    help="print the stats document verbatim as one JSON object")
     p.set_defaults(func=cmd_stats)
@@ -514,6 +514,13 @@ def render_stats(doc: dict[str, Any]) -> str:
         ("stored", f"{format_size(transfers.get('store_bytes_total', 0))} in "
                    f"{transfers.get('store_seconds_total', 0.0):.2f}s"),
     ])
+    tenants = doc.get("tenants", {})
+    if tenants:
+        lines += [""] + _rows("tenants", [
+            (_cut(name, 21), f"{format_size(t.get('used_bytes', 0))} of "
+                             + (format_size(t["quota_bytes"]) if t.get("quota_bytes")
+                                else "the pool (no quota)"))
+            for name, t in sorted(tenants.items())[:32]])
     namespaces = doc.get("namespaces", [])
     lines += ["", f"# namespaces ({len(namespaces)})"]
     for ns in namespaces:

@@ -114,6 +114,7 @@ class StatsCollector(Collector):
         yield from _sessions(doc)
         yield from _totals(doc.get("stats", {}))
         yield from _namespaces(doc.get("namespaces", []))
+        yield from _tenants(doc.get("tenants", {}))
         yield from _transfers(doc.get("transfers", {}))
 
 
@@ -215,6 +216,27 @@ def _namespaces(namespaces: Sequence[dict[str, Any]]) -> Iterator[Metric]:
     yield stores
     yield slots
     yield ns_blocks
+
+
+def _tenants(tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Pool use and quota per tenant. Tenants come from the configuration (plus "default"), so
+    the label set is bounded by what the operator wrote; past MAX_NAMESPACE_LABELS, "other"."""
+    used = GaugeMetricFamily("kvd_tenant_used_bytes",
+                             "Pool bytes held by a tenant's namespaces (whole extents).",
+                             labels=["tenant"])
+    quota = GaugeMetricFamily("kvd_tenant_quota_bytes",
+                              "A tenant's pool quota (tenants.quotas); 0: none.",
+                              labels=["tenant"])
+    names = sorted(tenants)
+    for name in names[:MAX_NAMESPACE_LABELS]:
+        used.add_metric([name], tenants[name].get("used_bytes", 0))
+        quota.add_metric([name], tenants[name].get("quota_bytes", 0))
+    rest = names[MAX_NAMESPACE_LABELS:]
+    if rest:
+        used.add_metric(["other"], sum(tenants[n].get("used_bytes", 0) for n in rest))
+        quota.add_metric(["other"], sum(tenants[n].get("quota_bytes", 0) for n in rest))
+    yield used
+    yield quota
 
 
 def _bounded(namespaces: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:

@@ -148,6 +148,9 @@ SAMPLE = {
                     "lookups_total": 100, "hits_total": 60, "misses_total": 40}],
     "stats": {"lookups_total": 100, "hits_total": 60, "misses_total": 40, "pins": 2,
               "leases": 1, "step_calls_total": 7, "step_ops_total": 20},
+    "tenants": {"a-very-long-tenant-name-that-goes-on": {"used_bytes": 64 << 20,
+                                                         "quota_bytes": 128 << 20},
+                "default": {"used_bytes": 0, "quota_bytes": 0}},
     "transfers": {"load_bytes_total": 123 << 20, "load_seconds_total": 0.5,
                   "store_bytes_total": 10 << 30, "store_seconds_total": 2.0},
     "rpc": {"Step": {"calls_total": 7, "errors_total": 0},
@@ -157,8 +160,10 @@ SAMPLE = {
 
 def test_stats_rendering_is_grouped_and_fits_80_columns():
     text = cli.render_stats(SAMPLE)
-    for section in ("server", "pool", "blocks", "sessions", "stats", "namespaces (1)", "rpc"):
+    for section in ("server", "pool", "blocks", "sessions", "stats", "tenants",
+                    "namespaces (1)", "rpc"):
         assert f"# {section}" in text
+    assert "64MiB of 128MiB" in text and "of the pool (no quota)" in text
     assert all(len(line) <= 80 for line in text.splitlines()), text
     assert "1GiB" in text and "64MiB (6.2%)" in text and "1h 2m 5s" in text
     assert "60 (60.0%)" in text
