@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,14 +83,16 @@ class Session:
 
 
 def _client(sock: str, seconds: float, keys_per_step: int, seed: int, out: mp.Queue,
-            stream: bool = True) -> None:
+            stream: bool, start: Any) -> None:
     s = Session(sock)
     step = s.stream_step if stream else s.step
+    step([])                           # the stream is open before the clock starts
     import random
 
     rng = random.Random(seed)
     steps = 0
     lat = []
+    start.wait(120)                    # every client starts at once
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         keys = [b"hot" + rng.randrange(50_000).to_bytes(8, "big")
@@ -105,11 +108,14 @@ def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64,
                stream: bool = True) -> dict:
     """Step calls/s from `clients` processes, each stepping in lockstep (64-key lookups) on
     its StepStream (`stream`) or with unary Step calls."""
-    q: mp.Queue = mp.Queue()
-    procs = [mp.Process(target=_client, args=(sock, seconds, keys, i, q, stream))
+    ctx = mp.get_context("spawn")      # this process has gRPC threads: never fork it
+    q = ctx.Queue()
+    start = ctx.Barrier(clients + 1)
+    procs = [ctx.Process(target=_client, args=(sock, seconds, keys, i, q, stream, start))
              for i in range(clients)]
     for p in procs:
         p.start()
+    start.wait(120)
     results = [q.get(timeout=seconds + 60) for _ in procs]
     for p in procs:
         p.join(10)
