@@ -216,6 +216,10 @@ class KvdCore:
         self.leases_expired_total = 0
         self.resets_total = 0
         self.transfers = TransferStats()
+        # Bytes of blocks whose copies completed, counted by the daemon itself (block size x
+        # completions), so bandwidth is visible whatever the client reports.
+        self.completed_load_bytes = 0
+        self.completed_store_bytes = 0
 
     # ------------------------------------------------------------ lifecycle
     def set_serving(self) -> None:
@@ -536,6 +540,7 @@ class KvdCore:
             else:
                 s.pins[pk] = count - 1
             mgr.complete_load((key,), None, epoch)
+            self.completed_load_bytes += ns.layout.block_bytes
         stale = epoch < ns.epoch
         if stale:
             self._maybe_release(ns)
@@ -583,6 +588,7 @@ class KvdCore:
             self._maybe_release(ns)
             return CompleteStoreResult(True, 0, mismatched)
         completed = ns.mgr.complete_store(own, success, None, epoch)
+        self.completed_store_bytes += completed * ns.layout.block_bytes
         if not success:
             self._maybe_release(ns)
         return CompleteStoreResult(False, completed, mismatched)
@@ -704,7 +710,9 @@ class KvdCore:
             "stats": {**counters, "pins": pins, "leases": leases,
                       "leases_expired_total": self.leases_expired_total,
                       "resets_total": self.resets_total},
-            "transfers": {"load_bytes_total": t.load_bytes, "load_seconds_total": t.load_seconds,
+            "transfers": {"completed_load_bytes_total": self.completed_load_bytes,
+                          "completed_store_bytes_total": self.completed_store_bytes,
+                          "load_bytes_total": t.load_bytes, "load_seconds_total": t.load_seconds,
                           "store_bytes_total": t.store_bytes,
                           "store_seconds_total": t.store_seconds},
         }

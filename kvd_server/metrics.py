@@ -256,6 +256,12 @@ def _bounded(namespaces: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, 
 
 
 def _transfers(transfers: dict[str, Any]) -> Iterator[Metric]:
+    yield _counter("kvd_loaded_bytes",
+                   "Bytes of blocks whose loads completed (block size x completed loads).",
+                   transfers.get("completed_load_bytes_total", 0))
+    yield _counter("kvd_stored_bytes",
+                   "Bytes of blocks whose stores completed (block size x completed stores).",
+                   transfers.get("completed_store_bytes_total", 0))
     yield _counter("kvd_transfer_load_bytes", "Bytes loaded pool->engine (client reports).",
                    transfers.get("load_bytes_total", 0))
     yield _counter("kvd_transfer_store_bytes", "Bytes stored engine->pool (client reports).",

@@ -57,6 +57,9 @@ def test_live_metrics_move_with_traffic_and_pass_promtool(start_daemon):
     assert _value(text, "kvd_pool_used_bytes") == 1 << 20
     assert _value(before, "kvd_pool_used_bytes") == 0
     assert _value(text, 'kvd_tenant_used_bytes{tenant="default"}') == 1 << 20
+    # 20 stores and 4 loads completed, of 64 KiB blocks, counted by the daemon itself.
+    assert _value(text, "kvd_stored_bytes_total") == 20 * (64 << 10)
+    assert _value(text, "kvd_loaded_bytes_total") == 4 * (64 << 10)
     assert _value(text, 'kvd_tenant_quota_bytes{tenant="default"}') == 0
     assert 'kvd_rpc_duration_seconds_count{method="PrepareStore"}' in text
     if shutil.which("promtool") is None:

@@ -30,7 +30,10 @@ def _doc(namespaces: int = 2) -> dict:
         "stats": {"pins": 2, "leases": 1, "leases_expired_total": 4, "resets_total": 1,
                   "step_calls_total": 9, "step_ops_total": 20},
         "transfers": {"load_bytes_total": 1000, "load_seconds_total": 0.5,
-                      "store_bytes_total": 2000, "store_seconds_total": 0.25},
+                      "store_bytes_total": 2000, "store_seconds_total": 0.25,
+                      "completed_load_bytes_total": 4096, "completed_store_bytes_total": 8192},
+        "tenants": {"default": {"used_bytes": 1 << 20, "quota_bytes": 0},
+                    "team-a": {"used_bytes": 0, "quota_bytes": 4 << 20}},
     }
 
 
