@@ -250,6 +250,10 @@ class _Daemon:
                 try:
                     self._token = request_admin_token(self.path + ATTACH_SUFFIX, self.timeout)
                 except AdminTokenRefused as exc:
+                    if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                        raise CliError(f"the daemon at {self.path} did not answer on its "
+                                       f"attach socket ({exc.code}: {exc}); check it with "
+                                       "`kvd health`", EXIT_UNREACHABLE) from None
                     raise CliError(f"no admin permission: {exc.code}: {exc} (pass "
                                    "--admin-token-file, or run as root, the daemon's user or "
                                    "one of server.admin_uids/admin_gids)") from None

@@ -187,3 +187,20 @@ def test_a_stopped_daemon_does_not_reap_sessions_for_its_own_silence(daemon: Dae
         assert "did not run for" in daemon.log()
     finally:
         e.close()
+
+
+def test_cli_against_a_stopped_daemon_exits_2_within_its_timeout(daemon: Daemon):
+    import signal
+    import time
+
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        for command in (("stats",), ("reset", "--yes"), ("drain",)):
+            t0 = time.monotonic()
+            out = daemon.kvd(*command, "--timeout", "1")
+            assert out.returncode == 2, (command, out.stderr)
+            assert "did not answer" in out.stderr and "Traceback" not in out.stderr
+            assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert daemon.kvd("health").returncode == 0
