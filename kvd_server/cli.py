@@ -130,14 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reset", parents=[common, client], help="drop cached blocks",
                        description="Drop every ready block (of all namespaces, or one) and bump "
                                    "the epochs. Loads and stores in flight finish harmlessly. "
-                                   "Asks for confirmation on a terminal unless --yes.")
+                                   "Asks for confirmation on a terminal unless --yes. Needs "
+                                   "admin permission: root, the daemon's user, "
+                                   "server.admin_uids/admin_gids, or --admin-token-file.")
     p.add_argument("--namespace", metavar="ID", default="", help="only this namespace id")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=cmd_reset)
 
     p = sub.add_parser("drain", parents=[common, client], help="drain the daemon and make it exit",
                        description="Health NOT_SERVING, new stores refused, loads in flight "
-                                   "finish (up to the drain timeout), then the daemon exits 0.")
+                                   "finish (up to the drain timeout), then the daemon exits 0. "
+                                   "Needs admin permission, as reset does.")
     p.add_argument("--drain-timeout", metavar="DURATION", default=None,
                    help="wait at most this long for loads in flight (default: "
                         "server.drain_timeout of the daemon)")
