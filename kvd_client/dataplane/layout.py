@@ -1,9 +1,13 @@
 """Byte layout of one slot, shared by the planner and every backend.
 
-A slot holds one offloaded chunk (`blocks_per_chunk` engine blocks of every KV tensor) for all
-ranks: rank r owns bytes [r * shard_bytes, (r + 1) * shard_bytes). Inside a rank's shard, tensor
-t's pages come one after another from `tensor_offsets[t]`, each `page_bytes[t]` long, so block j
-of the chunk sits at `tensor_offsets[t] + j * page_bytes[t]` (vLLM's CPU layout, per rank).
+A slot holds one offloaded chunk of one KV group (`blocks_per_chunk` engine blocks of every
+tensor the group references) for all ranks: rank r owns bytes [r * shard_bytes, (r + 1) *
+shard_bytes). Inside a rank's shard, the group's k-th tensor reference starts at
+`group_offsets[g][k]` (its references' pages one after another, `page_bytes[t]` each), so block j
+of the chunk sits at `group_offsets[g][k] + j * page_bytes[t]`. A key names one group, so a slot
+needs room for the largest group only: hybrid models (full attention + sliding window groups
+over one shared allocation) fit the bytes per block vLLM reports. With one group referencing
+every tensor in order this is vLLM's CPU layout, per rank.
 """
 
 from __future__ import annotations
@@ -38,16 +42,23 @@ class SlotLayout:
     num_ranks: int = 1
 
     @property
-    def tensor_offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for page in self.page_bytes:
-            out.append(acc)
-            acc += page * self.blocks_per_chunk
+    def group_offsets(self) -> tuple[tuple[int, ...], ...]:
+        """Per group, where each of its tensor references starts inside a rank's shard."""
+        out = []
+        for refs in self.refs_per_group:
+            offsets, acc = [], 0
+            for ref in refs:
+                offsets.append(acc)
+                acc += self.page_bytes[ref.tensor_idx] * self.blocks_per_chunk
+            out.append(tuple(offsets))
         return tuple(out)
 
     @property
     def shard_bytes(self) -> int:
-        return sum(self.page_bytes) * self.blocks_per_chunk
+        if not self.refs_per_group:
+            return sum(self.page_bytes) * self.blocks_per_chunk
+        return max(sum(self.page_bytes[r.tensor_idx] for r in refs)
+                   for refs in self.refs_per_group) * self.blocks_per_chunk
 
     @property
     def slot_bytes(self) -> int:

@@ -55,7 +55,7 @@ def plan_transfer(layout: SlotLayout, tensors: Sequence[EngineTensor], *, pool_b
     bpc = layout.blocks_per_chunk
     ids_all = np.asarray(block_ids, dtype=np.int64)
     offs_all = np.asarray(slot_offsets, dtype=np.int64)
-    toff = layout.tensor_offsets
+    goff = layout.group_offsets
     rank_base = pool_base + rank * layout.shard_bytes
     engine_parts: list[np.ndarray] = []
     host_parts: list[np.ndarray] = []
@@ -76,12 +76,12 @@ def plan_transfer(layout: SlotLayout, tensors: Sequence[EngineTensor], *, pool_b
         keep = slot != SKIP
         if not keep.all():
             ids, within, slot = ids[keep], within[keep], slot[keep]
-        for ref in layout.refs_per_group[g]:
+        for ref, ref_offset in zip(layout.refs_per_group[g], goff[g], strict=True):
             t = tensors[ref.tensor_idx]
             if ids.size and (ids.min() < 0 or ids.max() >= t.num_blocks):
                 raise ValueError(f"block id out of range 0..{t.num_blocks - 1}")
             engine_parts.append(t.base + ids * t.row_stride)
-            host_parts.append(rank_base + slot + toff[ref.tensor_idx]
+            host_parts.append(rank_base + slot + ref_offset
                               + within * layout.page_bytes[ref.tensor_idx])
             len_parts.append(np.full(ids.size, ref.copy_bytes, dtype=np.int64))
         b_start += n

@@ -63,17 +63,17 @@ def test_store_then_load_roundtrip_matches_reference(n_tensors, bpc, ranks, n_gr
     # reference: byte by byte where each block's pages must land
     expect = np.zeros_like(pool)
     b = c = 0
-    toff = layout.tensor_offsets
+    goff = layout.group_offsets
     for g, (n, b0) in enumerate(zip(sizes, indices)):
         for i in range(n):
             pos = b0 % bpc + i
             off = offsets[c + pos // bpc]
             if off != SKIP:
-                for ref in refs[g]:
+                for k, ref in enumerate(refs[g]):
                     t = ref.tensor_idx
                     row = pages[t] + pad
                     src = bufs[t][ids[b + i] * row: ids[b + i] * row + ref.copy_bytes]
-                    at = off + rank * layout.shard_bytes + toff[t] + (pos % bpc) * pages[t]
+                    at = off + rank * layout.shard_bytes + goff[g][k] + (pos % bpc) * pages[t]
                     expect[at: at + ref.copy_bytes] = src
         b += n
         c += chunks_for_group(n, b0, bpc)

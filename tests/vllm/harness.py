@@ -42,6 +42,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -63,7 +64,10 @@ class Engine:
 
     def __init__(self, socket_path: str, *, block_size: int = 16, num_gpu_blocks: int = 64,
                  blocks_per_chunk: int = 1, head_size: int = 8,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window` (tokens) adds a second KV group, a sliding-window layer, as hybrid
+        models (Gemma, gpt-oss) have."""
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         extra_config: dict[str, Any] = {
@@ -91,14 +95,21 @@ class Engine:
         config.cache_config.num_gpu_blocks = num_gpu_blocks
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size,
                                  dtype=torch.float32)
-        group = KVCacheGroupSpec(["layer0"], spec)
+        groups = [KVCacheGroupSpec(["layer0"], spec)]
+        if sliding_window is not None:
+            config.scheduler_config.disable_hybrid_kv_cache_manager = False
+            groups.append(KVCacheGroupSpec(["layer1"], SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=1, head_size=head_size,
+                dtype=torch.float32, sliding_window=sliding_window)))
         kv_cache_config = KVCacheConfig(
             num_blocks=num_gpu_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * num_gpu_blocks,
-                                            layers=["layer0"],
-                                            layer_stride=spec.page_size_bytes * num_gpu_blocks,
-                                            block_stride=spec.page_size_bytes)],
-            kv_cache_groups=[group])
+            kv_cache_tensors=[KVCacheTensor(size=g.kv_cache_spec.page_size_bytes * num_gpu_blocks,
+                                            layers=list(g.layer_names),
+                                            layer_stride=g.kv_cache_spec.page_size_bytes
+                                            * num_gpu_blocks,
+                                            block_stride=g.kv_cache_spec.page_size_bytes)
+                              for g in groups],
+            kv_cache_groups=groups)
         sched_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, config)
         self.config = config
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
@@ -107,8 +118,13 @@ class Engine:
                                    block_size=sched_block, hash_block_size=hash_block)
         self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
         self.kv = torch.zeros(num_gpu_blocks, 2, block_size, 1, head_size, dtype=torch.float32)
+        caches = {"layer0": self.kv}
+        self.kv_window: torch.Tensor | None = None
+        if sliding_window is not None:
+            self.kv_window = torch.zeros_like(self.kv)
+            caches["layer1"] = self.kv_window
         with set_current_vllm_config(config):
-            self.worker.register_kv_caches({"layer0": self.kv})
+            self.worker.register_kv_caches(caches)
         self.connector = self.scheduler.connector
         self.manager = self.connector.connector_scheduler.manager
         init_none_hash(sha256)
@@ -116,6 +132,7 @@ class Engine:
         self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self.stats = EngineStats()
         self.blocks_seen: dict[str, list[int]] = {}
+        self.window_blocks_seen: dict[str, list[int]] = {}     # the sliding-window group's
         self.poison = False   # write -1 instead of the pattern: loaded blocks must not look so
 
     # ------------------------------------------------------------------ requests
@@ -127,17 +144,19 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
-    def block_ids(self, req_id: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+    def block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
 
     def expected_block(self, tokens: list[int], i: int) -> torch.Tensor:
         """The bytes the 'model' would have written into logical block i of a prompt."""
         return self.pattern(tokens[: (i + 1) * self.block_size], i, self.kv[0].shape)
 
     @staticmethod
-    def pattern(token_ids: list[int], block_index: int, shape: torch.Size) -> torch.Tensor:
-        """What the 'model' writes into a block: a function of its tokens' prefix."""
-        seed = hash((tuple(token_ids), block_index)) & 0x7FFFFFFF
+    def pattern(token_ids: list[int], block_index: int, shape: torch.Size,
+                group: int = 0) -> torch.Tensor:
+        """What the 'model' writes into a block: a function of its tokens' prefix (and of the
+        KV group, so a group's slot can never pass for another's)."""
+        seed = hash((tuple(token_ids), block_index, group)) & 0x7FFFFFFF
         g = torch.Generator().manual_seed(seed)
         return torch.rand(shape, generator=g)
 
@@ -160,6 +179,11 @@ class Engine:
                     self.kv[ids[i]] = -1.0
                 else:
                     self.kv[ids[i]] = self.pattern(tokens, i, self.kv[ids[i]].shape)
+                if self.kv_window is not None:
+                    window_ids = self.block_ids(req_id, 1)
+                    if i < len(window_ids) and window_ids[i] != 0:   # 0: outside the window
+                        self.kv_window[window_ids[i]] = -1.0 if self.poison else self.pattern(
+                            tokens, i, self.kv_window[0].shape, group=1)
 
     # -------------------------------------------------------------------- steps
     def step(self) -> Any:
@@ -181,6 +205,8 @@ class Engine:
             self.stats.hit_tokens.setdefault(new.req_id, new.num_computed_tokens)
         for rid in out.num_scheduled_tokens:
             self.blocks_seen[rid] = self.block_ids(rid)
+            if self.kv_window is not None:
+                self.window_blocks_seen[rid] = self.block_ids(rid, 1)
         runner_out = ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},

@@ -170,3 +170,25 @@ def test_daemon_killed_mid_run_then_restarted(start_daemon, workdir):
         assert d2.stats()["sessions"] >= 1
     finally:
         e.close()
+
+
+def test_hybrid_model_full_and_sliding_window_groups(engines):
+    """A hybrid model (a full-attention group and a sliding-window group over one allocation,
+    as Gemma or gpt-oss have): each group's chunks go to their own slots, the worker copies
+    both, and the reader gets exactly the writer's bytes in both groups."""
+    window = 4 * BS
+    reader, tokens, hit_blocks = write_then_read(engines, 31, 20 * BS, sliding_window=window)
+    worker = reader.worker.connector_worker.worker
+    assert worker.usable, "the worker refused the hybrid layout"
+    assert hit_blocks >= 16
+    assert_loaded_bytes(reader, tokens, hit_blocks)
+    # The sliding-window group loads only the blocks inside the window before the hit.
+    ids = reader.window_blocks_seen["r"]
+    checked = 0
+    for i in range(max(0, hit_blocks - window // BS), hit_blocks):
+        if ids[i] == 0:
+            continue
+        expected = reader.pattern(tokens[: (i + 1) * BS], i, reader.kv_window[0].shape, group=1)
+        assert torch.equal(reader.kv_window[ids[i]], expected), f"window block {i}"
+        checked += 1
+    assert checked > 0, "no sliding-window block was loaded"

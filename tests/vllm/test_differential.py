@@ -48,11 +48,12 @@ def replay(engine: Engine, requests) -> dict[str, int]:
     return hits
 
 
-def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 1):
+def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 1,
+             sliding_window: int | None = None):
     """Replay `requests` with vLLM's own manager, then with kvd at the same capacity:
     (vLLM's hits, kvd's hits, the daemon)."""
     baseline = Engine("/nonexistent", num_gpu_blocks=512, blocks_per_chunk=per_chunk,
-                      extra={"spec_name": "BaselineCPUSpec",
+                      sliding_window=sliding_window, extra={"spec_name": "BaselineCPUSpec",
                              "spec_module_path": "tests.vllm.baseline",
                              "baseline_num_chunks": chunks, "eviction_policy": policy})
     try:
@@ -63,7 +64,8 @@ def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 
     pool = chunks * slot
     daemon = start_daemon("--pool-size", str(pool), "--extent-size", str(pool),
                           "--policy", policy)
-    engine = Engine(daemon.socket, num_gpu_blocks=512, blocks_per_chunk=per_chunk)
+    engine = Engine(daemon.socket, num_gpu_blocks=512, blocks_per_chunk=per_chunk,
+                    sliding_window=sliding_window)
     try:
         assert engine.manager.client.wait_available(10)
         got = replay(engine, requests)
@@ -113,3 +115,12 @@ def test_kvd_hits_equal_vllms_own_offload_on_random_traces(start_daemon, seed):
     chunks, policy = rng.randint(64, 160), ("lru", "arc")[seed % 2]
     expected, got, _ = run_both(start_daemon, random_trace(seed), chunks, policy)
     assert got == expected, (chunks, policy)
+
+
+@pytest.mark.parametrize("shape, chunks", [("chat", 120), ("chat", 300)])
+def test_kvd_hits_equal_vllms_own_offload_on_a_hybrid_model(start_daemon, shape, chunks):
+    """A full-attention group plus a 64-token sliding-window group: vLLM scans the window
+    group from the end, and kvd resolves its keys one by one rather than as a prefix."""
+    expected, got, _ = run_both(start_daemon, generate(shape, "smoke"), chunks, "lru",
+                                sliding_window=64)
+    assert got == expected
