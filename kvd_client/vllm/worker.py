@@ -50,13 +50,17 @@ class KvdOffloadingWorker(OffloadingWorker):
                 for group in kv_caches.group_data_refs]
         self.layout: SlotLayout = make_layout(self.tensors, refs, blocks_per_chunk,
                                               max(1, world_size))
-        # The scheduler sized slots from vLLM's worker_kv_bytes_per_block; a mismatch would
-        # make ranks overwrite each other's shards, so refuse to copy at all.
+        # The scheduler sized slots from vLLM's worker_kv_bytes_per_block. If this worker's
+        # pages do not fit, ranks would overwrite each other's shards, and skipping the copies
+        # is no way out either: vLLM 0.33's offloading API has no failed load, so a skipped load
+        # would hand the model whatever the GPU blocks held. Refuse to start instead.
         self.usable = self.layout.shard_bytes <= expected_shard_bytes
         if not self.usable:
-            log.error("kvd: this worker's KV pages need %d bytes per chunk but slots hold %d per "
-                      "rank; offload disabled on this worker", self.layout.shard_bytes,
-                      expected_shard_bytes)
+            raise ValueError(
+                f"kvd cannot offload this model's KV cache: a chunk of its largest KV group "
+                f"needs {self.layout.shard_bytes} bytes per rank, but vLLM sized slots for "
+                f"{expected_shard_bytes} (worker_kv_bytes_per_block x blocks_per_chunk). "
+                "Start the engine without kvd's kv_transfer_config and report the model.")
         on_gpu = any(t.tensor.is_cuda for t in kv_caches.tensors)
         self._on_gpu = on_gpu
         self._mappings: dict[str, tuple[PoolMapping, np.ndarray]] = {}

@@ -192,3 +192,18 @@ def test_hybrid_model_full_and_sliding_window_groups(engines):
         assert torch.equal(reader.kv_window[ids[i]], expected), f"window block {i}"
         checked += 1
     assert checked > 0, "no sliding-window block was loaded"
+
+
+def test_worker_refuses_a_layout_its_slots_cannot_hold(daemon):
+    """Pages larger than the slots vLLM sized must stop the engine, not skip loads."""
+    from types import SimpleNamespace
+
+    from kvd_client.vllm.worker import KvdOffloadingWorker
+
+    tensor = torch.zeros(8, 2048, dtype=torch.uint8)
+    caches = SimpleNamespace(  # the two fields of vLLM's CanonicalKVCaches the worker reads
+        tensors=[SimpleNamespace(tensor=tensor, page_size_bytes=2048)],
+        group_data_refs=[[SimpleNamespace(tensor_idx=0, page_size_bytes=2048)]])
+    with pytest.raises(ValueError, match="cannot offload this model's KV cache"):
+        KvdOffloadingWorker(daemon.socket, caches, blocks_per_chunk=1, rank=0, world_size=1,
+                            expected_shard_bytes=1024)
