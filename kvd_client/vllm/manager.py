@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 MAX_KEYS_PER_OP = 4096          # proto bound
 MAX_LOOKUP_KEYS_PER_STEP = 8192
 LEASE_MS = 5000                 # asked of the daemon for lookup hits
-LEASE_MARGIN_S = 2.0            # a local HIT expires this long before its lease
+LEASE_MARGIN_S = 2.0            # a local HIT expires this long (at most half the lease) before
+                                # its lease
 MISS_TTL_STEPS = 2              # a resolved MISS answers for this many steps
 
 
@@ -351,7 +352,8 @@ class KvdOffloadingManager(OffloadingManager):
                 if offset is not None:
                     batch.spec.offsets[i] = offset
                     self._store_epochs[key] = answer.epoch
-        expires = sent_at + self.lease_ms / 1000.0 - LEASE_MARGIN_S
+        lease_s = self.lease_ms / 1000.0
+        expires = sent_at + lease_s - min(LEASE_MARGIN_S, lease_s / 2)
         for req_id, part in lookups:
             answer = next(it).lookup
             # A prefix lookup answers up to the first key that is not a HIT; the keys after it
