@@ -11,9 +11,12 @@ is accepted too: it is the only way in over the TLS TCP listener, where there is
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import secrets
+import socket
 import stat
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -109,10 +112,6 @@ def request_admin_token(attach_socket: str, timeout: float) -> str:
 
     The daemon decides from this process's SO_PEERCRED, never from anything sent here.
     """
-    import json
-    import socket
-    import struct
-
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)

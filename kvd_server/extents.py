@@ -73,7 +73,7 @@ class NamespaceSlots:
     """A SlotSource over extents taken on demand (see manager/types.py)."""
 
     def __init__(self, extents: ExtentAllocator, slot_bytes: int,
-                 quota_slots: int | None = None, budget: TenantBudget | None = None) -> None:
+                 budget: TenantBudget | None = None) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot size must be positive")
         self.stride = align_up(slot_bytes)
@@ -83,7 +83,6 @@ class NamespaceSlots:
                 f"{extents.extent_bytes} bytes; raise pool.extent_size")
         self.extents = extents
         self.per_extent = extents.extent_bytes // self.stride
-        self.quota_slots = quota_slots
         self.budget = budget
         self._held: list[int] = []     # extent indexes, in the order taken
         self._position: dict[int, int] = {}  # extent index -> its position in _held
@@ -96,8 +95,7 @@ class NamespaceSlots:
         free = self.extents.free_extents()
         if self.budget is not None:
             free = self.budget.room(free)
-        cap = (len(self._held) + free) * self.per_extent
-        return cap if self.quota_slots is None else min(cap, self.quota_slots)
+        return (len(self._held) + free) * self.per_extent
 
     def free_count(self) -> int:
         return self.capacity() - self._in_use
