@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from kvd_client.attach import attach  # noqa: E402
-from kvd_client.paths import grpc_target  # noqa: E402
 from kvd_proto import SESSION_TOKEN_METADATA, kvd_pb2, kvd_pb2_grpc  # noqa: E402
+from kvd_proto.paths import grpc_target  # noqa: E402
 
 BLOCK = 4096
 

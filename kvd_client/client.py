@@ -1,6 +1,6 @@
 """KvdClient: an engine's session with the daemon, engine-neutral.
 
-The rule it serves (DESIGN.md): the daemon may be slow, crash or restart, and the engine keeps
+The rule it serves: the daemon may be slow, crash or restart, and the engine keeps
 serving. Every public method returns quickly and never raises: while the daemon is unreachable
 or draining the client is *degraded* (`available` is False, `step` returns None) and a
 background thread reconnects with backoff. Calls that need no answer (completions, touches,
@@ -22,17 +22,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from kvd_proto import SESSION_TOKEN_METADATA, kvd_pb2, kvd_pb2_grpc
+from kvd_proto import kvd_pb2, kvd_pb2_grpc
+from kvd_proto.attach import ROLE_DATAPLANE, ROLE_ENGINE
+from kvd_proto.paths import default_socket_path, grpc_target
+from kvd_proto.wire import MAX_OPS_PER_STEP, SESSION_TOKEN_METADATA, KvLayout, channel_options
 
 from .attach import AttachError, AttachInfo, attach
-from .layout import ClientLayout
-from .paths import default_socket_path, grpc_target
 from .pool_map import PoolMapping
 from .step_stream import StepStream, StepStreamClosed, status_code
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_OPS = 200            # the proto allows 256 ops per step
+MAX_QUEUED_OPS = MAX_OPS_PER_STEP - 56   # room for the step's own ops
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 # KVD_CLIENT_STEP_STREAM=0 sends every step as a unary Step call (for comparison and for
@@ -48,7 +49,7 @@ _FATAL = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 class KvdClient:
     """A session with the kvd daemon at `socket_path` (see docs/client.md)."""
 
-    def __init__(self, socket_path: str | None = None, *, model: str, layout: ClientLayout,
+    def __init__(self, socket_path: str | None = None, *, model: str, layout: KvLayout,
                  salt: str = "", engine_id: str = "", engine_kind: str = "",
                  engine_version: str = "", deadline_s: float = 0.5, connect: bool = True,
                  on_reconnect: Callable[[], None] | None = None) -> None:
@@ -214,7 +215,7 @@ class KvdClient:
     def _try_connect(self) -> bool:
         """Attach, map, register and open the liveness stream. False (quietly) on failure."""
         try:
-            info = attach(self.socket_path, role="engine", engine_id=self.engine.engine_id,
+            info = attach(self.socket_path, role=ROLE_ENGINE, engine_id=self.engine.engine_id,
                           timeout=max(self.deadline_s, 1.0))
         except AttachError as exc:
             self._note_failure(f"attach: {exc.message}")
@@ -223,10 +224,8 @@ class KvdClient:
         channel: grpc.Channel | None = None
         try:
             pool = PoolMapping(info.fd, info.pool_bytes)
-            channel = grpc.insecure_channel(grpc_target(self.socket_path), options=[
-                ("grpc.max_send_message_length", 4 << 20),
-                ("grpc.max_receive_message_length", 4 << 20),
-                ("grpc.enable_retries", 0)])
+            channel = grpc.insecure_channel(grpc_target(self.socket_path),
+                                            options=[*channel_options(), ("grpc.enable_retries", 0)])
             stub = kvd_pb2_grpc.KvdEngineStub(channel)
             md = ((SESSION_TOKEN_METADATA, info.token),)
             lay = self.layout
@@ -375,5 +374,5 @@ class KvdClient:
 def attach_dataplane(socket_path: str | None = None, timeout: float = 2.0
                      ) -> tuple[AttachInfo, PoolMapping]:
     """For an engine's worker processes: just the pool (no session). Raises AttachError."""
-    info = attach(socket_path or default_socket_path(), role="dataplane", timeout=timeout)
+    info = attach(socket_path or default_socket_path(), role=ROLE_DATAPLANE, timeout=timeout)
     return info, PoolMapping(info.fd, info.pool_bytes)

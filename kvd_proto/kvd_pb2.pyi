@@ -106,14 +106,16 @@ class LookupRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., req_id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("states", "epoch", "slot_offsets")
+    __slots__ = ("states", "epoch", "slot_offsets", "lease_ms")
     STATES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[BlockState]
     epoch: int
     slot_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, states: _Optional[_Iterable[_Union[BlockState, str]]] = ..., epoch: _Optional[int] = ..., slot_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, states: _Optional[_Iterable[_Union[BlockState, str]]] = ..., epoch: _Optional[int] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
     __slots__ = ("keys", "req_id", "positions")

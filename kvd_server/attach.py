@@ -1,32 +1,39 @@
-"""The attach side channel: hands the pool's fd and a session token to a verified local peer.
+"""The attach side channel's server: hands the pool's fd and a session token to a verified
+local peer.
 
-Protocol (docs/attach.md): the client sends one JSON line (<= 4096 bytes); the daemon reads the
-peer's credentials from the kernel (SO_PEERCRED: nothing the client says is trusted for
-identity), asks the handler for a reply, and answers with a 4-byte big-endian length and a JSON
-body; on success the pool's fd rides with it (SCM_RIGHTS). One exchange per connection.
+The wire format (one JSON line in, one length-prefixed JSON answer out, the fd via SCM_RIGHTS)
+is `kvd_proto.attach`; this module serves it on an asyncio loop. The peer's identity comes
+from the kernel (SO_PEERCRED), never from what it sends. A handler refuses with a KvdError
+(its status name becomes the answer's `code`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
-import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd_proto.attach import (
+    MAX_REQUEST_BYTES,
+    REQUEST_TIMEOUT_S,
+    AttachError,
+    AttachRequest,
+    encode_refusal,
+    encode_reply,
+    parse_request,
+)
+from kvd_proto.paths import clear_stale_socket
+from kvd_server.errors import KvdError
+
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-MAX_REQUEST_BYTES = 4096
-REQUEST_TIMEOUT_S = 2.0
 MAX_WAITING = 256     # connections still owing their request line; the oldest goes first
-ROLES = ("engine", "dataplane", "admin")
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,14 +41,6 @@ class PeerCred:
     pid: int
     uid: int
     gid: int
-
-
-@dataclass(slots=True, frozen=True)
-class AttachRequest:
-    version: int
-    pid: int
-    engine_id: str
-    role: str
 
 
 @dataclass(slots=True)
@@ -52,48 +51,10 @@ class AttachReply:
     fd: int = -1
 
 
-class AttachRefused(Exception):
-    """Raised by a handler to refuse an attach with a code (PERMISSION_DENIED, ...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def peer_credentials(sock: socket.socket) -> PeerCred:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     return PeerCred(pid, uid, gid)
-
-
-def parse_request(line: bytes) -> AttachRequest:
-    try:
-        doc = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AttachRefused("INVALID_ARGUMENT", f"attach request is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise AttachRefused("INVALID_ARGUMENT", "attach request must be a JSON object")
-    version = doc.get("version")
-    if version != PROTOCOL_VERSION:
-        raise AttachRefused("INVALID_ARGUMENT",
-                            f"unsupported attach protocol version {version!r}; "
-                            f"this daemon speaks {PROTOCOL_VERSION}")
-    pid = doc.get("pid", 0)
-    engine_id = doc.get("engine_id", "")
-    role = doc.get("role", "engine")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
-        raise AttachRefused("INVALID_ARGUMENT", "pid must be a non-negative integer")
-    if not isinstance(engine_id, str) or len(engine_id.encode()) > 256:
-        raise AttachRefused("INVALID_ARGUMENT", "engine_id must be a string of at most 256 bytes")
-    if role not in ROLES:
-        raise AttachRefused("INVALID_ARGUMENT", f"role must be one of {', '.join(ROLES)}")
-    return AttachRequest(version, pid, engine_id, role)
-
-
-def encode_reply(doc: dict[str, Any]) -> bytes:
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    return struct.pack(">I", len(body)) + body
 
 
 Handler = Callable[[PeerCred, AttachRequest], AttachReply]
@@ -116,7 +77,7 @@ class AttachServer:
         self.refusals_total = 0
 
     async def start(self) -> None:
-        remove_stale_socket(self.path)
+        clear_stale_socket(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(self.path)
@@ -181,24 +142,17 @@ class AttachServer:
             buf += chunk
             if len(buf) > MAX_REQUEST_BYTES:
                 break
-        line = buf.split(b"\n", 1)[0]
+        line = buf.split(b"\n", 1)[0] if b"\n" in buf else buf
         self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         try:
-            if len(line) > MAX_REQUEST_BYTES or (b"\n" not in buf and len(buf) > MAX_REQUEST_BYTES):
-                raise AttachRefused("INVALID_ARGUMENT",
-                                    f"attach request longer than {MAX_REQUEST_BYTES} bytes")
-            if not line.strip():
-                raise AttachRefused("INVALID_ARGUMENT", "empty attach request")
             request = parse_request(line)
             reply = self.handler(peer, request)
-        except AttachRefused as refusal:
+        except (AttachError, KvdError) as refusal:
             self.refusals_total += 1
             log.info("attach refused for pid %d uid %d: %s", peer.pid, peer.uid, refusal.message)
-            await loop.sock_sendall(conn, encode_reply({
-                "version": PROTOCOL_VERSION, "ok": False,
-                "code": refusal.code, "error": refusal.message}))
+            await loop.sock_sendall(conn, encode_refusal(refusal.code, refusal.message))
             return
-        payload = encode_reply({"version": PROTOCOL_VERSION, "ok": True, **reply.fields})
+        payload = encode_reply(reply.fields)
         # The fd rides with the first bytes; the (small) rest follows with plain sends.
         sent = await _send_with_fd(loop, conn, payload, reply.fd)
         if sent < len(payload):
@@ -230,26 +184,3 @@ async def _send_with_fd(loop: asyncio.AbstractEventLoop, conn: socket.socket, pa
         except BlockingIOError:
             await asyncio.sleep(0.01)
     raise TimeoutError("attach peer does not read")
-
-
-def remove_stale_socket(path: str) -> None:
-    """Remove a socket file left by a dead daemon; refuse if a live one still answers."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.5)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # nobody listens: stale
-        return
-    except OSError:
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise OSError(f"another kvd daemon is serving on {path}")

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import json
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvd_proto.paths import SOCKET_ENV, SocketState, default_socket_path, grpc_target, probe_socket
+from kvd_proto.wire import ADMIN_TOKEN_METADATA
 from kvd_server import __version__
-from kvd_server.config import (
-    ATTACH_SUFFIX,
-    Config,
-    ConfigError,
-    default_socket_path,
-    load_config,
-)
+from kvd_server.config import Config, ConfigError, load_config
+from kvd_server.stats import StatsSnapshot
 from kvd_server.units import format_duration, format_size
+
+if TYPE_CHECKING:
+    from kvd_proto import kvd_pb2
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -187,13 +185,12 @@ def _local_config(args: argparse.Namespace) -> Config:
 
 
 def _client_socket(args: argparse.Namespace) -> str:
-    """The socket a client subcommand talks to: --socket, KVD_SERVER_SOCKET or KVD_SOCKET,
-    $KVD_CONFIG's server.socket, else the default rule."""
+    """The socket a client subcommand talks to: --socket, $KVD_SOCKET or $KVD_SERVER_SOCKET,
+    $KVD_CONFIG's server.socket, else the default rule (kvd_proto.paths)."""
     if args.socket:
         return os.path.abspath(args.socket)
-    for name in ("KVD_SERVER_SOCKET", "KVD_SOCKET"):  # KVD_SOCKET: what engines read
-        if os.environ.get(name):
-            return os.path.abspath(os.environ[name])
+    if any(os.environ.get(name) for name in SOCKET_ENV):
+        return default_socket_path()
     try:
         return load_config().server.socket
     except ConfigError:
@@ -230,19 +227,13 @@ class _Daemon:
         else:
             self.path = _client_socket(args)
             _probe(self.path)
-            self.channel = grpc.insecure_channel(f"unix://{self.path}"
-                                                 if self.path.startswith("/")
-                                                 else f"unix:{self.path}")
+            self.channel = grpc.insecure_channel(grpc_target(self.path))
         self.admin = kvd_pb2_grpc.KvdAdminStub(self.channel)
 
     def admin_token(self) -> str:
         if self._token is None:
-            from kvd_server.admin_auth import (
-                AdminTokenRefused,
-                TokenFileError,
-                read_token_file,
-                request_admin_token,
-            )
+            from kvd_proto.attach import AttachError, request_admin_token
+            from kvd_server.admin_tokens import TokenFileError, read_token_file
 
             if self._token_file:
                 try:
@@ -251,8 +242,8 @@ class _Daemon:
                     raise CliError(f"--admin-token-file: {exc}") from None
             else:
                 try:
-                    self._token = request_admin_token(self.path + ATTACH_SUFFIX, self.timeout)
-                except AdminTokenRefused as exc:
+                    self._token = request_admin_token(self.path, self.timeout)
+                except AttachError as exc:
                     if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                         raise CliError(f"the daemon at {self.path} did not answer on its "
                                        f"attach socket ({exc.code}: {exc}); check it with "
@@ -265,7 +256,7 @@ class _Daemon:
     def call(self, method: Callable[..., Any], request: Any, *, admin: bool = False) -> Any:
         metadata = ()
         if admin or self.remote:
-            metadata = (("kvd-admin-token", self.admin_token()),)
+            metadata = ((ADMIN_TOKEN_METADATA, self.admin_token()),)
         try:
             return method(request, timeout=self.timeout, metadata=metadata)
         except self._grpc.RpcError as exc:
@@ -308,22 +299,19 @@ def _tls_credentials(args: argparse.Namespace) -> Any:
 
 def _probe(path: str) -> None:
     """Connect once with a plain socket to turn the usual mistakes into clear messages."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(2.0)
-        try:
-            probe.connect(path)
-        except FileNotFoundError:
-            raise CliError(f"no kvd daemon socket at {path}: start one with `kvd serve` or "
-                           "pass --socket PATH", EXIT_UNREACHABLE) from None
-        except PermissionError:
-            raise CliError(f"permission denied on {path}: run as the daemon's user or a member "
-                           "of the socket's group", EXIT_UNREACHABLE) from None
-        except OSError as exc:
-            if exc.errno == errno.ECONNREFUSED:
-                raise CliError(f"nothing is listening on {path} (a stale socket?): start the "
-                               "daemon with `kvd serve`", EXIT_UNREACHABLE) from None
-            raise CliError(f"cannot connect to {path}: {exc.strerror or exc}",
-                           EXIT_UNREACHABLE) from None
+    state, detail = probe_socket(path, timeout=2.0)
+    if state is SocketState.LIVE:
+        return
+    if state is SocketState.ABSENT:
+        raise CliError(f"no kvd daemon socket at {path}: start one with `kvd serve` or pass "
+                       "--socket PATH", EXIT_UNREACHABLE)
+    if state is SocketState.DENIED:
+        raise CliError(f"permission denied on {path}: run as the daemon's user or a member of "
+                       "the socket's group", EXIT_UNREACHABLE)
+    if state is SocketState.STALE:
+        raise CliError(f"nothing is listening on {path} (a stale socket?): start the daemon "
+                       "with `kvd serve`", EXIT_UNREACHABLE)
+    raise CliError(f"cannot connect to {path}: {detail}", EXIT_UNREACHABLE)
 
 
 # --- subcommands ---------------------------------------------------------------------------
@@ -355,7 +343,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        print(render_stats(json.loads(text)))
+        print(render_stats(StatsSnapshot.from_dict(json.loads(text))))
     return EXIT_OK
 
 
@@ -465,92 +453,81 @@ def _uptime(seconds: float) -> str:
     return f"{minutes}m {secs}s" if minutes else f"{secs}s"
 
 
-def render_stats(doc: dict[str, Any]) -> str:
-    """The stats document as grouped, aligned sections that fit 80 columns."""
-    server, pool = doc.get("server", {}), doc.get("pool", {})
-    blocks, clients = doc.get("blocks", {}), doc.get("clients", {})
-    totals, transfers = doc.get("stats", {}), doc.get("transfers", {})
+def render_stats(snap: StatsSnapshot) -> str:
+    """The stats snapshot as grouped, aligned sections that fit 80 columns."""
+    server, pool, blocks = snap.server, snap.pool, snap.blocks
+    totals, transfers, clients = snap.stats, snap.transfers, snap.clients
     lines = _rows("server", [
-        ("version", server.get("version", "?")),
-        ("state", server.get("state", "?")),
-        ("pid", server.get("pid", "?")),
-        ("uptime", _uptime(server.get("uptime_seconds", 0))),
-        ("socket", server.get("socket", "?")),
-        ("attach_socket", server.get("attach_socket", "?")),
-        ("policy", server.get("policy", "?")),
+        ("version", server.version or "?"),
+        ("state", server.state or "?"),
+        ("pid", server.pid or "?"),
+        ("uptime", _uptime(server.uptime_seconds)),
+        ("socket", server.socket or "?"),
+        ("attach_socket", server.attach_socket or "?"),
+        ("policy", server.policy or "?"),
     ])
-    total = pool.get("total_bytes", 0)
+    total = pool.total_bytes
     lines += [""] + _rows("pool", [
         ("total", format_size(total)),
-        ("used", f"{format_size(pool.get('used_bytes', 0))} "
-                 f"({_pct(pool.get('used_bytes', 0), total)})"),
-        ("free", format_size(pool.get("free_bytes", 0))),
-        ("backing", pool.get("backing", "?") + (f" {pool['path']}" if pool.get("path") else "")),
-        ("extents", f"{pool.get('extents_total', 0) - pool.get('extents_free', 0)} used of "
-                    f"{pool.get('extents_total', 0)} ({format_size(pool.get('extent_bytes', 0))}"
-                    " each)"),
-        ("prefaulted", f"{format_size(pool.get('prefault_bytes_done', 0))} "
-                       f"({_pct(pool.get('prefault_bytes_done', 0), total)})"),
-        ("mlocked", "yes" if pool.get("mlocked") else "no"),
+        ("used", f"{format_size(pool.used_bytes)} ({_pct(pool.used_bytes, total)})"),
+        ("free", format_size(pool.free_bytes)),
+        ("backing", (pool.backing or "?") + (f" {pool.path}" if pool.path else "")),
+        ("extents", f"{pool.extents_total - pool.extents_free} used of {pool.extents_total} "
+                    f"({format_size(pool.extent_bytes)} each)"),
+        ("prefaulted", f"{format_size(pool.prefault_bytes_done)} "
+                       f"({_pct(pool.prefault_bytes_done, total)})"),
+        ("mlocked", "yes" if pool.mlocked else "no"),
     ])
-    lines += [""] + _rows("blocks", [(k, blocks.get(k, 0)) for k in
+    lines += [""] + _rows("blocks", [(k, getattr(blocks, k)) for k in
                                      ("ready", "storing", "pinned", "zombie", "total")])
     lines += [""] + _rows("sessions", [
-        ("live", doc.get("sessions", 0)),
-        ("attached_total", clients.get("attached_total", 0)),
-        ("closed_total", clients.get("closed_total", 0)),
-        ("reaped_total", clients.get("reaped_total", 0)),
+        ("live", snap.sessions),
+        ("attached_total", clients.attached_total),
+        ("closed_total", clients.closed_total),
+        ("reaped_total", clients.reaped_total),
     ])
-    lookups = totals.get("lookups_total", 0)
+    lookups = totals.lookups_total
     lines += [""] + _rows("stats", [
         ("lookups_total", lookups),
-        ("hits_total", f"{totals.get('hits_total', 0)} "
-                       f"({_pct(totals.get('hits_total', 0), lookups)})"),
-        ("misses_total", totals.get("misses_total", 0)),
-        ("stores", f"{totals.get('stores_started_total', 0)} started, "
-                   f"{totals.get('stores_completed_total', 0)} completed, "
-                   f"{totals.get('stores_failed_total', 0)} failed"),
-        ("evictions_total", totals.get("evictions_total", 0)),
-        ("store_rejections_total", totals.get("store_rejections_total", 0)),
-        ("pins / leases", f"{totals.get('pins', 0)} / {totals.get('leases', 0)}"),
-        ("resets_total", totals.get("resets_total", 0)),
-        ("step calls / ops", f"{totals.get('step_calls_total', 0)} / "
-                             f"{totals.get('step_ops_total', 0)}"),
-        ("loaded", f"{format_size(transfers.get('load_bytes_total', 0))} in "
-                   f"{transfers.get('load_seconds_total', 0.0):.2f}s"),
-        ("stored", f"{format_size(transfers.get('store_bytes_total', 0))} in "
-                   f"{transfers.get('store_seconds_total', 0.0):.2f}s"),
+        ("hits_total", f"{totals.hits_total} ({_pct(totals.hits_total, lookups)})"),
+        ("misses_total", totals.misses_total),
+        ("stores", f"{totals.stores_started_total} started, "
+                   f"{totals.stores_completed_total} completed, "
+                   f"{totals.stores_failed_total} failed"),
+        ("evictions_total", totals.evictions_total),
+        ("store_rejections_total", totals.store_rejections_total),
+        ("pins / leases", f"{totals.pins} / {totals.leases}"),
+        ("resets_total", totals.resets_total),
+        ("step calls / ops", f"{totals.step_calls_total} / {totals.step_ops_total}"),
+        ("loaded", f"{format_size(transfers.load_bytes_total)} in "
+                   f"{transfers.load_seconds_total:.2f}s"),
+        ("stored", f"{format_size(transfers.store_bytes_total)} in "
+                   f"{transfers.store_seconds_total:.2f}s"),
     ])
-    tenants = doc.get("tenants", {})
-    if tenants:
+    if snap.tenants:
         lines += [""] + _rows("tenants", [
-            (_cut(name, 21), f"{format_size(t.get('used_bytes', 0))} of "
-                             + (format_size(t["quota_bytes"]) if t.get("quota_bytes")
+            (_cut(name, 21), f"{format_size(t.used_bytes)} of "
+                             + (format_size(t.quota_bytes) if t.quota_bytes
                                 else "the pool (no quota)"))
-            for name, t in sorted(tenants.items())[:32]])
-    namespaces = doc.get("namespaces", [])
-    lines += ["", f"# namespaces ({len(namespaces)})"]
-    for ns in namespaces:
+            for name, t in sorted(snap.tenants.items())[:32]])
+    lines += ["", f"# namespaces ({len(snap.namespaces)})"]
+    for ns in snap.namespaces:
         # The full id on its own line: `kvd reset --namespace ID` takes it.
-        b = ns.get("blocks", {})
-        lines.append(_cut(f"{ns.get('id', '')}  {ns.get('model', '')}", WIDTH))
+        b = ns.blocks
+        lines.append(_cut(f"{ns.id}  {ns.model}", WIDTH))
         lines.append(_cut(
-            f"    tenant {ns.get('tenant', '')}, slot {format_size(ns.get('slot_bytes', 0))}, "
-            f"ready {b.get('ready', 0)}, pinned {b.get('pinned', 0)}, "
-            f"storing {b.get('storing', 0)}, hits "
-            f"{_pct(ns.get('hits_total', 0), ns.get('lookups_total', 0))}, "
-            f"epoch {ns.get('epoch', 0)}", WIDTH))
-    rpc = doc.get("rpc", {})
+            f"    tenant {ns.tenant}, slot {format_size(ns.slot_bytes)}, "
+            f"ready {b.ready}, pinned {b.pinned}, storing {b.storing}, hits "
+            f"{_pct(ns.hits_total, ns.lookups_total)}, epoch {ns.epoch}", WIDTH))
     lines += ["", "# rpc"]
-    if rpc:
+    if snap.rpc:
         lines.append(f"{'method':<22}{'calls':>12}{'errors':>12}")
-        for method, c in sorted(rpc.items()):
-            lines.append(f"{_cut(method, 21):<22}{c.get('calls_total', 0):>12}"
-                         f"{c.get('errors_total', 0):>12}")
+        for method, c in sorted(snap.rpc.items()):
+            lines.append(f"{_cut(method, 21):<22}{c.calls_total:>12}{c.errors_total:>12}")
     return "\n".join(lines)
 
 
-def render_sessions(answer: Any) -> str:
+def render_sessions(answer: kvd_pb2.ListSessionsResponse) -> str:
     lines = [f"{'session':<14}{'tenant':<10}{'pid':>8}{'uid':>7}  {'model':<18}"
              f"{'pins':>5}{'stores':>7}{'idle':>9}"]
     for s in answer.sessions:

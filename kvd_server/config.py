@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvd_proto.paths import ATTACH_SUFFIX, default_socket_path
+from kvd_proto.wire import SLOT_ALIGNMENT
 from kvd_server import units
 
 DEFAULTS_PATH = Path(__file__).with_name("default_config.toml")
 CONFIG_ENV = "KVD_CONFIG"
 ENV_PREFIX = "KVD_"
-ATTACH_SUFFIX = ".attach"
-SLOT_ALIGNMENT = 4096
 LOG_LEVELS = ("debug", "info", "warning", "error")
 POLICIES = ("lru", "arc")
 BACKINGS = ("memfd", "file")
@@ -133,15 +133,6 @@ class Config:
 
 
 _SECTIONS = ("server", "pool", "manager", "tenants")
-
-
-def default_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """`$XDG_RUNTIME_DIR/kvd/kvd.sock` when XDG_RUNTIME_DIR is set, else `/tmp/kvd-$UID/kvd.sock`."""
-    env = os.environ if env is None else env
-    runtime = env.get("XDG_RUNTIME_DIR", "")
-    if runtime:
-        return os.path.join(runtime, "kvd", "kvd.sock")
-    return f"/tmp/kvd-{os.getuid()}/kvd.sock"
 
 
 # --- schema --------------------------------------------------------------------------------

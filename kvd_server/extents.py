@@ -8,11 +8,7 @@ vLLM's CPU manager with a capacity that grows while the pool has free extents.
 
 from __future__ import annotations
 
-SLOT_ALIGNMENT = 4096
-
-
-def align_up(n: int, alignment: int = SLOT_ALIGNMENT) -> int:
-    return (n + alignment - 1) // alignment * alignment
+from kvd_proto.wire import SLOT_ALIGNMENT, align_up
 
 
 class ExtentAllocator:

@@ -1,7 +1,7 @@
 """Prometheus exposition for the daemon.
 
-State metrics (pool, blocks, namespaces, sessions, counters) are read from `KvdCore.stats()` at
-scrape time by a custom collector, so the hot path pays nothing for them. Only what cannot be
+State metrics (pool, blocks, namespaces, sessions, counters) are read from the stats snapshot
+at scrape time by a custom collector, so the hot path pays nothing for them. Only what cannot be
 read back later is observed as it happens: RPC latencies, step-batch sizes and the transfer
 sizes that clients report.
 """
@@ -9,9 +9,9 @@ sizes that clients report.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -22,9 +22,21 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvd_server.stats import (
+    BlockStats,
+    NamespaceStats,
+    PoolStats,
+    ServerStats,
+    StatsSnapshot,
+    TenantStats,
+    Totals,
+    TransferTotals,
+)
+
 log = logging.getLogger(__name__)
 
-# RPC latency: a unary Python RPC costs ~0.4 ms, a stream message ~0.2 ms (DESIGN.md).
+# RPC latency: a unary Python RPC costs ~0.4 ms, a stream message ~0.2 ms (measured on a
+# 2-core VM; bench/README.md).
 RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 # vLLM's kv_offload transfer size buckets, so dashboards built for vLLM read the same.
 TRANSFER_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
@@ -91,10 +103,10 @@ class RpcMetrics:
 
 
 class StatsCollector(Collector):
-    """Turns the stats document (docs/internals.md) into metric families at scrape time."""
+    """Turns the stats snapshot (kvd_server.stats) into metric families at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
-        self._stats = stats
+    def __init__(self, snapshot: Callable[[], StatsSnapshot]) -> None:
+        self._snapshot = snapshot
 
     def describe(self) -> list[Metric]:
         # Unchecked registration: families depend on the live document.
@@ -102,20 +114,20 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         try:
-            doc = self._stats()
+            snap = self._snapshot()
         except Exception:  # a scrape must never take the daemon down
             log.exception("stats snapshot failed during a scrape")
             yield GaugeMetricFamily("kvd_up", "1 when the daemon answered the scrape.", value=0)
             return
         yield GaugeMetricFamily("kvd_up", "1 when the daemon answered the scrape.", value=1)
-        yield from _server(doc.get("server", {}))
-        yield from _pool(doc.get("pool", {}))
-        yield from _blocks(doc.get("blocks", {}))
-        yield from _sessions(doc)
-        yield from _totals(doc.get("stats", {}))
-        yield from _namespaces(doc.get("namespaces", []))
-        yield from _tenants(doc.get("tenants", {}))
-        yield from _transfers(doc.get("transfers", {}))
+        yield from _server(snap.server)
+        yield from _pool(snap.pool)
+        yield from _blocks(snap.blocks)
+        yield from _sessions(snap)
+        yield from _totals(snap.stats)
+        yield from _namespaces(snap.namespaces)
+        yield from _tenants(snap.tenants)
+        yield from _transfers(snap.transfers)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -126,60 +138,55 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=float(value))
 
 
-def _server(server: dict[str, Any]) -> Iterator[Metric]:
+def _server(server: ServerStats) -> Iterator[Metric]:
     info = InfoMetricFamily("kvd_build", "kvd version and eviction policy.")
-    info.add_metric([], {"version": str(server.get("version", "")),
-                         "policy": str(server.get("policy", ""))})
+    info.add_metric([], {"version": server.version, "policy": server.policy})
     yield info
     state = GaugeMetricFamily("kvd_state", "1 for the daemon's current state.", labels=["state"])
-    current = str(server.get("state", ""))
     for name in STATES:
-        state.add_metric([name], 1.0 if name == current else 0.0)
+        state.add_metric([name], 1.0 if name == server.state else 0.0)
     yield state
-    yield _gauge("kvd_uptime_seconds", "Seconds since the daemon started.",
-                 server.get("uptime_seconds", 0))
+    yield _gauge("kvd_uptime_seconds", "Seconds since the daemon started.", server.uptime_seconds)
 
 
-def _pool(pool: dict[str, Any]) -> Iterator[Metric]:
-    yield _gauge("kvd_pool_total_bytes", "Size of the shared host pool.", pool.get("total_bytes", 0))
+def _pool(pool: PoolStats) -> Iterator[Metric]:
+    yield _gauge("kvd_pool_total_bytes", "Size of the shared host pool.", pool.total_bytes)
     yield _gauge("kvd_pool_used_bytes", "Pool bytes held by namespaces' extents.",
-                 pool.get("used_bytes", 0))
-    yield _gauge("kvd_pool_free_bytes", "Pool bytes in free extents.", pool.get("free_bytes", 0))
+                 pool.used_bytes)
+    yield _gauge("kvd_pool_free_bytes", "Pool bytes in free extents.", pool.free_bytes)
     yield _gauge("kvd_pool_extent_bytes", "Size of one extent (the unit a namespace grows by).",
-                 pool.get("extent_bytes", 0))
+                 pool.extent_bytes)
     yield _gauge("kvd_pool_prefault_bytes", "Pool bytes pre-faulted so far (progress at start).",
-                 pool.get("prefault_bytes_done", 0))
-    yield _gauge("kvd_pool_mlocked", "1 when the pool is locked in RAM.",
-                 1 if pool.get("mlocked") else 0)
+                 pool.prefault_bytes_done)
+    yield _gauge("kvd_pool_mlocked", "1 when the pool is locked in RAM.", 1 if pool.mlocked else 0)
 
 
-def _blocks(blocks: dict[str, Any]) -> Iterator[Metric]:
+def _blocks(blocks: BlockStats) -> Iterator[Metric]:
     fam = GaugeMetricFamily("kvd_blocks", "Blocks in the pool by state.", labels=["state"])
-    for state in ("storing", "ready", "pinned", "zombie"):
-        fam.add_metric([state], float(blocks.get(state, 0)))
+    for state in BLOCK_STATES:
+        fam.add_metric([state], float(getattr(blocks, state)))
     yield fam
 
 
-def _sessions(doc: dict[str, Any]) -> Iterator[Metric]:
-    clients = doc.get("clients", {})
-    yield _gauge("kvd_sessions", "Live engine sessions.", doc.get("sessions", 0))
+def _sessions(snap: StatsSnapshot) -> Iterator[Metric]:
+    clients = snap.clients
+    yield _gauge("kvd_sessions", "Live engine sessions.", snap.sessions)
     yield _counter("kvd_sessions_attached", "Sessions attached since start.",
-                   clients.get("attached_total", 0))
+                   clients.attached_total)
     yield _counter("kvd_sessions_reaped", "Sessions ended by the liveness deadline.",
-                   clients.get("reaped_total", 0))
+                   clients.reaped_total)
     yield _counter("kvd_sessions_closed", "Sessions ended by their client or a closed stream.",
-                   clients.get("closed_total", 0))
+                   clients.closed_total)
 
 
-def _totals(stats: dict[str, Any]) -> Iterator[Metric]:
-    yield _gauge("kvd_pins", "Pins held by loads in flight.", stats.get("pins", 0))
-    yield _gauge("kvd_leases", "Lookup leases held.", stats.get("leases", 0))
+def _totals(totals: Totals) -> Iterator[Metric]:
+    yield _gauge("kvd_pins", "Pins held by loads in flight.", totals.pins)
+    yield _gauge("kvd_leases", "Lookup leases held.", totals.leases)
     yield _counter("kvd_leases_expired", "Leases that expired before a load used them.",
-                   stats.get("leases_expired_total", 0))
-    yield _counter("kvd_resets", "Cache resets (engine or admin).", stats.get("resets_total", 0))
-    yield _counter("kvd_step_calls", "Batched Step calls served.", stats.get("step_calls_total", 0))
-    yield _counter("kvd_step_ops", "Operations carried by Step calls.",
-                   stats.get("step_ops_total", 0))
+                   totals.leases_expired_total)
+    yield _counter("kvd_resets", "Cache resets (engine or admin).", totals.resets_total)
+    yield _counter("kvd_step_calls", "Batched Step calls served.", totals.step_calls_total)
+    yield _counter("kvd_step_ops", "Operations carried by Step calls.", totals.step_ops_total)
 
 
 _NS_COUNTERS = (
@@ -190,9 +197,10 @@ _NS_COUNTERS = (
     ("kvd_store_rejections", "prepare_store calls answered 'cannot store'.",
      "store_rejections_total"),
 )
+BLOCK_STATES = ("storing", "ready", "pinned", "zombie")
 
 
-def _namespaces(namespaces: Sequence[dict[str, Any]]) -> Iterator[Metric]:
+def _namespaces(namespaces: Sequence[NamespaceStats]) -> Iterator[Metric]:
     rows = _bounded(namespaces)
     counters = {name: CounterMetricFamily(name, doc, labels=["namespace"])
                 for name, doc, _ in _NS_COUNTERS}
@@ -203,22 +211,22 @@ def _namespaces(namespaces: Sequence[dict[str, Any]]) -> Iterator[Metric]:
     ns_blocks = GaugeMetricFamily("kvd_namespace_blocks", "Blocks of a namespace by state.",
                                   labels=["namespace", "state"])
     for label, ns in rows:
-        for name, _, key in _NS_COUNTERS:
-            counters[name].add_metric([label], float(ns.get(key, 0)))
-        for outcome, key in (("started", "stores_started_total"),
-                             ("completed", "stores_completed_total"),
-                             ("failed", "stores_failed_total")):
-            stores.add_metric([label, outcome], float(ns.get(key, 0)))
-        slots.add_metric([label], float(ns.get("slots_capacity", 0)))
-        for state, count in ns.get("blocks", {}).items():
-            ns_blocks.add_metric([label, state], float(count))
+        for name, _, attr in _NS_COUNTERS:
+            counters[name].add_metric([label], float(getattr(ns, attr)))
+        for outcome, attr in (("started", "stores_started_total"),
+                              ("completed", "stores_completed_total"),
+                              ("failed", "stores_failed_total")):
+            stores.add_metric([label, outcome], float(getattr(ns, attr)))
+        slots.add_metric([label], float(ns.slots_capacity))
+        for state in BLOCK_STATES:
+            ns_blocks.add_metric([label, state], float(getattr(ns.blocks, state)))
     yield from counters.values()
     yield stores
     yield slots
     yield ns_blocks
 
 
-def _tenants(tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+def _tenants(tenants: dict[str, TenantStats]) -> Iterator[Metric]:
     """Pool use and quota per tenant. Tenants come from the configuration (plus "default"), so
     the label set is bounded by what the operator wrote; past MAX_NAMESPACE_LABELS, "other"."""
     used = GaugeMetricFamily("kvd_tenant_used_bytes",
@@ -229,47 +237,47 @@ def _tenants(tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
                               labels=["tenant"])
     names = sorted(tenants)
     for name in names[:MAX_NAMESPACE_LABELS]:
-        used.add_metric([name], tenants[name].get("used_bytes", 0))
-        quota.add_metric([name], tenants[name].get("quota_bytes", 0))
+        used.add_metric([name], tenants[name].used_bytes)
+        quota.add_metric([name], tenants[name].quota_bytes)
     rest = names[MAX_NAMESPACE_LABELS:]
     if rest:
-        used.add_metric(["other"], sum(tenants[n].get("used_bytes", 0) for n in rest))
-        quota.add_metric(["other"], sum(tenants[n].get("quota_bytes", 0) for n in rest))
+        used.add_metric(["other"], sum(tenants[n].used_bytes for n in rest))
+        quota.add_metric(["other"], sum(tenants[n].quota_bytes for n in rest))
     yield used
     yield quota
 
 
-def _bounded(namespaces: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+def _bounded(namespaces: Sequence[NamespaceStats]) -> list[tuple[str, NamespaceStats]]:
     """Namespaces as (label, values); past MAX_NAMESPACE_LABELS they add up under "other"."""
-    rows = [(str(ns.get("id", "")), ns) for ns in namespaces[:MAX_NAMESPACE_LABELS]]
+    rows = [(ns.id, ns) for ns in namespaces[:MAX_NAMESPACE_LABELS]]
     rest = namespaces[MAX_NAMESPACE_LABELS:]
     if rest:
-        other: dict[str, Any] = {"blocks": {}}
+        other = NamespaceStats(id="other")
         for ns in rest:
-            for key, value in ns.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    other[key] = other.get(key, 0) + value
-            for state, count in ns.get("blocks", {}).items():
-                other["blocks"][state] = other["blocks"].get(state, 0) + count
+            for f in dataclasses.fields(NamespaceStats):
+                value = getattr(ns, f.name)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    setattr(other, f.name, getattr(other, f.name) + value)
+            other.blocks.add(ns.blocks)
         rows.append(("other", other))
     return rows
 
 
-def _transfers(transfers: dict[str, Any]) -> Iterator[Metric]:
+def _transfers(transfers: TransferTotals) -> Iterator[Metric]:
     yield _counter("kvd_loaded_bytes",
                    "Bytes of blocks whose loads completed (block size x completed loads).",
-                   transfers.get("completed_load_bytes_total", 0))
+                   transfers.completed_load_bytes_total)
     yield _counter("kvd_stored_bytes",
                    "Bytes of blocks whose stores completed (block size x completed stores).",
-                   transfers.get("completed_store_bytes_total", 0))
+                   transfers.completed_store_bytes_total)
     yield _counter("kvd_transfer_load_bytes", "Bytes loaded pool->engine (client reports).",
-                   transfers.get("load_bytes_total", 0))
+                   transfers.load_bytes_total)
     yield _counter("kvd_transfer_store_bytes", "Bytes stored engine->pool (client reports).",
-                   transfers.get("store_bytes_total", 0))
+                   transfers.store_bytes_total)
     yield _counter("kvd_transfer_load_seconds", "Seconds spent loading (client reports).",
-                   transfers.get("load_seconds_total", 0.0))
+                   transfers.load_seconds_total)
     yield _counter("kvd_transfer_store_seconds", "Seconds spent storing (client reports).",
-                   transfers.get("store_seconds_total", 0.0))
+                   transfers.store_seconds_total)
 
 
 class MetricsServer:
@@ -287,10 +295,11 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def build_registry(stats: Callable[[], dict[str, Any]]) -> tuple[CollectorRegistry, RpcMetrics]:
+def build_registry(snapshot: Callable[[], StatsSnapshot]
+                   ) -> tuple[CollectorRegistry, RpcMetrics]:
     """A private registry with the stats collector and the request-path metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats))
+    registry.register(StatsCollector(snapshot))
     return registry, RpcMetrics(registry)
 
 
@@ -301,17 +310,17 @@ def start_metrics(registry: CollectorRegistry, address: str, port: int) -> Metri
     return server
 
 
-def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], dict[str, Any]],
-            timeout: float = 2.0) -> Callable[[], dict[str, Any]]:
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], StatsSnapshot],
+            timeout: float = 2.0) -> Callable[[], StatsSnapshot]:
     """Wrap `fn` so a scrape (on the HTTP thread) runs it on the daemon's event loop.
 
     The core is single-threaded; reading it from another thread could see it mid-update.
     """
 
-    async def _call() -> dict[str, Any]:
+    async def _call() -> StatsSnapshot:
         return fn()
 
-    def snapshot() -> dict[str, Any]:
+    def snapshot() -> StatsSnapshot:
         return asyncio.run_coroutine_threadsafe(_call(), loop).result(timeout)
 
     return snapshot

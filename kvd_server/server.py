@@ -9,34 +9,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import logging
 import os
 import signal
-import socket
-import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
+from kvd_proto.attach import ROLE_ADMIN, AttachRequest
+from kvd_proto.paths import SocketState, attach_path, grpc_target, probe_socket
+from kvd_proto.wire import SLOT_ALIGNMENT, channel_options
 from kvd_server import __version__, notify
-from kvd_server.admin_auth import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileError, read_token_file
-from kvd_server.attach import AttachRefused, AttachReply, AttachRequest, AttachServer, PeerCred
+from kvd_server.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileError, read_token_file
+from kvd_server.attach import AttachReply, AttachServer, PeerCred
 from kvd_server.config import Config
 from kvd_server.core import KvdCore
-from kvd_server.errors import KvdError
-from kvd_server.extents import SLOT_ALIGNMENT, ExtentAllocator
+from kvd_server.errors import PermissionDenied
+from kvd_server.extents import ExtentAllocator
 from kvd_server.pool import HostPool, PoolError
 from kvd_server.service import AdminService, EngineService, RpcRecorder
+from kvd_server.stats import DaemonFacts, StatsSnapshot, build_snapshot
 from kvd_server.units import format_duration, format_size
+
+if TYPE_CHECKING:
+    from kvd_server.metrics import MetricsServer, RpcMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 SWEEP_INTERVAL = 0.1
 DRAIN_POLL = 0.05
 STOP_GRACE = 1.0
@@ -45,11 +48,6 @@ HEALTH_SERVICES = ("", "kvd.v1.KvdEngine")
 
 class StartupError(Exception):
     """The daemon cannot start; the message tells the operator what to do."""
-
-
-def grpc_target(path: str) -> str:
-    """`unix:` target for a socket path (absolute paths become unix:///abs/path)."""
-    return f"unix://{path}" if path.startswith("/") else f"unix:{path}"
 
 
 def _prepare_socket_path(path: str) -> None:
@@ -62,31 +60,19 @@ def _prepare_socket_path(path: str) -> None:
         except OSError as exc:
             raise StartupError(f"cannot create the socket directory {directory}: "
                                f"{exc.strerror}; create it or choose --socket") from None
-    for candidate in (path, path + ".attach"):
-        try:
-            mode = os.lstat(candidate).st_mode
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISSOCK(mode):
+    for candidate in (path, attach_path(path)):
+        state, _ = probe_socket(candidate)
+        if state is SocketState.NOT_SOCKET:
             raise StartupError(f"{candidate} exists and is not a socket; remove it or choose "
                                "another --socket")
-        if _socket_is_live(candidate):
+        if state in (SocketState.LIVE, SocketState.DENIED, SocketState.ERROR):
+            # EACCES and friends: someone else's live socket we may not touch.
             raise StartupError(f"another kvd daemon is serving on {candidate}; stop it first "
                                "(kvd drain --socket ...) or choose another --socket")
-        log.info("removing stale socket %s", candidate)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(candidate)
-
-
-def _socket_is_live(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError as exc:
-            # EACCES and friends: someone else's live socket we may not touch.
-            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
-        return True
+        if state is SocketState.STALE:
+            log.info("removing stale socket %s", candidate)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(candidate)
 
 
 def _remove(path: str) -> None:
@@ -99,46 +85,32 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.pool: Any = None
-        self.core: Any = None
+        self.pool: HostPool | None = None
+        self.core: KvdCore | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._attach: Any = None
+        self._attach: AttachServer | None = None
         self._admin_server: grpc.aio.Server | None = None
         self._tokens = AdminTokens()
-        self._metrics_server: Any = None
+        self._metrics_server: MetricsServer | None = None
         self._rpc = RpcRecorder()
         self._engine: EngineService | None = None
         self._stop = asyncio.Event()
         self._drain_timeout = config.server.drain_timeout
-        self._started = time.monotonic()
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- stats and drain entry points
 
-    def stats(self) -> dict[str, Any]:
-        """The stats document: the core's, plus what only the service and the pool know."""
-        doc = self.core.stats()
-        cfg = self.config
-        server = doc.setdefault("server", {})
-        for key, value in (("version", __version__), ("pid", os.getpid()),
-                           ("uptime_seconds", time.monotonic() - self._started),
-                           ("socket", cfg.server.socket),
-                           ("attach_socket", cfg.server.attach_socket),
-                           ("policy", cfg.manager.policy)):
-            server.setdefault(key, value)
-        pool = doc.setdefault("pool", {})
-        for key, value in (("total_bytes", cfg.pool.size), ("backing", cfg.pool.backing),
-                           ("path", cfg.pool.path or None),
-                           ("prefault_bytes_done", self.pool.prefaulted_bytes),
-                           ("mlocked", self.pool.mlocked)):
-            pool.setdefault(key, value)
-        if self._engine is not None:
-            totals = doc.setdefault("stats", {})
-            totals["step_calls_total"] = self._engine.step_calls
-            totals["step_ops_total"] = self._engine.step_ops
-        doc["rpc"] = self._rpc.section()
-        return doc
+    def snapshot(self) -> StatsSnapshot:
+        """The stats document: the core's state plus what only the daemon's parts know."""
+        assert self.core is not None and self.pool is not None
+        cfg, engine = self.config, self._engine
+        return build_snapshot(self.core, DaemonFacts(
+            socket=cfg.server.socket, attach_socket=cfg.server.attach_socket,
+            backing=cfg.pool.backing, path=cfg.pool.path or None,
+            prefault_bytes_done=self.pool.prefaulted_bytes, mlocked=self.pool.mlocked,
+            step_calls_total=engine.step_calls if engine else 0,
+            step_ops_total=engine.step_ops if engine else 0, rpc=self._rpc.counts))
 
     def request_drain(self, timeout: float | None = None) -> bool:
         """Start draining (idempotent): False when a drain is already under way."""
@@ -166,7 +138,7 @@ class Daemon:
             await self._start()
             if not self._stop.is_set():
                 await self._prepare_pool()
-            if not self._stop.is_set():
+            if not self._stop.is_set() and self.core is not None:
                 self.core.set_serving()
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
                 notify.ready(f"serving {format_size(cfg.pool.size)} on {cfg.server.socket}")
@@ -205,11 +177,12 @@ class Daemon:
     async def _start(self) -> None:
         cfg = self.config
         try:
-            self.pool = HostPool.create(cfg.pool.size, cfg.pool.backing, cfg.pool.path,
-                                        cfg.pool.persist)
+            pool = HostPool.create(cfg.pool.size, cfg.pool.backing, cfg.pool.path,
+                                   cfg.pool.persist)
         except (PoolError, OSError) as exc:
             raise StartupError(f"cannot create the pool: {exc}") from None
-        self.core = KvdCore(cfg, ExtentAllocator(self.pool.size, cfg.pool.extent_size))
+        self.pool = pool
+        core = self.core = KvdCore(cfg, ExtentAllocator(pool.size, cfg.pool.extent_size))
         if cfg.server.admin_token_file:
             try:
                 self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))
@@ -218,14 +191,11 @@ class Daemon:
         metrics = self._start_metrics()
         self._rpc = RpcRecorder(metrics)
 
-        server = grpc.aio.server(options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ])
-        self._engine = EngineService(self.core, cfg, self.pool.size, self._rpc)
+        server = grpc.aio.server(options=channel_options())
+        self._engine = EngineService(core, cfg, pool.size, self._rpc)
         kvd_pb2_grpc.add_KvdEngineServicer_to_server(self._engine, server)
         kvd_pb2_grpc.add_KvdAdminServicer_to_server(
-            AdminService(self.core, cfg, self._rpc, self.stats, self.request_drain,
+            AdminService(core, cfg, self._rpc, self.snapshot, self.request_drain,
                          self._tokens), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -240,10 +210,10 @@ class Daemon:
                                     self._on_attach)
         await self._attach.start()
         if cfg.server.admin_listen:
-            await self._start_admin_listener()
-        self._tasks.append(asyncio.create_task(self._sweeper(), name="kvd-sweeper"))
+            await self._start_admin_listener(core)
+        self._tasks.append(asyncio.create_task(self._sweeper(core), name="kvd-sweeper"))
 
-    async def _start_admin_listener(self) -> None:
+    async def _start_admin_listener(self, core: KvdCore) -> None:
         """The optional remote admin port: KvdAdmin and health only, TLS only, every call
         with the admin token (the engine service never leaves the node)."""
         cfg = self.config.server
@@ -256,12 +226,9 @@ class Daemon:
                                                 require_client_auth=ca is not None)
         except (OSError, ValueError, RuntimeError) as exc:
             raise StartupError(f"cannot set up TLS for server.admin_listen: {exc}") from None
-        server = grpc.aio.server(options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ])
+        server = grpc.aio.server(options=channel_options())
         kvd_pb2_grpc.add_KvdAdminServicer_to_server(
-            AdminService(self.core, self.config, self._rpc, self.stats, self.request_drain,
+            AdminService(core, self.config, self._rpc, self.snapshot, self.request_drain,
                          self._tokens, remote=True), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -276,14 +243,14 @@ class Daemon:
         log.info("remote admin: TLS on %s%s", cfg.admin_listen,
                  " (client certificates required)" if ca else "")
 
-    def _start_metrics(self) -> Any:
+    def _start_metrics(self) -> RpcMetrics | None:
         cfg = self.config.server
         if not cfg.metrics_port:
             return None
         from kvd_server import metrics
 
         registry, rpc_metrics = metrics.build_registry(
-            metrics.on_loop(asyncio.get_running_loop(), self.stats))
+            metrics.on_loop(asyncio.get_running_loop(), self.snapshot))
         try:
             self._metrics_server = metrics.start_metrics(registry, cfg.metrics_address,
                                                          cfg.metrics_port)
@@ -312,32 +279,33 @@ class Daemon:
     def _on_attach(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
         """Attach handler (runs on the loop): a session for an engine, just the pool for a
         data-plane worker; the core decides who may attach."""
-        if request.role == "admin":
-            if not self.core.is_admin(peer):
-                raise AttachRefused("PERMISSION_DENIED",
-                                    f"uid {peer.uid} / gid {peer.gid} is not an admin (root, the "
-                                    "daemon's uid, server.admin_uids / server.admin_gids)")
+        assert self.core is not None and self.pool is not None
+        if request.role == ROLE_ADMIN:
+            if not self.core.sessions.is_admin(peer):
+                raise PermissionDenied(f"uid {peer.uid} / gid {peer.gid} is not an admin (root, "
+                                       "the daemon's uid, server.admin_uids / server.admin_gids)")
             log.info("admin token issued to pid %d uid %d", peer.pid, peer.uid)
             return AttachReply(fields={"admin_token": self._tokens.issue(),
                                        "expires_ms": int(ADMIN_TOKEN_TTL_S * 1000),
                                        "instance_id": self.core.instance_id,
                                        "daemon_version": __version__})
-        try:
-            session = self.core.attach(peer, request.role)
-        except KvdError as exc:
-            raise AttachRefused(exc.code.name, str(exc)) from None
+        session = self.core.attach(peer, request.role)
+        if request.engine_id:
+            log.debug("attach of %s (pid %d) as %s", request.engine_id, peer.pid, request.role)
         fields = {
             "token": session.token if session else "",
-            "session_id": session.session_id if session else "",
+            "session_id": session.id if session else "",
             "pool_bytes": self.pool.size, "pool_id": self.pool.pool_id,
             "instance_id": self.core.instance_id, "slot_alignment": SLOT_ALIGNMENT,
             "daemon_version": __version__,
-            "tenant": session.tenant if session else self.core.tenant_of(peer),
+            "tenant": session.tenant if session else self.core.sessions.tenant_of(peer),
         }
         return AttachReply(fields=fields, fd=self.pool.fd)
 
     async def _prepare_pool(self) -> None:
         cfg = self.config.pool
+        pool = self.pool
+        assert pool is not None
         if cfg.prefault:
             started = time.monotonic()
             loop = asyncio.get_running_loop()
@@ -352,12 +320,12 @@ class Daemon:
                     log.info("pre-faulting the pool: %d%% (%s of %s)", tenth * 10,
                              format_size(done), format_size(total))
 
-            await asyncio.to_thread(self.pool.prefault, progress)
+            await asyncio.to_thread(pool.prefault, progress)
             log.info("pool pre-faulted in %.1fs", time.monotonic() - started)
         if cfg.mlock:
-            self.pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked
+            pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked
 
-    async def _sweeper(self) -> None:
+    async def _sweeper(self, core: KvdCore) -> None:
         loop = asyncio.get_running_loop()
         while True:
             due = loop.time() + SWEEP_INTERVAL
@@ -368,8 +336,8 @@ class Daemon:
                     # The daemon itself was not running (stopped, swapped out, a long pause):
                     # heartbeats may sit unread in socket buffers, so that silence is ours,
                     # not the engines'. Do not reap anyone for it.
-                    self.core.forgive(late)
-                self.core.sweep()
+                    core.forgive(late)
+                core.sweep()
             except Exception:  # a sweep bug must not stop liveness for every later sweep
                 log.exception("sweep failed")
 
@@ -377,16 +345,17 @@ class Daemon:
         timeout = self._drain_timeout
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         notify.stopping("draining")
-        if self.core is None:
+        core = self.core
+        if core is None:
             return
-        self.core.start_drain()
+        core.start_drain()
         deadline = time.monotonic() + timeout
-        pending = self.core.loads_in_flight()
+        pending = core.loads_in_flight()
         log.info("draining: new stores refused, %d load(s) in flight, waiting up to %s",
                  pending, format_duration(timeout))
         while pending and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL)
-            pending = self.core.loads_in_flight()
+            pending = core.loads_in_flight()
         if pending:
             log.warning("drain timeout: %d load(s) still in flight; exiting anyway", pending)
         else:

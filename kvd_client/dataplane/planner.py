@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import EngineTensor, SlotLayout
+from .slot_layout import EngineTensor, SlotLayout
 
 SKIP = -1  # a slot offset that says "this chunk is not transferred" (e.g. a declined store)
 

@@ -3,6 +3,6 @@
 Importing this package imports vLLM; the rest of kvd_client does not.
 """
 
-from .spec import KvdOffloadingSpec
+from .offloading_spec import KvdOffloadingSpec
 
 __all__ = ["KvdOffloadingSpec"]

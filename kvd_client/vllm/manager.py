@@ -44,14 +44,14 @@ from vllm.v1.kv_offload.base import (
 from kvd_client.client import KvdClient
 from kvd_client.dataplane.planner import SKIP
 from kvd_proto import kvd_pb2
+from kvd_proto.wire import MAX_KEYS_PER_CALL
 
-from .specs import KvdSlotsSpec
+from .transfer_spec import KvdSlotsSpec
 
 log = logging.getLogger(__name__)
 
-MAX_KEYS_PER_OP = 4096          # proto bound
+MAX_KEYS_PER_OP = MAX_KEYS_PER_CALL
 MAX_LOOKUP_KEYS_PER_STEP = 8192
-LEASE_MS = 5000                 # asked of the daemon for lookup hits
 LEASE_MARGIN_S = 2.0            # a local HIT expires this long (at most half the lease) before
                                 # its lease
 MISS_TTL_STEPS = 2              # a resolved MISS answers for this many steps
@@ -77,14 +77,16 @@ class _StoreBatch:
 
 class KvdOffloadingManager(OffloadingManager):
     def __init__(self, client: KvdClient, *, enable_events: bool = False,
-                 lease_ms: int = LEASE_MS,
+                 lease_ms: int | None = None,
                  sliding_window_groups: Collection[int] = ()) -> None:
         self.client = client
         # Groups vLLM scans from the end for windows of hits: resolved key by key, not as a
         # prefix. Every other group is full attention: a maximal-prefix scan.
         self._suffix_groups = frozenset(sliding_window_groups)
         self.enable_events = enable_events
-        self.lease_ms = max(int(lease_ms), 100)     # hits need a lease: it carries the offset
+        # The lease asked for lookup hits (a hit needs one: it carries the offset); None: the
+        # daemon's manager.default_lease, as RegisterSession tells it.
+        self._lease_ms = None if lease_ms is None else max(int(lease_ms), 100)
         self._generation = client.generation
         self._step = 0
         self._answers: dict[bytes, _Answer] = {}
@@ -100,6 +102,10 @@ class KvdOffloadingManager(OffloadingManager):
         self._stale_pins: dict[int, list[bytes]] = {}
         self._events: list[OffloadingEvent] = []
         self.round_trips_by_step: list[int] = []              # for tests and benchmarks
+
+    @property
+    def lease_ms(self) -> int:
+        return self._lease_ms or max(self.client.default_lease_ms, 100)
 
     # ----------------------------------------------------------- local view
     def _sync(self) -> None:
@@ -352,10 +358,11 @@ class KvdOffloadingManager(OffloadingManager):
                 if offset is not None:
                     batch.spec.offsets[i] = offset
                     self._store_epochs[key] = answer.epoch
-        lease_s = self.lease_ms / 1000.0
-        expires = sent_at + lease_s - min(LEASE_MARGIN_S, lease_s / 2)
         for req_id, part in lookups:
             answer = next(it).lookup
+            # The lease the daemon granted (it caps what was asked at its max_lease).
+            lease_s = (answer.lease_ms or self.lease_ms) / 1000.0
+            expires = sent_at + lease_s - min(LEASE_MARGIN_S, lease_s / 2)
             # A prefix lookup answers up to the first key that is not a HIT; the keys after it
             # stay unknown (vLLM's scan stops at a MISS; after a HIT_PENDING it asks again).
             offsets = answer.slot_offsets

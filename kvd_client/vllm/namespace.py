@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvd_client.layout import ClientLayout
+from kvd_proto.wire import KvLayout
 
 
-def layout_of(config: OffloadingConfig) -> ClientLayout:
+def layout_of(config: OffloadingConfig) -> KvLayout:
     """One slot = one chunk over all ranks (each rank's shard = its bytes per chunk)."""
     bpc = config.cache.blocks_per_chunk
     ranks = max(1, config.parallel.world_size)
     shard = config.worker_kv_bytes_per_block * bpc
     tokens = config.groups[0].tokens_per_block * bpc if config.groups else 0
-    return ClientLayout(block_bytes=shard * ranks, num_ranks=ranks, shard_bytes=shard,
+    return KvLayout(block_bytes=shard * ranks, num_ranks=ranks, shard_bytes=shard,
                         tokens_per_block=tokens, dtype=str(config.model.dtype))
 
 

@@ -25,7 +25,7 @@ from kvd_client.dataplane.backend import CopyBackend
 from kvd_client.dataplane.cpu import CpuBackend
 from kvd_client.pool_map import PoolMapping
 
-from .specs import KvdSlotsSpec
+from .transfer_spec import KvdSlotsSpec
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ class KvdOffloadingWorker(OffloadingWorker):
         # pages do not fit, ranks would overwrite each other's shards, and skipping the copies
         # is no way out either: vLLM 0.33's offloading API has no failed load, so a skipped load
         # would hand the model whatever the GPU blocks held. Refuse to start instead.
-        self.usable = self.layout.shard_bytes <= expected_shard_bytes
-        if not self.usable:
+        if self.layout.shard_bytes > expected_shard_bytes:
             raise ValueError(
                 f"kvd cannot offload this model's KV cache: a chunk of its largest KV group "
                 f"needs {self.layout.shard_bytes} bytes per rank, but vLLM sized slots for "
@@ -65,7 +64,7 @@ class KvdOffloadingWorker(OffloadingWorker):
         self._on_gpu = on_gpu
         self._mappings: dict[str, tuple[PoolMapping, np.ndarray]] = {}
         self._backend: CopyBackend | None = None if on_gpu else CpuBackend()
-        self._skipped: list[TransferResult] = []
+        self._skipped: list[TransferResult] = []   # jobs answered without a copy
         self._attach()
 
     # ----------------------------------------------------------- pool mapping
@@ -99,19 +98,31 @@ class KvdOffloadingWorker(OffloadingWorker):
     # ---------------------------------------------------------- transfers
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec,
                 *, to_pool: bool, expedited: bool) -> bool:
-        assert isinstance(host, KvdSlotsSpec), f"unexpected spec {type(host).__name__}"
-        base = self._pool_base(host.pool_id) if self.usable else None
+        if not isinstance(host, KvdSlotsSpec):
+            log.error("kvd worker: job %d has a %s, not a KvdSlotsSpec; failed", job_id,
+                      type(host).__name__)
+            self._skipped.append(TransferResult(job_id, False, 0, 0.0))
+            return True
+        base = self._pool_base(host.pool_id)
         if base is None or self._backend is None or not (host.offsets >= 0).any():
             if not to_pool and (host.offsets >= 0).any():
                 log.error("kvd worker: load job %d names pool %s which is not mapped; "
                           "its blocks are not loaded", job_id, host.pool_id)
             self._skipped.append(TransferResult(job_id, True, 0, 0.0))
             return True
-        plan = plan_transfer(self.layout, self.tensors, pool_base=base, rank=self.rank,
-                             slot_offsets=host.offsets, block_ids=gpu.block_ids,
-                             group_sizes=gpu.group_sizes, block_indices=gpu.block_indices,
-                             to_pool=to_pool)
-        return self._backend.submit(job_id, plan, is_store=to_pool, expedited=expedited)
+        try:
+            plan = plan_transfer(self.layout, self.tensors, pool_base=base, rank=self.rank,
+                                 slot_offsets=host.offsets, block_ids=gpu.block_ids,
+                                 group_sizes=gpu.group_sizes, block_indices=gpu.block_indices,
+                                 to_pool=to_pool)
+            return self._backend.submit(job_id, plan, is_store=to_pool, expedited=expedited)
+        except Exception:
+            # OffloadingWorker's contract: a transfer that cannot run is a failed job reported
+            # by get_finished, never an exception out of submit.
+            log.exception("kvd worker: %s job %d failed", "store" if to_pool else "load",
+                          job_id)
+            self._skipped.append(TransferResult(job_id, False, 0, 0.0))
+            return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:

@@ -2,7 +2,7 @@
 
 from .namespace import ManagerCounters, NamespaceManager
 from .slots import FixedSlots
-from .types import BlockCounts, Lookup, NotReadyError, OffloadEvent, StoreGrant
+from .types import BlockCounts, Lookup, OffloadEvent, StoreGrant
 
 __all__ = [
     "BlockCounts",
@@ -10,7 +10,6 @@ __all__ = [
     "Lookup",
     "ManagerCounters",
     "NamespaceManager",
-    "NotReadyError",
     "OffloadEvent",
     "StoreGrant",
 ]

@@ -15,9 +15,11 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from kvd_server.errors import NotReady
+
 from .policies import Block, RequestState, make_policy
 from .policies.base import group_of
-from .types import BlockCounts, Lookup, NotReadyError, OffloadEvent, SlotSource, StoreGrant
+from .types import BlockCounts, Lookup, OffloadEvent, SlotSource, StoreGrant
 
 # Bounds that keep a misbehaving client from growing the daemon without limit.
 MAX_PENDING_EVENTS = 100_000
@@ -71,10 +73,6 @@ class NamespaceManager:
     def slot_of(self, key: bytes) -> int | None:
         block = self.policy.get(key)
         return None if block is None else block.slot
-
-    def is_storing(self, key: bytes) -> bool:
-        block = self.policy.get(key)
-        return block is not None and block.ref < 0
 
     def counts(self) -> BlockCounts:
         resident = len(self.policy)
@@ -150,7 +148,7 @@ class NamespaceManager:
         for i, key in enumerate(keys):
             block = self.policy.get(key)
             if block is None or block.ref < 0:
-                raise NotReadyError(key, i)
+                raise NotReady(key, i)
             blocks.append(block)
         state = self._request(req)
         self._set_positions(state, keys, positions)

@@ -7,7 +7,6 @@ index key -> block and applies vLLM 0.33's CPUOffloadingManager semantics over a
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,19 +51,6 @@ class BlockCounts:
         return self.storing + self.ready + self.pinned
 
 
-class ManagerError(Exception):
-    """Base of the manager's errors; the service maps each subclass to a gRPC status."""
-
-
-class NotReadyError(ManagerError):
-    """prepare_load named a key that is absent or not ready (FAILED_PRECONDITION)."""
-
-    def __init__(self, key: bytes, index: int) -> None:
-        super().__init__(f"key #{index} ({key[:16].hex()}) is not a readable block")
-        self.key = key
-        self.index = index
-
-
 class SlotSource(Protocol):
     """Where a namespace's slots come from.
 
@@ -91,18 +77,3 @@ class SlotSource(Protocol):
     def reset(self) -> None:
         """Forget every allocation (all slots are free again; reset with no zombies)."""
         ...
-
-
-class SlotSink(Protocol):
-    """Optional observer used by the daemon for extent accounting (may be None in tests)."""
-
-    def on_empty(self) -> None: ...
-
-
-def positions_or_none(positions: Sequence[int] | None, n: int) -> Sequence[int] | None:
-    """Validate an optional positions list against the number of keys."""
-    if not positions:
-        return None
-    if len(positions) != n:
-        raise ValueError(f"positions has {len(positions)} entries for {n} keys")
-    return positions

@@ -38,10 +38,10 @@ def _say(doc: dict) -> None:
 def _client_phase(socket: str, seed: str) -> None:
     """A real KvdClient (heartbeat stream, batched steps) holding pins, leases and a store."""
     from kvd_client.client import KvdClient
-    from kvd_client.layout import ClientLayout
+    from kvd_proto.wire import KvLayout
 
     client = KvdClient(socket, model=MODEL, engine_id=f"crash-client-{seed}",
-                       layout=ClientLayout(BLOCK, 1, BLOCK, 16, "bfloat16"), deadline_s=2.0)
+                       layout=KvLayout(BLOCK, 1, BLOCK, 16, "bfloat16"), deadline_s=2.0)
     if not client.wait_available(10):
         raise SystemExit("client never connected")
     ready = keys_for(READY_SEED, READY_N)

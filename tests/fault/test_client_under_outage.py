@@ -20,8 +20,8 @@ import time
 import pytest
 
 from kvd_client.client import KvdClient
-from kvd_client.layout import ClientLayout
 from kvd_proto import kvd_pb2
+from kvd_proto.wire import KvLayout
 from tests.multiproc.conftest import EXTENT, POOL, Engine, block_bytes_of, wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
@@ -137,7 +137,7 @@ class Scheduler(threading.Thread):
 @pytest.fixture
 def engine_loop(daemon):
     client = KvdClient(daemon.socket, model=MODEL, deadline_s=DEADLINE,
-                       layout=ClientLayout(BLOCK, 1, BLOCK, 16, "bfloat16"))
+                       layout=KvLayout(BLOCK, 1, BLOCK, 16, "bfloat16"))
     assert client.wait_available(10)
     sched = Scheduler(client)
     sched.start()

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvd_client.client import KvdClient
-from kvd_client.layout import ClientLayout
 from kvd_proto import kvd_pb2
+from kvd_proto.wire import KvLayout
 from tests.multiproc.conftest import EXTENT, POOL
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
@@ -20,7 +20,7 @@ SLACK = 0.5
 
 
 def _client(socket: str) -> KvdClient:
-    c = KvdClient(socket, model="restart-model", layout=ClientLayout(4096, 1, 4096, 16, "bf16"),
+    c = KvdClient(socket, model="restart-model", layout=KvLayout(4096, 1, 4096, 16, "bf16"),
                   deadline_s=DEADLINE)
     assert c.wait_available(10)
     return c

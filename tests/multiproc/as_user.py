@@ -29,8 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: F401  (before th
 
 import kvd_client.attach  # noqa: F401  (everything imported before the uid drop)
 import kvd_client.pool_map  # noqa: F401
+from kvd_proto import attach as attach_protocol
 from kvd_proto import kvd_pb2, kvd_pb2_grpc  # noqa: F401
-from kvd_server import admin_auth, cli
+from kvd_server import cli
 from tests.multiproc.conftest import Engine, keys_for
 
 BLOCK = 64 * 1024
@@ -108,9 +109,9 @@ def main(argv: list[str]) -> int:
     drop(int(uid), int(gid))
     if action == "token":
         try:
-            admin_auth.request_admin_token(sock_path + ".attach", 5.0)
+            attach_protocol.request_admin_token(sock_path, 5.0)
             out: dict = {"ok": True, "code": "OK"}
-        except admin_auth.AdminTokenRefused as exc:
+        except attach_protocol.AttachError as exc:
             out = {"ok": False, "code": exc.code, "error": str(exc)}
     elif action == "cli":
         err = io.StringIO()

@@ -114,9 +114,10 @@ class Daemon:
 
     def admin_md(self) -> tuple[tuple[str, str], ...]:
         """Metadata carrying an admin token, asked for on the attach socket (as `kvd reset`)."""
-        from kvd_server.admin_auth import ADMIN_TOKEN_METADATA, request_admin_token
+        from kvd_proto.attach import request_admin_token
+        from kvd_proto.wire import ADMIN_TOKEN_METADATA
 
-        return ((ADMIN_TOKEN_METADATA, request_admin_token(self.socket + ".attach", 5.0)),)
+        return ((ADMIN_TOKEN_METADATA, request_admin_token(self.socket, 5.0)),)
 
     def engine_stub(self) -> kvd_pb2_grpc.KvdEngineStub:
         return kvd_pb2_grpc.KvdEngineStub(self.channel())

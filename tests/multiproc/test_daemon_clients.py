@@ -199,11 +199,11 @@ def test_dataplane_attach_maps_the_pool_without_a_session(daemon: Daemon, engine
 def test_kvd_client_steps_on_its_stream_or_unary(daemon, monkeypatch, stream):
     from kvd_client import client as client_module
     from kvd_client.client import KvdClient
-    from kvd_client.layout import ClientLayout
+    from kvd_proto.wire import KvLayout
 
     monkeypatch.setattr(client_module, "USE_STEP_STREAM", stream)
     c = KvdClient(daemon.socket, model="stream-model",
-                  layout=ClientLayout(4096, 1, 4096, 16, "bf16"), deadline_s=2.0)
+                  layout=KvLayout(4096, 1, 4096, 16, "bf16"), deadline_s=2.0)
     try:
         assert c.wait_available(10)
         keys = keys_for("client-stream", 3)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvd_server import cli
+from kvd_server.stats import StatsSnapshot
 
 SUBCOMMANDS = ("serve", "stats", "sessions", "reset", "drain", "health", "config")
 
@@ -159,7 +160,7 @@ SAMPLE = {
 
 
 def test_stats_rendering_is_grouped_and_fits_80_columns():
-    text = cli.render_stats(SAMPLE)
+    text = cli.render_stats(StatsSnapshot.from_dict(SAMPLE))
     for section in ("server", "pool", "blocks", "sessions", "stats", "tenants",
                     "namespaces (1)", "rpc"):
         assert f"# {section}" in text
@@ -170,5 +171,5 @@ def test_stats_rendering_is_grouped_and_fits_80_columns():
 
 
 def test_stats_rendering_tolerates_an_empty_document():
-    text = cli.render_stats({})
+    text = cli.render_stats(StatsSnapshot.from_dict({}))
     assert "# pool" in text

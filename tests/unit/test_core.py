@@ -5,12 +5,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvd_proto.wire import KvLayout as Layout
 from kvd_server.attach import PeerCred
 from kvd_server.config import load_config
-from kvd_server.core import EngineInfo, KvdCore, Layout
+from kvd_server.core import KvdCore
 from kvd_server.errors import KvdError
 from kvd_server.extents import ExtentAllocator
 from kvd_server.manager import Lookup
+from kvd_server.sessions import EngineInfo
+from kvd_server.stats import build_snapshot
 
 LAYOUT = Layout(block_bytes=8192, num_ranks=2, shard_bytes=4096, tokens_per_block=16,
                 dtype="bf16")
@@ -42,7 +45,11 @@ def session(core, uid=1000, model="m", layout=LAYOUT):
 
 
 def code(exc_info) -> grpc.StatusCode:
-    return exc_info.value.code
+    return grpc.StatusCode[exc_info.value.code]
+
+
+def stats(core: KvdCore) -> dict:
+    return build_snapshot(core).to_dict()
 
 
 def keys(*ints):
@@ -50,7 +57,7 @@ def keys(*ints):
 
 
 def pool_accounting(core: KvdCore) -> None:
-    doc = core.stats()
+    doc = stats(core)
     assert doc["pool"]["free_bytes"] + doc["pool"]["used_bytes"] == doc["pool"]["total_bytes"]
 
 
@@ -63,17 +70,18 @@ def test_store_complete_lookup_load_across_sessions():
     # b cannot complete a's store
     assert core.complete_store(b, keys(1, 2), True, "x", epoch).completed == 0
     assert core.complete_store(a, keys(1, 2), True, "r1", epoch).completed == 2
-    states, _, offsets = core.lookup(b, keys(1, 2, 3), prefix=True, lease_ms=1000)
+    found = core.lookup(b, keys(1, 2, 3), prefix=True, lease_ms=1000)
+    states, offsets = found.states, found.offsets
     assert states == [Lookup.HIT, Lookup.HIT, Lookup.MISS]
     assert offsets[:2] == answer.slot_offsets and offsets[2] == 0
     loaded, _ = core.prepare_load(b, keys(1, 2), "r2", None)
     assert loaded == answer.slot_offsets
-    assert core.stats()["stats"]["pins"] == 2 and core.stats()["stats"]["leases"] == 0
+    assert stats(core)["stats"]["pins"] == 2 and stats(core)["stats"]["leases"] == 0
     # a cannot release b's pins
     core.complete_load(a, keys(1, 2), "r", epoch)
-    assert core.stats()["stats"]["pins"] == 2
+    assert stats(core)["stats"]["pins"] == 2
     core.complete_load(b, keys(1, 2), "r2", epoch)
-    assert core.stats()["stats"]["pins"] == 0
+    assert stats(core)["stats"]["pins"] == 0
 
 
 def test_namespaces_are_isolated_by_model_layout_and_tenant():
@@ -90,7 +98,7 @@ def test_namespaces_are_isolated_by_model_layout_and_tenant():
             core.prepare_load(s, keys(7), "r", None)
         assert code(e) == grpc.StatusCode.FAILED_PRECONDITION
     assert other_tenant.tenant == "team-b"
-    assert len(core.stats()["namespaces"]) == 4
+    assert len(stats(core)["namespaces"]) == 4
 
 
 def test_lease_expires_and_becomes_evictable():
@@ -102,7 +110,7 @@ def test_lease_expires_and_becomes_evictable():
     assert core.prepare_store(a, keys(9), "r", None)[0].cannot_store   # all leased
     clock.now += 1.0
     core.sweep()
-    assert core.stats()["stats"]["leases_expired_total"] == 8
+    assert stats(core)["stats"]["leases_expired_total"] == 8
     assert not core.prepare_store(a, keys(9), "r", None)[0].cannot_store
 
 
@@ -117,7 +125,7 @@ def test_dead_session_releases_pins_and_pending_stores():
     core.heartbeat(a)
     clock.now += 3          # b silent for 6 s > 5 s
     core.sweep()
-    doc = core.stats()
+    doc = stats(core)
     assert doc["sessions"] == 1 and doc["clients"]["reaped_total"] == 1
     assert doc["stats"]["pins"] == 0
     assert doc["blocks"] == {"storing": 0, "ready": 1, "pinned": 0, "zombie": 0, "total": 1}
@@ -136,12 +144,12 @@ def test_reset_with_copies_in_flight():
     core.prepare_load(a, keys(1), "r", None)
     new_epoch, dropped = core.reset_namespace(a)
     assert (new_epoch, dropped) == (1, 2)
-    assert core.stats()["blocks"]["zombie"] == 2
+    assert stats(core)["blocks"]["zombie"] == 2
     assert core.lookup(a, keys(1, 2))[0] == [Lookup.MISS, Lookup.MISS]
     # completions from the old epoch are ignored and free the zombies
     assert core.complete_store(a, keys(2), True, "r", e0).ignored
     assert core.complete_load(a, keys(1), "r", e0) is True
-    assert core.stats()["blocks"]["zombie"] == 0
+    assert stats(core)["blocks"]["zombie"] == 0
     assert core.lookup(a, keys(2))[0] == [Lookup.MISS]
     with pytest.raises(KvdError) as e:
         core.complete_load(a, keys(1), "r", 7)
@@ -213,14 +221,14 @@ def test_pool_full_evicts_within_namespace_and_extents_come_back():
     assert len(ans.evicted_keys) == 1
     core.complete_store(a, keys(50), False, "r", e)
     core.admin_reset(None)
-    assert core.stats()["pool"]["extents_free"] == 2
+    assert stats(core)["pool"]["extents_free"] == 2
     assert not core.prepare_store(b, keys(100), "r", None)[0].cannot_store
 
 
 def test_stats_document_shape():
     core, _ = make_core()
     session(core)
-    doc = core.stats()
+    doc = stats(core)
     for section in ("server", "pool", "blocks", "namespaces", "clients", "stats", "transfers"):
         assert section in doc
     assert isinstance(doc["sessions"], int)
@@ -240,15 +248,15 @@ def test_slots_of_a_dead_writer_are_quarantined_until_its_process_is_gone():
     other = session(core)
     grant, _ = core.prepare_store(other, keys(*range(10, 17)), "r", None)
     assert ans.slot_offsets[0] not in grant.slot_offsets    # never reused while it may write
-    assert core.stats()["pool"]["quarantined_slots"] == 1
+    assert stats(core)["pool"]["quarantined_slots"] == 1
     core.complete_store(other, grant.keys_to_store, True, "r", 0)
     clock.now += 60
     core.heartbeat(other)
     core.sweep()                                     # still alive: still quarantined
-    assert core.stats()["pool"]["quarantined_slots"] == 1
+    assert stats(core)["pool"]["quarantined_slots"] == 1
     alive[4242] = False
     core.sweep()
-    assert core.stats()["pool"]["quarantined_slots"] == 0
+    assert stats(core)["pool"]["quarantined_slots"] == 0
     grant, _ = core.prepare_store(other, keys(20), "r", None)
     assert grant.slot_offsets == ans.slot_offsets and not grant.evicted_keys
 
@@ -274,7 +282,7 @@ def test_tenant_quota_caps_its_extents_and_never_touches_another_tenant():
     assert sorted(answer.evicted_keys) == sorted(keys(*range(8)))
     core.complete_store(a1, keys(*range(32, 40)), True, "r", epoch)
     assert core.lookup(b, keys(*range(40)))[0] == [Lookup.HIT] * 40
-    doc = core.stats()
+    doc = stats(core)
     assert doc["tenants"]["team-a"] == {"used_bytes": 256 << 10, "quota_bytes": 256 << 10}
     assert doc["tenants"]["team-b"]["quota_bytes"] == 0
     assert doc["pool"]["extents_free"] == 1
@@ -296,10 +304,10 @@ def test_a_daemon_stall_is_forgiven_not_blamed_on_the_sessions():
     clock.now += 30            # the daemon was stopped for 30 s: nobody could be heard
     core.forgive(30)
     core.sweep()
-    assert core.stats()["sessions"] == 1 and core.stats()["blocks"]["storing"] == 1
+    assert stats(core)["sessions"] == 1 and stats(core)["blocks"]["storing"] == 1
     clock.now += 6             # then 6 s of real silence (> 5 s liveness): reaped
     core.sweep()
-    assert core.stats()["sessions"] == 0 and core.stats()["blocks"]["storing"] == 0
+    assert stats(core)["sessions"] == 0 and stats(core)["blocks"]["storing"] == 0
 
 
 def test_complete_load_without_a_pin_gives_back_the_sessions_lease_only():
@@ -309,11 +317,11 @@ def test_complete_load_without_a_pin_gives_back_the_sessions_lease_only():
     core.complete_store(a, keys(*range(8)), True, "r", epoch)
     core.lookup(a, keys(0, 1), lease_ms=5000)
     core.lookup(b, keys(1), lease_ms=5000)
-    assert core.stats()["stats"]["leases"] == 3
+    assert stats(core)["stats"]["leases"] == 3
     core.complete_load(b, keys(0), "r", epoch)                 # b never leased key 0
-    assert core.stats()["stats"]["leases"] == 3
+    assert stats(core)["stats"]["leases"] == 3
     core.complete_load(a, keys(0, 1), "r", epoch)              # a gives back both its leases
-    assert core.stats()["stats"]["leases"] == 1
+    assert stats(core)["stats"]["leases"] == 1
     # key 0 is evictable again; key 1 is still protected by b's lease.
     answer, _ = core.prepare_store(a, keys(9), "r", None)
     assert answer.evicted_keys and keys(1)[0] not in answer.evicted_keys

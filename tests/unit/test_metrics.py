@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvd_server.metrics import MAX_NAMESPACE_LABELS, build_registry, start_metrics
+from kvd_server.stats import StatsSnapshot
 
 
 def _doc(namespaces: int = 2) -> dict:
@@ -38,7 +39,7 @@ def _doc(namespaces: int = 2) -> dict:
 
 
 def _exposition(doc: dict) -> str:
-    registry, rpc = build_registry(lambda: doc)
+    registry, rpc = build_registry(lambda: StatsSnapshot.from_dict(doc))
     rpc.observe("Step", 0.0004)
     rpc.observe("Lookup", 0.002, "INVALID_ARGUMENT")
     rpc.observe_step(3, 70)
@@ -68,7 +69,7 @@ def test_namespace_labels_are_bounded():
 
 
 def test_broken_snapshot_reports_down():
-    def boom() -> dict:
+    def boom() -> StatsSnapshot:
         raise RuntimeError("x")
 
     registry, _ = build_registry(boom)
@@ -83,7 +84,7 @@ def test_promtool_check_metrics():
 
 
 def test_http_endpoint():
-    registry, _ = build_registry(lambda: _doc())
+    registry, _ = build_registry(lambda: StatsSnapshot.from_dict(_doc()))
     server = start_metrics(registry, "127.0.0.1", 0)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:

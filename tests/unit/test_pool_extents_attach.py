@@ -11,7 +11,8 @@ import pytest
 
 from kvd_client.attach import AttachError, attach
 from kvd_client.pool_map import PoolMapping
-from kvd_server.attach import AttachRefused, AttachReply, AttachServer
+from kvd_server.attach import AttachReply, AttachServer
+from kvd_server.errors import PermissionDenied
 from kvd_server.extents import ExtentAllocator, NamespaceSlots
 from kvd_server.pool import HostPool, PoolError
 
@@ -107,7 +108,7 @@ def test_attach_passes_the_pool_fd(tmp_path):
 
 def test_attach_refusals_and_garbage(tmp_path):
     def handler(peer, request):
-        raise AttachRefused("PERMISSION_DENIED", f"uid {peer.uid} is not allowed")
+        raise PermissionDenied(f"uid {peer.uid} is not allowed")
 
     async def main():
         path, server = _run_server(tmp_path, handler)

@@ -6,22 +6,19 @@ an engine by the call alone. An operator proves who they are on the attach socke
 `server.admin_uids` / `server.admin_gids`) and gets a short-lived admin token; Reset and Drain
 require it as `kvd-admin-token` metadata. A static token read from `server.admin_token_file`
 is accepted too: it is the only way in over the TLS TCP listener, where there is no peer to ask.
+The client side (asking for a token) is `kvd_proto.attach.request_admin_token`.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import os
 import secrets
-import socket
 import stat
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-ADMIN_TOKEN_METADATA = "kvd-admin-token"
 ADMIN_TOKEN_TTL_S = 300.0
 MAX_ADMIN_TOKENS = 64        # live issued tokens; issuing one more forgets the oldest
 MIN_STATIC_TOKEN_CHARS = 16
@@ -97,64 +94,3 @@ class AdminTokens:
 
     def __len__(self) -> int:
         return len(self._issued)
-
-
-class AdminTokenRefused(Exception):
-    """The attach socket refused an admin token; `code` is the gRPC status name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def request_admin_token(attach_socket: str, timeout: float) -> str:
-    """Ask the daemon for an admin token on its attach socket (what `kvd reset` does).
-
-    The daemon decides from this process's SO_PEERCRED, never from anything sent here.
-    """
-    deadline = time.monotonic() + timeout
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(attach_socket)
-            sock.sendall(json.dumps({"version": 1, "pid": os.getpid(), "role": "admin",
-                                     "engine_id": "kvd-cli"}).encode() + b"\n")
-            buf = b""
-            while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                sock.settimeout(left)
-                chunk = sock.recv(65536)
-                if not chunk:
-                    raise AdminTokenRefused("UNAVAILABLE", "the daemon closed the attach "
-                                            "connection without an answer")
-                buf += chunk
-                if len(buf) >= 4 and struct.unpack(">I", buf[:4])[0] > 65536:
-                    raise AdminTokenRefused("INTERNAL", "oversized attach answer")
-        except FileNotFoundError:
-            raise AdminTokenRefused("UNAVAILABLE", f"no attach socket at {attach_socket}") \
-                from None
-        except PermissionError:
-            raise AdminTokenRefused("PERMISSION_DENIED",
-                                    f"permission denied on {attach_socket}") from None
-        except TimeoutError:
-            raise AdminTokenRefused("DEADLINE_EXCEEDED", f"no answer on {attach_socket} "
-                                    f"within {timeout:g} s") from None
-        except OSError as exc:
-            raise AdminTokenRefused("UNAVAILABLE", f"cannot use {attach_socket}: "
-                                    f"{exc.strerror or exc}") from None
-    (length,) = struct.unpack(">I", buf[:4])
-    try:
-        doc = json.loads(buf[4:4 + length])
-    except ValueError:
-        raise AdminTokenRefused("INTERNAL", "the attach answer is not JSON") from None
-    if not isinstance(doc, dict) or not doc.get("ok"):
-        doc = doc if isinstance(doc, dict) else {}
-        raise AdminTokenRefused(str(doc.get("code", "UNKNOWN")),
-                                str(doc.get("error", "no reason given")))
-    token = doc.get("admin_token")
-    if not isinstance(token, str) or not token:
-        raise AdminTokenRefused("UNIMPLEMENTED", "this daemon does not issue admin tokens; "
-                                "upgrade it or use --admin-token-file")
-    return token

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvd_server.admin_auth import (
+from kvd_server.admin_tokens import (
     MAX_ADMIN_TOKENS,
     AdminTokens,
     TokenFileError,

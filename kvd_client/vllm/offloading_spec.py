@@ -14,7 +14,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvd_client.client import KvdClient
-from kvd_client.paths import default_socket_path
+from kvd_proto.paths import default_socket_path
 
 from .manager import KvdOffloadingManager
 from .namespace import layout_of, salt_of
@@ -26,8 +26,9 @@ class KvdOffloadingSpec(OffloadingSpec):
     """Offload vLLM's KV cache to the node's kvd daemon.
 
     kv_connector_extra_config keys: `kvd_socket` (default: $KVD_SOCKET, else the daemon's
-    default path), `kvd_deadline_ms` (per call, default 500), `kvd_lease_ms` (lookup lease,
-    default 5000), plus vLLM's own (`block_size` / `blocks_per_chunk`, `offload_prompt_only`).
+    default path), `kvd_deadline_ms` (per call, default 500), `kvd_lease_ms` (lookup lease;
+    default: the daemon's manager.default_lease), plus vLLM's own (`block_size` /
+    `blocks_per_chunk`, `offload_prompt_only`).
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -35,7 +36,8 @@ class KvdOffloadingSpec(OffloadingSpec):
         extra: dict[str, Any] = dict(self.extra_config)
         self.socket_path = str(extra.get("kvd_socket") or default_socket_path())
         self.deadline_s = float(extra.get("kvd_deadline_ms", 500)) / 1000.0
-        self.lease_ms = int(extra.get("kvd_lease_ms", 5000))
+        lease = extra.get("kvd_lease_ms")
+        self.lease_ms = None if lease is None else int(lease)
         self._manager: KvdOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 

@@ -1,0 +1,191 @@
+"""The attach side channel's wire format (protocol version 1), and its client exchange.
+
+One exchange per connection on the plain Unix socket `<socket>.attach` (docs/attach.md):
+
+- the client sends one line of UTF-8 JSON ending in `\\n`, at most MAX_REQUEST_BYTES:
+  `{"version": 1, "role": "engine" | "dataplane" | "admin", "engine_id": "..."}`
+  (`pid` may be sent by older clients and is ignored: the daemon asks the kernel);
+- the daemon answers with a 4-byte big-endian length N and N bytes of UTF-8 JSON, with
+  `"ok": true` and the role's fields (the pool's descriptor rides on the first bytes via
+  SCM_RIGHTS for engines and data-plane workers), or `"ok": false` with a gRPC status name in
+  `code` and a message in `error`;
+- the daemon closes the connection.
+
+Both sides import this module: the daemon parses requests and frames answers with it, the
+client library and the `kvd` CLI run `exchange` to attach or to ask for an admin token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .paths import attach_path
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_BYTES = 4096
+MAX_REPLY_BYTES = 65536
+REQUEST_TIMEOUT_S = 2.0      # the daemon drops a peer that has not sent its line by then
+ROLE_ENGINE = "engine"       # open a session: token + pool descriptor
+ROLE_DATAPLANE = "dataplane"  # an engine's worker: the pool descriptor only
+ROLE_ADMIN = "admin"         # an operator tool: an admin token, no descriptor
+ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN)
+_HEADER = struct.Struct(">I")
+
+
+class AttachError(Exception):
+    """An attach that failed; `code` is a gRPC status name, the message says what to do."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True, frozen=True)
+class AttachRequest:
+    role: str
+    engine_id: str = ""
+
+
+def encode_request(request: AttachRequest) -> bytes:
+    doc = {"version": PROTOCOL_VERSION, "pid": os.getpid(), "engine_id": request.engine_id,
+           "role": request.role}
+    return json.dumps(doc).encode() + b"\n"
+
+
+def parse_request(line: bytes) -> AttachRequest:
+    """A request line as the daemon reads it; AttachError(INVALID_ARGUMENT) when malformed."""
+    if len(line) > MAX_REQUEST_BYTES:
+        raise AttachError("INVALID_ARGUMENT",
+                          f"attach request longer than {MAX_REQUEST_BYTES} bytes")
+    if not line.strip():
+        raise AttachError("INVALID_ARGUMENT", "empty attach request")
+    try:
+        doc = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AttachError("INVALID_ARGUMENT", f"attach request is not JSON: {exc}") from None
+    except RecursionError:
+        raise AttachError("INVALID_ARGUMENT", "attach request nests too deeply") from None
+    if not isinstance(doc, dict):
+        raise AttachError("INVALID_ARGUMENT", "attach request must be a JSON object")
+    version = doc.get("version")
+    if version != PROTOCOL_VERSION:
+        raise AttachError("INVALID_ARGUMENT",
+                          f"unsupported attach protocol version {version!r}; "
+                          f"this daemon speaks {PROTOCOL_VERSION}")
+    pid = doc.get("pid", 0)
+    engine_id = doc.get("engine_id", "")
+    role = doc.get("role", ROLE_ENGINE)
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
+        raise AttachError("INVALID_ARGUMENT", "pid must be a non-negative integer")
+    if not isinstance(engine_id, str) or len(engine_id.encode()) > 256:
+        raise AttachError("INVALID_ARGUMENT", "engine_id must be a string of at most 256 bytes")
+    if role not in ROLES:
+        raise AttachError("INVALID_ARGUMENT", f"role must be one of {', '.join(ROLES)}")
+    return AttachRequest(role, engine_id)
+
+
+def encode_reply(fields: dict[str, Any]) -> bytes:
+    """A success answer (`fields` must be JSON-able), framed."""
+    return _frame({"version": PROTOCOL_VERSION, "ok": True, **fields})
+
+
+def encode_refusal(code: str, message: str) -> bytes:
+    """A refusal with a gRPC status name, framed."""
+    return _frame({"version": PROTOCOL_VERSION, "ok": False, "code": code, "error": message})
+
+
+def _frame(doc: dict[str, Any]) -> bytes:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def exchange(socket_path: str, request: AttachRequest, timeout: float
+             ) -> tuple[dict[str, Any], list[int]]:
+    """Run one exchange with the daemon serving `socket_path` (its gRPC socket; the attach
+    socket is derived). Returns the answer's fields and the descriptors that came with it
+    (the caller owns them); raises AttachError for a refusal or a failure."""
+    path = attach_path(socket_path)
+    deadline = time.monotonic() + timeout
+    fds: list[int] = []
+    ok = False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
+        try:
+            try:
+                sock.connect(path)
+            except FileNotFoundError:
+                raise AttachError("UNAVAILABLE", f"no kvd daemon at {path} (is `kvd serve` "
+                                  f"running with --socket {socket_path}?)") from None
+            except PermissionError:
+                raise AttachError("PERMISSION_DENIED", f"permission denied on {path}: this "
+                                  f"user (uid {os.getuid()}) may not connect; join the "
+                                  "daemon's group") from None
+            except ConnectionRefusedError:
+                raise AttachError("UNAVAILABLE", f"kvd daemon at {path} is not accepting "
+                                  "connections (stopped or restarting)") from None
+            sock.sendall(encode_request(request))
+            header = _recv_exact(sock, _HEADER.size, deadline, fds)
+            (length,) = _HEADER.unpack(header)
+            if length > MAX_REPLY_BYTES:
+                raise AttachError("INTERNAL", f"attach reply of {length} bytes is too large")
+            doc = json.loads(_recv_exact(sock, length, deadline, fds))
+            if not isinstance(doc, dict):
+                raise AttachError("INTERNAL", "malformed attach reply: not a JSON object")
+            if not doc.get("ok"):
+                raise AttachError(str(doc.get("code", "UNKNOWN")),
+                                  f"kvd refused the attach: {doc.get('error', 'no reason given')}")
+            ok = True
+            return doc, fds
+        except TimeoutError:
+            raise AttachError("DEADLINE_EXCEEDED", f"kvd daemon at {path} did not answer "
+                              f"within {timeout:.1f}s") from None
+        except (ValueError, RecursionError) as exc:
+            raise AttachError("INTERNAL", f"malformed attach reply: {exc}") from None
+        except ConnectionError as exc:
+            raise AttachError("UNAVAILABLE", f"attach connection to {path} failed: {exc}") \
+                from None
+        except OSError as exc:
+            raise AttachError("UNAVAILABLE", f"cannot use {path}: {exc.strerror or exc}") \
+                from None
+        finally:
+            if not ok:
+                for fd in fds:
+                    os.close(fd)
+
+
+def request_admin_token(socket_path: str, timeout: float) -> str:
+    """Ask the daemon serving `socket_path` for an admin token (what `kvd reset` does).
+
+    The daemon decides from this process's SO_PEERCRED, never from anything sent here.
+    """
+    doc, fds = exchange(socket_path, AttachRequest(ROLE_ADMIN, "kvd-cli"), timeout)
+    for fd in fds:
+        os.close(fd)
+    token = doc.get("admin_token")
+    if not isinstance(token, str) or not token:
+        raise AttachError("UNIMPLEMENTED", "this daemon does not issue admin tokens; upgrade it "
+                          "or use --admin-token-file")
+    return token
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes:
+    """`n` bytes, collecting any descriptors that ride with them into `fds`."""
+    buf = b""
+    while len(buf) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        sock.settimeout(remaining)
+        data, got, _, _ = socket.recv_fds(sock, n - len(buf), 4)
+        fds += got
+        if not data:
+            raise ConnectionError("the daemon closed the attach connection early")
+        buf += data
+    return buf
