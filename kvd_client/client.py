@@ -25,7 +25,13 @@ import grpc
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.attach import ROLE_DATAPLANE, ROLE_ENGINE
 from kvd_proto.paths import default_socket_path, grpc_target
-from kvd_proto.wire import MAX_OPS_PER_STEP, SESSION_TOKEN_METADATA, KvLayout, channel_options
+from kvd_proto.wire import (
+    MAX_OPS_PER_STEP,
+    SESSION_TOKEN_METADATA,
+    KvLayout,
+    align_up,
+    channel_options,
+)
 
 from .attach import AttachError, AttachInfo, attach
 from .pool_map import PoolMapping
@@ -34,6 +40,7 @@ from .step_stream import StepStream, StepStreamClosed, status_code
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_OPS = MAX_OPS_PER_STEP - 56   # room for the step's own ops
+RETIRED_MAPPINGS = 2            # earlier pool mappings kept open for copies still running
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 # KVD_CLIENT_STEP_STREAM=0 sends every step as a unary Step call (for comparison and for
@@ -67,6 +74,10 @@ class KvdClient:
         self.epoch: int | None = None
         self.slot_bytes: int | None = None
         self.namespace_id: str | None = None
+        self.session_id: str | None = None
+        # The session before the last reconnect: what the daemon still holds for it (its pins
+        # and store slots, since this process lived on) is released by release_held().
+        self.previous_session_id: str | None = None
         self.pool: PoolMapping | None = None
         self.pool_id: str | None = None
         self.instance_id: str | None = None
@@ -91,6 +102,7 @@ class KvdClient:
         self._ever_connected = False
         self._last_error_log = 0.0
         self._thread: threading.Thread | None = None
+        self._retired: list[PoolMapping] = []
         if connect:
             self._try_connect()
             self._thread = threading.Thread(target=self._background, name="kvd-client",
@@ -117,6 +129,12 @@ class KvdClient:
                 self._rate_limited_warning("kvd client queue full; dropping the oldest op")
             self._queue.append(op)
 
+    def release_held(self, session_id: str) -> None:
+        """Tell the daemon that every copy of this process's earlier session `session_id` has
+        finished, so what it still holds for it (pins, store slots) can go back to the pool."""
+        self.queue(kvd_pb2.StepOp(release_held=kvd_pb2.ReleaseHeldRequest(
+            session_id=session_id)))
+
     def has_queued(self) -> bool:
         return bool(self._queue)
 
@@ -134,16 +152,31 @@ class KvdClient:
         return self.available
 
     def close(self) -> None:
-        """End the session (best effort) and stop the background thread."""
-        self._closed.set()
-        self._wake.set()
+        """End the session (best effort) and stop the background thread.
+
+        Closing says this process has no copies in flight any more: the daemon releases what
+        the session holds, and what it still held for the session before a reconnect.
+        """
         with self._lock:
+            # Before the heartbeat stream stops: a stream that ends first would end the
+            # session as if the process had lost it (its holdings kept), not closed it.
             stub, md = self._stub, self._metadata
             if stub is not None and self.available:
                 with contextlib.suppress(grpc.RpcError):
+                    if self.previous_session_id:
+                        stub.ReleaseHeld(kvd_pb2.ReleaseHeldRequest(
+                            session_id=self.previous_session_id), timeout=self.deadline_s,
+                            metadata=md)
                     stub.CloseSession(kvd_pb2.CloseSessionRequest(), timeout=self.deadline_s,
                                       metadata=md)
+            self._closed.set()
+            self._wake.set()
             self._teardown()
+            for mapping in [*self._retired, self.pool]:
+                if mapping is not None:
+                    mapping.close()
+            self._retired.clear()
+            self.pool = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.deadline_s + 1)
 
@@ -235,6 +268,13 @@ class KvdClient:
                                         shard_bytes=lay.shard_bytes,
                                         tokens_per_block=lay.tokens_per_block, dtype=lay.dtype)),
                 timeout=max(self.deadline_s, 1.0), metadata=md)
+            expected = align_up(lay.block_bytes, info.slot_alignment)
+            if reg.slot_bytes != expected:
+                # A daemon (or namespace) whose slots are not this engine's blocks: writing
+                # into them would spill into a neighbour's slot or leave bytes unwritten.
+                raise ValueError(f"the daemon's slots are {reg.slot_bytes} bytes, this engine's "
+                                 f"blocks need {expected} ({lay.block_bytes} rounded up to "
+                                 f"{info.slot_alignment}); refusing to offload")
         except (grpc.RpcError, OSError, ValueError) as exc:
             if pool is not None:
                 pool.close()
@@ -245,10 +285,12 @@ class KvdClient:
             return False
         with self._lock:
             self._teardown()
+            self._retire_pool()
             self._channel, self._stub, self._metadata = channel, stub, md
             self.pool, self.pool_id, self.instance_id = pool, info.pool_id, info.instance_id
             self.epoch, self.slot_bytes = reg.epoch, reg.slot_bytes
             self.namespace_id = reg.namespace_id
+            self.previous_session_id, self.session_id = self.session_id, reg.session_id
             self.heartbeat_interval_s = max(reg.heartbeat_interval_ms / 1000.0, 0.05)
             self.default_lease_ms = reg.default_lease_ms or 2000
             self.draining = False
@@ -305,9 +347,19 @@ class KvdClient:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+
+    def _retire_pool(self) -> None:
+        """Replace-time clean-up of the pool mapping (caller holds the lock).
+
+        The mapping outlives the session it came with: an engine thread may still be copying
+        with offsets from an earlier step when the daemon goes away, so a degraded client keeps
+        `pool` as it was. A mapping is closed only once two newer ones replaced it (copies are
+        far shorter than two reconnects), or at close().
+        """
         if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+            self._retired.append(self.pool)
+            while len(self._retired) > RETIRED_MAPPINGS:
+                self._retired.pop(0).close()
 
     def _background(self) -> None:
         """Keeps the liveness stream open while connected; reconnects with backoff when not."""

@@ -257,8 +257,22 @@ class ResetResponse(_message.Message):
     dropped_blocks: int
     def __init__(self, epoch: _Optional[int] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...
 
+class ReleaseHeldRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseHeldResponse(_message.Message):
+    __slots__ = ("released_pins", "released_slots")
+    RELEASED_PINS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    released_pins: int
+    released_slots: int
+    def __init__(self, released_pins: _Optional[int] = ..., released_slots: _Optional[int] = ...) -> None: ...
+
 class StepOp(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +283,7 @@ class StepOp(_message.Message):
     TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_HELD_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupRequest
     prepare_load: PrepareLoadRequest
     complete_load: CompleteLoadRequest
@@ -279,10 +294,11 @@ class StepOp(_message.Message):
     take_events: TakeEventsRequest
     reset: ResetRequest
     transfer_report: TransferReport
-    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ...) -> None: ...
+    release_held: ReleaseHeldRequest
+    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldRequest, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +309,7 @@ class StepResult(_message.Message):
     TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_HELD_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupResponse
     prepare_load: PrepareLoadResponse
     complete_load: CompleteLoadResponse
@@ -303,7 +320,8 @@ class StepResult(_message.Message):
     take_events: TakeEventsResponse
     reset: ResetResponse
     transfer_report: TransferReportResponse
-    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReportResponse, _Mapping]] = ...) -> None: ...
+    release_held: ReleaseHeldResponse
+    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReportResponse, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldResponse, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("ops",)

@@ -103,6 +103,11 @@ class KvdEngineStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.SessionHeartbeat.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.SessionNotice.FromString,
                 _registered_method=True)
+        self.ReleaseHeld = channel.unary_unary(
+                '/kvd.v1.KvdEngine/ReleaseHeld',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ReleaseHeldRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleaseHeldResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/kvd.v1.KvdEngine/CloseSession',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.CloseSessionRequest.SerializeToString,
@@ -213,8 +218,24 @@ class KvdEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseHeld(self, request, context):
+        """A process whose earlier session ended while it lived on (its stream broke, or it was
+        reaped while stopped) says that session's copies are all finished: the daemon releases
+        the pins and store slots it still held for it. Only a session of the same process (the
+        same pid, from SO_PEERCRED at attach) releases them; for any other session, or when
+        nothing is held (any more), the answer is OK with zero counts (idempotent).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
-        """Ends the session at once (same clean-up as a closed stream). Idempotent.
+        """Ends the session at once and declares that its copies are done: its pins and leases are
+        released and its unfinished stores freed. (When a stream closes or a session is reaped
+        instead, and its process still runs, the daemon holds them until the process is gone or
+        ReleaseHeld says so, since that process may still be copying.) Idempotent: a token the daemon
+        does not know (already closed, expired, or from before a restart) is answered OK, since
+        the session it named is gone either way. A call without a token is UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -287,6 +308,11 @@ def add_KvdEngineServicer_to_server(servicer, server):
                     servicer.SessionStream,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.SessionHeartbeat.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.SessionNotice.SerializeToString,
+            ),
+            'ReleaseHeld': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseHeld,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleaseHeldRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ReleaseHeldResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -649,6 +675,33 @@ class KvdEngine:
             '/kvd.v1.KvdEngine/SessionStream',
             kvd_dot_v1_dot_kvd__pb2.SessionHeartbeat.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.SessionNotice.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseHeld(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KvdEngine/ReleaseHeld',
+            kvd_dot_v1_dot_kvd__pb2.ReleaseHeldRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ReleaseHeldResponse.FromString,
             options,
             channel_credentials,
             insecure,

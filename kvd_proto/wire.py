@@ -27,6 +27,10 @@ MAX_RANKS = 1024                # KvLayout.num_ranks
 DEFAULT_SESSIONS_LIMIT = 1000   # ListSessions with limit = 0
 MAX_SESSIONS_LIMIT = 10000      # ListSessions.limit
 MAX_MESSAGE_BYTES = 4 << 20     # one gRPC message, each way
+MAX_EVENT_ANSWER_BYTES = 1 << 20  # keys in one TakeEvents answer (at least one event)
+# What the daemon's transport reads before it refuses a message itself (RESOURCE_EXHAUSTED,
+# ending a stream): up to it, a message over MAX_MESSAGE_BYTES is answered INVALID_ARGUMENT.
+TRANSPORT_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES
 
 # --- the pool -------------------------------------------------------------------------------
 SLOT_ALIGNMENT = 4096           # slot offsets (and strides) are multiples of this

@@ -41,6 +41,8 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--pool-backing", "pool.backing", "memfd or file (pool.backing)"),
     ("--pool-path", "pool.path", "directory of a file-backed pool (pool.path)"),
     ("--extent-size", "pool.extent_size", "unit a namespace grows by (pool.extent_size)"),
+    ("--allow-overcommit", "pool.allow_overcommit",
+     "start even if the pool exceeds the memory available (pool.allow_overcommit)"),
     ("--policy", "manager.policy", "eviction policy: lru or arc (manager.policy)"),
     ("--liveness-timeout", "manager.liveness_timeout",
      "end a silent session after this long (manager.liveness_timeout)"),
@@ -49,6 +51,10 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
      "address the metrics port binds (server.metrics_address)"),
     ("--log-level", "server.log_level", "debug, info, warning or error (server.log_level)"),
 )
+
+
+# serve flags that switch a boolean key on (no value).
+_SWITCHES = frozenset({"pool.allow_overcommit"})
 
 
 class CliError(Exception):
@@ -93,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="TOML configuration file (default: $KVD_CONFIG, else the "
                                "embedded defaults)")
     for flag, key, text in _SERVE_FLAGS:
-        settings.add_argument(flag, dest=_dest(key), metavar="VALUE", help=text)
+        if key in _SWITCHES:
+            settings.add_argument(flag, dest=_dest(key), action="store_const", const="true",
+                                  help=text)
+        else:
+            settings.add_argument(flag, dest=_dest(key), metavar="VALUE", help=text)
 
     parser = argparse.ArgumentParser(
         prog="kvd",

@@ -40,6 +40,7 @@ class ServerConfig:
     admin_uids: tuple[int, ...]
     admin_gids: tuple[int, ...]
     max_sessions: int
+    max_sessions_per_uid: int
     metrics_port: int
     metrics_address: str
     reflection: bool
@@ -65,6 +66,7 @@ class PoolConfig:
     prefault: bool
     mlock: bool
     extent_size: int  # already capped at the pool size (rounded down to 4 KiB)
+    allow_overcommit: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +74,7 @@ class ManagerConfig:
     policy: str
     heartbeat_interval: float
     liveness_timeout: float
+    register_timeout: float
     default_lease: float
     max_lease: float
 
@@ -271,6 +274,7 @@ _SCHEMA: dict[str, _Key] = {
     "server.admin_uids": _Key("ids", _ids),
     "server.admin_gids": _Key("ids", _ids),
     "server.max_sessions": _Key("int", _int(1, 1_000_000)),
+    "server.max_sessions_per_uid": _Key("int", _int(1, 1_000_000)),
     "server.metrics_port": _Key("int", _int(0, 65535)),
     "server.metrics_address": _Key("str", _str),
     "server.reflection": _Key("bool", _bool),
@@ -288,9 +292,11 @@ _SCHEMA: dict[str, _Key] = {
     "pool.prefault": _Key("bool", _bool),
     "pool.mlock": _Key("bool", _bool),
     "pool.extent_size": _Key("size", _size),
+    "pool.allow_overcommit": _Key("bool", _bool),
     "manager.policy": _Key("str", _choice(POLICIES)),
     "manager.heartbeat_interval": _Key("duration", _duration),
     "manager.liveness_timeout": _Key("duration", _duration),
+    "manager.register_timeout": _Key("duration", _duration),
     "manager.default_lease": _Key("duration", _duration),
     "manager.max_lease": _Key("duration", _duration),
     "tenants.uids": _Key("map", _tenant_map),
@@ -432,7 +438,8 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
         fail("server.socket", f"must be an absolute path, got {socket!r}")
     if socket and len((socket + ATTACH_SUFFIX).encode()) > 107:
         fail("server.socket", "is too long for a Unix socket path (at most 100 bytes)")
-    for key in ("manager.heartbeat_interval", "manager.liveness_timeout"):
+    for key in ("manager.heartbeat_interval", "manager.liveness_timeout",
+                "manager.register_timeout"):
         if values[key] <= 0:
             fail(key, "must be greater than 0")
     if values["manager.liveness_timeout"] <= values["manager.heartbeat_interval"]:

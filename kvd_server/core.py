@@ -13,13 +13,14 @@ from __future__ import annotations
 import enum
 import heapq
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvd_proto.wire import KvLayout
+from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, KvLayout
 from kvd_server.attach import PeerCred
 from kvd_server.config import Config
 from kvd_server.errors import (
@@ -31,6 +32,7 @@ from kvd_server.errors import (
 from kvd_server.extents import ExtentAllocator
 from kvd_server.manager import Lookup, OffloadEvent
 from kvd_server.namespaces import (
+    Held,
     Namespace,
     NamespaceTable,
     SlotQuarantine,
@@ -41,8 +43,11 @@ from kvd_server.sessions import EngineInfo, Session, SessionTable, SessionView
 
 log = logging.getLogger(__name__)
 
-MAX_LEASES_PER_SESSION = 65_536
-MAX_OPEN_REQUESTS_PER_SESSION = 65_536
+# What one session may hold at once (and so what it can leave held if its process stalls).
+MAX_LEASES_PER_SESSION = 16_384
+MAX_PINS_PER_SESSION = 65_536          # (epoch, key) pins of loads in flight
+MAX_PENDING_STORES_PER_SESSION = 16_384
+MAX_OPEN_REQUESTS_PER_SESSION = 8_192  # requests whose accesses are recorded for recency
 
 
 class DaemonState(enum.Enum):
@@ -121,6 +126,53 @@ class TransferStats:
     store_seconds: float = 0.0
 
 
+class ExpiryWheel:
+    """Lease deadlines in 100 ms ticks: one entry per live lease, whatever the renewals.
+
+    A renewal moves the lease to its new tick; a lease that ends early (loaded, released, its
+    session gone) is taken out of its tick, so memory follows the leases held, not the calls
+    made (a heap entry per renewal grew without bound under a client renewing in a loop).
+    """
+
+    TICK_S = 0.1
+
+    def __init__(self) -> None:
+        self._ticks: dict[int, set[tuple[str, bytes]]] = {}
+        self._order: list[int] = []          # heap of the ticks in _ticks
+
+    def _tick(self, expiry: float) -> int:
+        return math.ceil(expiry / self.TICK_S)
+
+    def add(self, token: str, key: bytes, expiry: float) -> None:
+        tick = self._tick(expiry)
+        entries = self._ticks.get(tick)
+        if entries is None:
+            entries = self._ticks[tick] = set()
+            heapq.heappush(self._order, tick)
+        entries.add((token, key))
+
+    def discard(self, token: str, key: bytes, expiry: float) -> None:
+        entries = self._ticks.get(self._tick(expiry))
+        if entries is not None:
+            entries.discard((token, key))
+
+    def move(self, token: str, key: bytes, old: float, new: float) -> None:
+        if self._tick(old) != self._tick(new):
+            self.discard(token, key, old)
+            self.add(token, key, new)
+
+    def due(self, now: float) -> list[tuple[str, bytes]]:
+        """Take out every entry whose tick has passed."""
+        out: list[tuple[str, bytes]] = []
+        limit = self._tick(now)
+        while self._order and self._order[0] <= limit:
+            out.extend(self._ticks.pop(heapq.heappop(self._order), ()))
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self._ticks.values())
+
+
 class KvdCore:
     """Everything the daemon knows, minus the bytes (those live in the pool)."""
 
@@ -136,8 +188,7 @@ class KvdCore:
         self.sessions = SessionTable(config, clock)
         self.namespaces = NamespaceTable(extents, config.manager.policy, config.tenants)
         self.quarantine = SlotQuarantine(alive)
-        self._lease_heap: list[tuple[float, int, str, bytes]] = []
-        self._lease_seq = 0
+        self._lease_timers = ExpiryWheel()
         self.leases_expired_total = 0
         self.resets_total = 0
         self.transfers = TransferStats()
@@ -193,34 +244,59 @@ class KvdCore:
                      engine.engine_version or "?", ns_id, model, layout.block_bytes)
         return Registration(s.id, s.ns.id, s.ns.epoch, s.ns.slots.stride, s.tenant)
 
-    def close_session(self, s: Session, reason: str, *, reaped: bool = False) -> None:
-        """End a session: release its leases and pins, fail its pending stores. Idempotent."""
+    def close_session(self, s: Session, reason: str, *, reaped: bool = False,
+                      copies_done: bool = False) -> None:
+        """End a session. Idempotent.
+
+        With `copies_done` (the client closed its session itself: CloseSession), or when its
+        process is gone, its pins and leases are released and its unfinished stores freed at
+        once. Otherwise (the stream closed, the session was reaped) its process may still be
+        copying: they are held in the quarantine until it is gone or a later session of the
+        same process releases them (ReleaseHeld).
+        """
         if not self.sessions.remove(s, reaped=reaped):
             return
         ns = s.ns
-        released = failed = 0
-        leases = len(s.leases)
-        if ns is not None:
+        pins = [(epoch, key) for (epoch, key), n in s.pins.items() for _ in range(n)]
+        pins += [(epoch, key) for key, (_, epoch) in s.leases.items()]
+        held = Held(ns, s.id, s.peer.pid, self.clock(), [], pins) if ns is not None else None
+        if ns is not None and held is not None:
             mgr = ns.mgr
-            for key, (_, epoch) in s.leases.items():
-                mgr.unpin(key, epoch)
-            for (epoch, key), count in s.pins.items():
-                for _ in range(count):
-                    mgr.complete_load((key,), None, epoch)
-                released += count
-            held: list[int] = []
             for epoch, key in s.pending:
-                mgr.complete_store((key,), False, None, epoch, hold=held)
-                failed += 1
-            self.quarantine.hold(ns, held, s.peer.pid, self.clock())
+                mgr.complete_store((key,), False, None, epoch, hold=held.slots)
             for req_id in s.requests:
                 mgr.forget_request((s.id, req_id))
+            if copies_done or not self.quarantine.alive(s.peer.pid):
+                SlotQuarantine.release(held)
+                what = "released"
+            else:
+                self.quarantine.hold(held)
+                what = "holds (its process lives on)"
             self.namespaces.leave(ns)
-        s.leases.clear()
+            log.info("session %s ended (%s): %s %d pins and leases and %d unfinished stores",
+                     s.id, reason, what, len(held.pins), len(held.slots))
+        else:
+            log.info("session %s ended (%s) before registering", s.id, reason)
+        self._drop_leases(s)
         s.pins.clear()
         s.pending.clear()
-        log.info("session %s ended (%s): released %d pins, %d leases, failed %d pending "
-                 "stores", s.id, reason, released, leases, failed)
+
+    def release_held(self, s: Session, session_id: str) -> tuple[int, int]:
+        """A session says an earlier session of its own process has no copies in flight any
+        more: release what the daemon held for it; (pins, slots) released. Idempotent: (0, 0)
+        when nothing is held for that session of this process (released already, or never)."""
+        released = self.quarantine.release_session(session_id, s.peer.pid)
+        if released is None:
+            return 0, 0
+        log.info("session %s released what its predecessor %s held: %d pins, %d slots",
+                 s.id, session_id, *released)
+        return released
+
+    def _drop_leases(self, s: Session) -> None:
+        """Forget a session's leases and their timers (their refs are the caller's)."""
+        for key, (expiry, _) in s.leases.items():
+            self._lease_timers.discard(s.token, key, expiry)
+        s.leases.clear()
 
     def forgive(self, seconds: float) -> None:
         """Credit every session with `seconds` of heartbeat: the daemon was not listening."""
@@ -229,25 +305,25 @@ class KvdCore:
     def sweep(self) -> None:
         """Expire leases, end silent sessions, release quarantined slots whose writer is gone."""
         now = self.clock()
-        timeout = self.config.manager.liveness_timeout
         if self.quarantine:
-            self.quarantine.release_due(now, timeout)
-        heap = self._lease_heap
-        while heap and heap[0][0] <= now:
-            expiry, _, token, key = heapq.heappop(heap)
+            self.quarantine.release_due()
+        for token, key in self._lease_timers.due(now):
             s = self.sessions.get(token)
             if s is None:
                 continue
             lease = s.leases.get(key)
-            if lease is None or lease[0] != expiry:
-                continue  # renewed or already used by a load
+            if lease is None:
+                continue
+            if lease[0] > now:     # renewed into a later tick meanwhile
+                self._lease_timers.add(token, key, lease[0])
+                continue
             del s.leases[key]
             if s.ns is not None:
                 s.ns.mgr.unpin(key, lease[1])
                 NamespaceTable.maybe_release(s.ns)
             self.leases_expired_total += 1
-        for s in self.sessions.silent(timeout):
-            self.close_session(s, f"no heartbeat for {now - s.last_seen:.1f}s", reaped=True)
+        for s, why in self.sessions.expired():
+            self.close_session(s, why, reaped=True)
 
     # ------------------------------------------------------------ operations
     @staticmethod
@@ -311,18 +387,22 @@ class KvdCore:
         """Lease a ready block to `s` until `expiry` (renewing its lease); its slot."""
         current = s.leases.get(key)
         if current is not None and current[1] == epoch:
-            s.leases[key] = (max(expiry, current[0]), epoch)
+            if expiry > current[0]:
+                s.leases[key] = (expiry, epoch)
+                self._lease_timers.move(s.token, key, current[0], expiry)
         else:
             if len(s.leases) >= MAX_LEASES_PER_SESSION:
                 raise ResourceExhausted(f"session holds {len(s.leases)} leases already; load "
                                         "or let them expire")
             if current is not None:  # a lease from an older epoch: release its zombie ref
                 ns.mgr.unpin(key, current[1])
+            if current is not None:
+                self._lease_timers.discard(s.token, key, current[0])
             if not ns.mgr.pin(key):
+                s.leases.pop(key, None)
                 return None
             s.leases[key] = (expiry, epoch)
-        self._lease_seq += 1
-        heapq.heappush(self._lease_heap, (s.leases[key][0], self._lease_seq, s.token, key))
+            self._lease_timers.add(s.token, key, expiry)
         return ns.mgr.slot_of(key)
 
     def prepare_load(self, s: Session, keys: Sequence[bytes], req_id: str,
@@ -330,6 +410,9 @@ class KvdCore:
         """Pin ready (or leased) blocks for a load; all or nothing (NotReady names the first
         key that is not readable)."""
         ns = self._ns(s)
+        if len(s.pins) + len(keys) > MAX_PINS_PER_SESSION:
+            raise ResourceExhausted(f"session holds {len(s.pins)} pins already (at most "
+                                    f"{MAX_PINS_PER_SESSION}); complete loads first")
         mgr = ns.mgr
         epoch = mgr.epoch
         slots = mgr.prepare_load(keys, self._req(s, req_id), positions or None)
@@ -339,6 +422,7 @@ class KvdCore:
             lease = leases.get(key)
             if lease is not None and lease[1] == epoch:  # the pin just taken replaces it
                 del leases[key]
+                self._lease_timers.discard(s.token, key, lease[0])
                 mgr.unpin(key, epoch)
             pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
         offset = ns.slots.offset
@@ -358,6 +442,7 @@ class KvdCore:
                 if lease is not None and lease[1] == epoch:
                     # Leased by this session and not loaded: the engine gives the lease back.
                     del s.leases[key]
+                    self._lease_timers.discard(s.token, key, lease[0])
                     mgr.unpin(key, epoch)
                 continue  # never touch another session's pin or lease
             if count == 1:
@@ -382,6 +467,9 @@ class KvdCore:
             raise Unavailable("daemon is draining; stores are refused")
         mgr = ns.mgr
         epoch = mgr.epoch
+        if len(s.pending) + len(keys) > MAX_PENDING_STORES_PER_SESSION:
+            # Not an error, like a full pool: complete the stores in flight and offer again.
+            return StoreAnswer(StoreDecision(True, [], [], []), epoch)
         grant = mgr.prepare_store(keys, self._req(s, req_id), positions or None)
         if grant is None:
             return StoreAnswer(StoreDecision(True, [], [], []), epoch)
@@ -424,10 +512,11 @@ class KvdCore:
         ns.mgr.request_finished((s.id, req_id))
         s.requests.discard(req_id)
 
-    def take_events(self, s: Session, max_events: int) -> EventBatch:
+    def take_events(self, s: Session, max_events: int,
+                    max_bytes: int = MAX_EVENT_ANSWER_BYTES) -> EventBatch:
         # Events belong to the namespace: with several engines in one namespace, whichever
         # asks drains them (vLLM's KV-event consumers dedupe by block hash).
-        events, more = self._ns(s).mgr.take_events(max_events)
+        events, more = self._ns(s).mgr.take_events(max_events, max_bytes)
         return EventBatch(events, more)
 
     def reset_namespace(self, s: Session) -> ResetAnswer:
@@ -441,9 +530,9 @@ class KvdCore:
         # Leases die with the epoch: release their zombie refs now.
         for s in self.sessions:
             if s.ns is ns and s.leases:
-                for key, (_, epoch) in list(s.leases.items()):
+                for key, (_, epoch) in s.leases.items():
                     ns.mgr.unpin(key, epoch)
-                s.leases.clear()
+                self._drop_leases(s)
         NamespaceTable.maybe_release(ns)
         self.resets_total += 1
         log.info("namespace %s reset: %d blocks dropped, epoch %d -> %d", ns.id, dropped, old,

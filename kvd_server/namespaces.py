@@ -17,12 +17,12 @@ from kvd_server.config import TenantsConfig
 from kvd_server.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd_server.extents import ExtentAllocator, NamespaceSlots, TenantBudget
 from kvd_server.manager import NamespaceManager
+from kvd_server.manager.namespace import RecencyBudget
 
 MAX_NAMESPACES = 1024
-# A slot whose writer's session ended mid-store stays out of use while that writer may still be
-# copying into it (a stalled engine resumes and finishes its write): until its process is gone
-# and a grace period passed, or at most this long.
-QUARANTINE_MAX_S = 600.0
+# Keys all open requests of all namespaces may record for recency (see RecencyBudget): about
+# 200 bytes each, so the daemon's request bookkeeping stays under ~800 MB whatever clients do.
+MAX_RECORDED_KEYS = 4 << 20
 
 
 @dataclass(slots=True)
@@ -45,12 +45,17 @@ class Namespace:
 
 
 def namespace_id(model: str, layout: KvLayout, salt: str, tenant: str) -> str:
-    """Digest of everything that must match for two engines to share blocks."""
-    h = hashlib.sha256()
+    """Digest of everything that must match for two engines to share blocks.
+
+    Each part is length-prefixed, so the encoding is injective whatever bytes the parts hold
+    (two different identities can never join into one namespace).
+    """
+    h = hashlib.sha256(b"kvd-namespace-v2")
     for part in (model, str(layout.block_bytes), str(layout.num_ranks), str(layout.shard_bytes),
                  str(layout.tokens_per_block), layout.dtype, salt, tenant):
-        h.update(part.encode())
-        h.update(b"\0")
+        data = part.encode()
+        h.update(len(data).to_bytes(4, "big"))
+        h.update(data)
     return h.hexdigest()[:32]
 
 
@@ -63,6 +68,7 @@ class NamespaceTable:
         self.tenants = tenants
         self._namespaces: dict[str, Namespace] = {}
         self._budgets: dict[str, TenantBudget] = {}     # tenant -> its extent quota
+        self.recency = RecencyBudget(MAX_RECORDED_KEYS)
 
     def __iter__(self) -> Iterator[Namespace]:
         return iter(self._namespaces.values())
@@ -101,7 +107,7 @@ class NamespaceTable:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         ns = Namespace(ns_id, model, layout, salt, tenant, slots,
-                       NamespaceManager(slots, self.policy))
+                       NamespaceManager(slots, self.policy, budget=self.recency))
         self._namespaces[ns_id] = ns
         return ns
 
@@ -132,46 +138,73 @@ class NamespaceTable:
 
 
 @dataclass(slots=True)
-class _Held:
+class Held:
+    """What an ended session still holds because its process lives on."""
+
     ns: Namespace
-    slots: list[int]
+    session_id: str
     pid: int
     since: float
+    slots: list[int]                    # slots of unfinished stores it may still be writing
+    pins: list[tuple[int, bytes]]       # (epoch, key) refs of blocks it may still be reading
 
 
 class SlotQuarantine:
-    """Slots of stores a dead session left unfinished, held while their writer may still run.
+    """Pins and store slots of sessions that ended while their process still runs.
 
-    A reaped session's process can be stopped or slow, not gone: its workers may still write
-    into the slots it was granted. Those slots are reused only once `alive(pid)` says the
-    process is gone (and a grace period passed), or after QUARANTINE_MAX_S.
+    A session whose stream closed or that was reaped for silence may belong to a process that
+    is only stopped or slow: its workers can still copy out of the blocks it pinned or leased
+    and into the slots it was granted. Until that process is gone, or a later session of the
+    same process says its copies are done (ReleaseHeld), those blocks stay pinned and those
+    slots stay out of use, so no such copy ever touches a slot that holds another key. What a
+    session can hold is bounded (its pins, leases and pending stores), so this is too.
     """
 
     def __init__(self, alive: Callable[[int], bool]) -> None:
-        self._alive = alive
-        self._held: list[_Held] = []
+        self.alive = alive
+        self._held: list[Held] = []
 
-    def hold(self, ns: Namespace, slots: list[int], pid: int, now: float) -> None:
-        if slots:
-            self._held.append(_Held(ns, slots, pid, now))
+    def hold(self, held: Held) -> None:
+        if held.slots or held.pins:
+            self._held.append(held)
 
-    def release_due(self, now: float, grace: float) -> None:
-        keep: list[_Held] = []
+    def release_due(self) -> None:
+        """Give back what processes that are gone held."""
+        keep: list[Held] = []
         for q in self._held:
-            if now - q.since >= QUARANTINE_MAX_S or (now - q.since >= grace
-                                                      and not self._alive(q.pid)):
-                for slot in q.slots:
-                    q.ns.slots.free(slot)
-                NamespaceTable.maybe_release(q.ns)
-            else:
+            if self.alive(q.pid):
                 keep.append(q)
+            else:
+                self.release(q)
         self._held = keep
+
+    def release_session(self, session_id: str, pid: int) -> tuple[int, int] | None:
+        """Give back what the ended session `session_id` of process `pid` held, at the word of
+        a later session of that process; (pins, slots) released, None if none such is held."""
+        for i, q in enumerate(self._held):
+            if q.session_id == session_id and q.pid == pid:
+                del self._held[i]
+                self.release(q)
+                return len(q.pins), len(q.slots)
+        return None
+
+    @staticmethod
+    def release(q: Held) -> None:
+        """Give back one session's holdings to its namespace."""
+        for epoch, key in q.pins:
+            q.ns.mgr.unpin(key, epoch)
+        for slot in q.slots:
+            q.ns.slots.free(slot)
+        NamespaceTable.maybe_release(q.ns)
 
     def __bool__(self) -> bool:
         return bool(self._held)
 
     def slots_held(self) -> int:
         return sum(len(q.slots) for q in self._held)
+
+    def pins_held(self) -> int:
+        return sum(len(q.pins) for q in self._held)
 
 
 def pid_alive(pid: int) -> bool:

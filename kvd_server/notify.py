@@ -61,6 +61,13 @@ def stopping(status: str | None = None) -> bool:
     return notify("STOPPING=1" + (f"\nSTATUS={_one_line(status)}" if status else ""))
 
 
+def extend_timeout(seconds: float, status: str | None = None) -> bool:
+    """Ask for `seconds` more before the unit's start (or stop) timeout fires:
+    `EXTEND_TIMEOUT_USEC=` (systemd 236+), sent while slow start-up work makes progress."""
+    line = f"EXTEND_TIMEOUT_USEC={max(1, round(seconds * 1e6))}"
+    return notify(line + (f"\nSTATUS={_one_line(status)}" if status else ""))
+
+
 def watchdog() -> bool:
     """Keep-alive ping for units with `WatchdogSec=`."""
     return notify("WATCHDOG=1")

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,58 @@ PAGE = mmap.PAGESIZE
 
 class PoolError(Exception):
     """The pool could not be created (the message says why and what to change)."""
+
+
+def memory_available() -> tuple[int | None, int | None]:
+    """(MemAvailable of the machine, room left under this process's cgroup memory.max), in
+    bytes; None where unknown or unlimited."""
+    machine = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    machine = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return machine, _cgroup_room()
+
+
+def _cgroup_room() -> int | None:
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[0] == "0":          # cgroup v2
+            base = Path("/sys/fs/cgroup") / parts[2].lstrip("/")
+            try:
+                limit = (base / "memory.max").read_text().strip()
+                used = int((base / "memory.current").read_text().strip())
+            except (OSError, ValueError):
+                return None
+            return None if limit == "max" else max(0, int(limit) - used)
+    return None
+
+
+def check_fits(size: int) -> None:
+    """Refuse a pool the daemon cannot hold in memory (the kernel's OOM killer would end it,
+    and maybe another process, while it pre-faults)."""
+    machine, cgroup = memory_available()
+    limits = [(what, room) for what, room in (("available on this machine (MemAvailable)",
+                                               machine),
+                                              ("left under the daemon's cgroup memory.max",
+                                               cgroup)) if room is not None]
+    too_small = [(what, room) for what, room in limits if size > room]
+    if too_small:
+        from kvd_server.units import format_size
+
+        said = "; ".join(f"{format_size(room)} {what}" for what, room in limits)
+        raise PoolError(f"a pool of {format_size(size)} does not fit: {said}. Choose a smaller "
+                        "pool.size, or set pool.allow_overcommit = true (--allow-overcommit) "
+                        "if the memory will be there")
 
 
 class HostPool:
@@ -80,16 +133,20 @@ class HostPool:
             raise PoolError(f"cannot create a pool of {size} bytes: {exc.strerror}{hint}") from exc
         return pool
 
-    def prefault(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def prefault(self, progress: Callable[[int, int], None] | None = None,
+                 stop: threading.Event | None = None) -> bool:
         """Populate every page (MADV_POPULATE_WRITE, else touch a byte per page), in chunks.
 
         Safe to run in a worker thread: each chunk is one syscall (or a short loop) between
-        which the GIL is released.
+        which the GIL is released. Returns False when `stop` was set before the end (a chunk
+        takes well under a second, so a signal is answered within one).
         """
         assert self._map is not None
         done = 0
         populate = True
         while done < self.size:
+            if stop is not None and stop.is_set():
+                return False
             n = min(PREFAULT_CHUNK, self.size - done)
             if populate:
                 try:
@@ -107,6 +164,7 @@ class HostPool:
             self.prefaulted_bytes = done
             if progress is not None:
                 progress(done, self.size)
+        return True
 
     def mlock(self) -> bool:
         """Lock the pool in RAM; False (logged) when RLIMIT_MEMLOCK or permissions forbid it."""

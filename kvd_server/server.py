@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.attach import ROLE_ADMIN, AttachRequest
 from kvd_proto.paths import SocketState, attach_path, grpc_target, probe_socket
-from kvd_proto.wire import SLOT_ALIGNMENT, channel_options
+from kvd_proto.wire import SLOT_ALIGNMENT, TRANSPORT_MESSAGE_BYTES, channel_options
 from kvd_server import __version__, notify
 from kvd_server.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileError, read_token_file
 from kvd_server.attach import AttachReply, AttachServer, PeerCred
@@ -30,7 +31,7 @@ from kvd_server.config import Config
 from kvd_server.core import KvdCore
 from kvd_server.errors import PermissionDenied
 from kvd_server.extents import ExtentAllocator
-from kvd_server.pool import HostPool, PoolError
+from kvd_server.pool import HostPool, PoolError, check_fits
 from kvd_server.service import AdminService, EngineService, RpcRecorder
 from kvd_server.stats import DaemonFacts, StatsSnapshot, build_snapshot
 from kvd_server.units import format_duration, format_size
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL = 0.1
+PREFAULT_EXTEND_S = 60.0     # start-timeout extension asked for at each tenth of the pre-fault
 DRAIN_POLL = 0.05
 STOP_GRACE = 1.0
 HEALTH_SERVICES = ("", "kvd.v1.KvdEngine")
@@ -96,6 +98,7 @@ class Daemon:
         self._rpc = RpcRecorder()
         self._engine: EngineService | None = None
         self._stop = asyncio.Event()
+        self._stop_prefault = threading.Event()   # read by the pre-fault thread
         self._drain_timeout = config.server.drain_timeout
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -119,6 +122,7 @@ class Daemon:
         if timeout is not None:
             self._drain_timeout = timeout
         self._stop.set()
+        self._stop_prefault.set()
         return True
 
     # -- life cycle
@@ -177,6 +181,8 @@ class Daemon:
     async def _start(self) -> None:
         cfg = self.config
         try:
+            if not cfg.pool.allow_overcommit:
+                check_fits(cfg.pool.size)
             pool = HostPool.create(cfg.pool.size, cfg.pool.backing, cfg.pool.path,
                                    cfg.pool.persist)
         except (PoolError, OSError) as exc:
@@ -191,7 +197,7 @@ class Daemon:
         metrics = self._start_metrics()
         self._rpc = RpcRecorder(metrics)
 
-        server = grpc.aio.server(options=channel_options())
+        server = grpc.aio.server(options=self._server_options())
         self._engine = EngineService(core, cfg, pool.size, self._rpc)
         kvd_pb2_grpc.add_KvdEngineServicer_to_server(self._engine, server)
         kvd_pb2_grpc.add_KvdAdminServicer_to_server(
@@ -226,7 +232,7 @@ class Daemon:
                                                 require_client_auth=ca is not None)
         except (OSError, ValueError, RuntimeError) as exc:
             raise StartupError(f"cannot set up TLS for server.admin_listen: {exc}") from None
-        server = grpc.aio.server(options=channel_options())
+        server = grpc.aio.server(options=self._server_options())
         kvd_pb2_grpc.add_KvdAdminServicer_to_server(
             AdminService(core, self.config, self._rpc, self.snapshot, self.request_drain,
                          self._tokens, remote=True), server)
@@ -242,6 +248,13 @@ class Daemon:
         self._admin_server = server
         log.info("remote admin: TLS on %s%s", cfg.admin_listen,
                  " (client certificates required)" if ca else "")
+
+    @staticmethod
+    def _server_options() -> list[tuple[str, int]]:
+        # Read messages up to the transport limit so that one over the stated limit is
+        # answered as a bound violation (INVALID_ARGUMENT, in-band on a stream).
+        return [*[o for o in channel_options() if o[0] != "grpc.max_receive_message_length"],
+                ("grpc.max_receive_message_length", TRANSPORT_MESSAGE_BYTES)]
 
     def _start_metrics(self) -> RpcMetrics | None:
         cfg = self.config.server
@@ -315,12 +328,18 @@ class Daemon:
                 tenth = done * 10 // max(total, 1)
                 if tenth != last[0]:
                     last[0] = tenth
-                    loop.call_soon_threadsafe(notify.status,
+                    # Each tenth also buys systemd's start timeout some more time: a large
+                    # pool may take minutes, and the unit must not be killed while it works.
+                    loop.call_soon_threadsafe(notify.extend_timeout, PREFAULT_EXTEND_S,
                                               f"pre-faulting the pool: {tenth * 10}%")
                     log.info("pre-faulting the pool: %d%% (%s of %s)", tenth * 10,
                              format_size(done), format_size(total))
 
-            await asyncio.to_thread(pool.prefault, progress)
+            finished = await asyncio.to_thread(pool.prefault, progress, self._stop_prefault)
+            if not finished:
+                log.info("pre-fault stopped at %s of %s", format_size(pool.prefaulted_bytes),
+                         format_size(pool.size))
+                return
             log.info("pool pre-faulted in %.1fs", time.monotonic() - started)
         if cfg.mlock:
             pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked

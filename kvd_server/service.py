@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from functools import partial
 from typing import Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.wire import (
@@ -28,6 +30,7 @@ from kvd_proto.wire import (
     MAX_KEY_BYTES,
     MAX_KEYS_PER_CALL,
     MAX_KEYS_PER_STEP,
+    MAX_MESSAGE_BYTES,
     MAX_OPS_PER_STEP,
     MAX_SESSIONS_LIMIT,
     MAX_STRING_BYTES,
@@ -87,12 +90,20 @@ def _check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
     return list(keys)
 
 
-def _check_str(value: str, field: str, *, required: bool = False) -> str:
+def _check_str(value: str, field: str, *, required: bool = False,
+               identity: bool = False) -> str:
+    """A bounded string; `identity` strings (what names a namespace or an engine) must not
+    hold control characters, so no two different identities can print or hash alike."""
     size = len(value.encode())
     if size > MAX_STRING_BYTES:
         raise InvalidArgument(f"{field} has {size} bytes, more than {MAX_STRING_BYTES}")
     if required and not size:
         raise InvalidArgument(f"{field} is required (1..{MAX_STRING_BYTES} bytes)")
+    if identity:
+        bad = next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
+        if bad is not None:
+            raise InvalidArgument(f"{field} holds the control character {bad!r} "
+                                  f"(U+{ord(bad):04X}); identity strings must be printable")
     return value
 
 
@@ -118,6 +129,15 @@ def _op_keys(op: kvd_pb2.StepOp) -> int:
         return 0
     inner = getattr(op, kind)
     return len(inner.keys) if hasattr(inner, "keys") else 0
+
+
+def _check_size(request: Message) -> None:
+    """The stated message limit, answered as the bound it is (the transport reads up to
+    TRANSPORT_MESSAGE_BYTES, so an oversized request reaches this check)."""
+    size = request.ByteSize()
+    if size > MAX_MESSAGE_BYTES:
+        raise InvalidArgument(f"request of {size} bytes is over MAX_MESSAGE_BYTES "
+                              f"({MAX_MESSAGE_BYTES}); split it")
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
@@ -213,11 +233,15 @@ def _unary_rpc(method: str, kind: str) -> Callable[..., Awaitable[object]]:
     """The unary RPC `method` of KvdEngine: the per-op handler `kind` for the caller's session
     (the same handler a Step runs for an op of that kind)."""
 
-    async def rpc(self: EngineService, request: object,
+    async def rpc(self: EngineService, request: Message,
                   context: grpc.aio.ServicerContext) -> object:
         op = self._OPS[kind]
-        return await self._rpc.unary(method, context,
-                                     lambda: op(self, self._session(context), request))
+
+        def handle() -> object:
+            _check_size(request)
+            return op(self, self._session(context), request)
+
+        return await self._rpc.unary(method, context, handle)
 
     rpc.__name__ = rpc.__qualname__ = method
     return rpc
@@ -335,11 +359,20 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
                          ) -> kvd_pb2.TransferReportResponse:
         load_sizes = _check_samples(req.load_sizes, "load_sizes")
         store_sizes = _check_samples(req.store_sizes, "store_sizes")
+        for name in ("load_seconds", "store_seconds"):
+            value = getattr(req, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
         self._core.transfer_report(s, TransferStats(
             load_bytes=req.load_bytes, load_seconds=req.load_seconds,
             store_bytes=req.store_bytes, store_seconds=req.store_seconds))
         self._rpc.observe_transfer(load_sizes, store_sizes)
         return kvd_pb2.TransferReportResponse()
+
+    def _release_held(self, s: Session, req: kvd_pb2.ReleaseHeldRequest
+                      ) -> kvd_pb2.ReleaseHeldResponse:
+        pins, slots = self._core.release_held(s, _check_str(req.session_id, "session_id"))
+        return kvd_pb2.ReleaseHeldResponse(released_pins=pins, released_slots=slots)
 
     _OPS = {
         "lookup": _lookup,
@@ -352,19 +385,21 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         "take_events": _take_events,
         "reset": _reset,
         "transfer_report": _transfer_report,
+        "release_held": _release_held,
     }
 
     # -- RPCs
 
     def _register(self, context: grpc.aio.ServicerContext,
                   request: kvd_pb2.RegisterSessionRequest) -> kvd_pb2.RegisterSessionResponse:
+        _check_size(request)
         s = self._session(context)
         e, lay = request.engine, request.layout
         for name in ("engine_id", "engine_kind", "engine_version", "hostname"):
-            _check_str(getattr(e, name), f"engine.{name}")
-        model = _check_str(request.model, "model", required=True)
-        salt = _check_str(request.layout_salt, "layout_salt")
-        _check_str(lay.dtype, "layout.dtype")
+            _check_str(getattr(e, name), f"engine.{name}", identity=True)
+        model = _check_str(request.model, "model", required=True, identity=True)
+        salt = _check_str(request.layout_salt, "layout_salt", identity=True)
+        _check_str(lay.dtype, "layout.dtype", identity=True)
         try:
             layout = KvLayout(block_bytes=lay.block_bytes, num_ranks=lay.num_ranks,
                               shard_bytes=lay.shard_bytes, tokens_per_block=lay.tokens_per_block,
@@ -401,9 +436,11 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
     RequestFinished = _unary_rpc("RequestFinished", "request_finished")
     TakeEvents = _unary_rpc("TakeEvents", "take_events")
     Reset = _unary_rpc("Reset", "reset")
+    ReleaseHeld = _unary_rpc("ReleaseHeld", "release_held")
 
     def _run_step(self, s: Session, request: kvd_pb2.StepRequest) -> kvd_pb2.StepResponse:
         """One step for Step and StepStream: bounds first, then the ops in order."""
+        _check_size(request)
         ops = request.ops
         if len(ops) > MAX_OPS_PER_STEP:
             raise InvalidArgument(f"step has {len(ops)} ops, more than MAX_OPS_PER_STEP "
@@ -477,7 +514,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
             raise Unauthenticated(f"missing session token (metadata {SESSION_TOKEN_METADATA})")
         s = self._core.sessions.get(token)
         if s is not None:   # an unknown token: already closed (idempotent)
-            self._core.close_session(s, "closed by client")
+            self._core.close_session(s, "closed by client", copies_done=True)
         return kvd_pb2.CloseSessionResponse()
 
     async def CloseSession(self, request: kvd_pb2.CloseSessionRequest,

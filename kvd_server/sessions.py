@@ -83,6 +83,7 @@ class SessionTable:
         self.config = config
         self.clock = clock
         self._by_token: dict[str, Session] = {}
+        self._per_uid: dict[int, int] = {}
         self._seq = 0
         self.attached_total = 0
         self.reaped_total = 0
@@ -117,14 +118,20 @@ class SessionTable:
     # ------------------------------------------------------------------- life cycle
     def open(self, peer: PeerCred) -> Session:
         """A new session for an engine peer the caller has checked."""
-        if len(self._by_token) >= self.config.server.max_sessions:
+        srv = self.config.server
+        if len(self._by_token) >= srv.max_sessions:
             raise ResourceExhausted(f"{len(self._by_token)} sessions already "
                                     "(server.max_sessions)")
+        held = self._per_uid.get(peer.uid, 0)
+        if held >= srv.max_sessions_per_uid:
+            raise ResourceExhausted(f"uid {peer.uid} holds {held} sessions already "
+                                    "(server.max_sessions_per_uid)")
         now = self.clock()
         self._seq += 1
         session = Session(id=f"s{self._seq}-{secrets.token_hex(3)}", token=secrets.token_hex(32),
                           peer=peer, tenant=self.tenant_of(peer), created=now, last_seen=now)
         self._by_token[session.token] = session
+        self._per_uid[peer.uid] = held + 1
         self.attached_total += 1
         log.info("session %s attached: pid %d uid %d tenant %s", session.id, peer.pid,
                  peer.uid, session.tenant)
@@ -151,16 +158,27 @@ class SessionTable:
             return False
         s.closed = True
         self._by_token.pop(s.token, None)
+        left = self._per_uid.pop(s.peer.uid, 1) - 1
+        if left:
+            self._per_uid[s.peer.uid] = left
         if reaped:
             self.reaped_total += 1
         else:
             self.closed_total += 1
         return True
 
-    def silent(self, timeout: float) -> list[Session]:
-        """Sessions that have not been heard from for longer than `timeout`."""
+    def expired(self) -> list[tuple[Session, str]]:
+        """Sessions to end, with why: silent past manager.liveness_timeout, or unregistered
+        past manager.register_timeout."""
         now = self.clock()
-        return [s for s in self._by_token.values() if now - s.last_seen > timeout]
+        m = self.config.manager
+        out = []
+        for s in self._by_token.values():
+            if now - s.last_seen > m.liveness_timeout:
+                out.append((s, f"no heartbeat for {now - s.last_seen:.1f}s"))
+            elif s.ns is None and now - s.created > m.register_timeout:
+                out.append((s, f"not registered {now - s.created:.1f}s after attaching"))
+        return out
 
     def forgive(self, seconds: float) -> None:
         """Credit every session with `seconds` of heartbeat: the daemon was not listening."""

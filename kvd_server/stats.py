@@ -42,7 +42,8 @@ class PoolStats:
     extents_free: int = 0
     prefault_bytes_done: int = 0
     mlocked: bool = False
-    quarantined_slots: int = 0
+    quarantined_slots: int = 0     # slots ended sessions may still be writing
+    quarantined_pins: int = 0      # blocks ended sessions may still be reading
 
 
 @dataclass(slots=True)
@@ -225,7 +226,8 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
                        extent_bytes=ext.extent_bytes, extents_total=ext.total,
                        extents_free=ext.free_extents(),
                        prefault_bytes_done=facts.prefault_bytes_done, mlocked=facts.mlocked,
-                       quarantined_slots=core.quarantine.slots_held()),
+                       quarantined_slots=core.quarantine.slots_held(),
+                       quarantined_pins=core.quarantine.pins_held()),
         blocks=blocks,
         sessions=len(sessions),
         clients=ClientStats(active=len(sessions), attached_total=sessions.attached_total,

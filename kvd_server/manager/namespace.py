@@ -25,6 +25,34 @@ from .types import BlockCounts, Lookup, OffloadEvent, SlotSource, StoreGrant
 MAX_PENDING_EVENTS = 100_000
 MAX_OPEN_REQUESTS = 100_000
 MAX_KEYS_PER_REQUEST = 65_536   # a request longer than this records no further recency
+MAX_TRACKED_KEYS = 1 << 20      # keys recorded over all open requests of one namespace
+
+
+class RecencyBudget:
+    """How many keys open requests may record, shared by every namespace of a daemon.
+
+    A request's recorded accesses (keys, positions, what it inserted or reused) live until it
+    finishes; a client that never finishes its requests, or offers endless keys under one,
+    would otherwise grow the daemon without bound. Past the budget, accesses are not
+    recorded: eviction order degrades, memory does not grow.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> int:
+        granted = max(0, min(n, self.limit - self.used))
+        self.used += granted
+        return granted
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+def event_bytes(event: OffloadEvent) -> int:
+    """About what an event costs on the wire (keys with their framing, plus the flags)."""
+    return sum(len(k) + 3 for k in event.keys) + 8
 
 
 @dataclass(slots=True)
@@ -43,7 +71,8 @@ class NamespaceManager:
     """The index key -> block of one namespace over a `SlotSource`. Pure logic, no I/O."""
 
     def __init__(self, slots: SlotSource, policy: str = "lru", *, enable_events: bool = True,
-                 store_threshold: int = 0, max_tracker_size: int = 64_000) -> None:
+                 store_threshold: int = 0, max_tracker_size: int = 64_000,
+                 budget: RecencyBudget | None = None) -> None:
         self.slots = slots
         self.policy = make_policy(policy, slots.capacity())
         self.epoch = 0
@@ -53,6 +82,8 @@ class NamespaceManager:
         self._evictable = 0
         self._zombies: dict[tuple[int, bytes], Block] = {}
         self._requests: dict[Hashable, RequestState] = {}
+        self._tracked = 0                     # keys recorded by the open requests
+        self._budget = budget
         self._generation = 0
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
@@ -92,38 +123,66 @@ class NamespaceManager:
             return RequestState(self._generation)
         state = self._requests.get(req)
         if state is None or state.generation != self._generation or state.finished:
+            if state is not None:
+                self._drop(req)
             if len(self._requests) >= MAX_OPEN_REQUESTS:
                 # Oldest open request: its accesses are dropped, not applied.
-                self._requests.pop(next(iter(self._requests)))
+                self._drop(next(iter(self._requests)))
             state = RequestState(self._generation)
             self._requests[req] = state
         return state
 
-    @staticmethod
-    def _set_positions(state: RequestState, keys: Sequence[bytes],
+    def _drop(self, req: Hashable) -> RequestState | None:
+        """Forget an open request and give what it recorded back to the budgets."""
+        state = self._requests.pop(req, None)
+        if state is not None:
+            self._release(len(state.seen) + len(state.positions))
+        return state
+
+    def _room(self, state_keys: int, wanted: int) -> int:
+        """How many of `wanted` new entries a request holding `state_keys` may record."""
+        room = min(wanted, MAX_KEYS_PER_REQUEST - state_keys, MAX_TRACKED_KEYS - self._tracked)
+        if room > 0 and self._budget is not None:
+            room = self._budget.take(room)
+        room = max(room, 0)
+        self._tracked += room
+        return room
+
+    def _release(self, n: int) -> None:
+        self._tracked -= n
+        if self._budget is not None:
+            self._budget.give(n)
+
+    def _set_positions(self, state: RequestState, keys: Sequence[bytes],
                        positions: Sequence[int] | None) -> None:
-        if positions:
-            if len(positions) != len(keys):
-                raise ValueError(f"{len(positions)} positions for {len(keys)} keys")
-            state.positions.update(zip(keys, positions, strict=True))
+        if not positions:
+            return
+        if len(positions) != len(keys):
+            raise ValueError(f"{len(positions)} positions for {len(keys)} keys")
+        known = state.positions
+        pairs = dict(zip(keys, positions, strict=True))
+        fresh = [k for k in pairs if k not in known]
+        allowed = self._room(len(known), len(fresh))
+        for key in fresh[allowed:]:
+            del pairs[key]
+        known.update(pairs)
 
     def _record(self, keys: Sequence[bytes], state: RequestState,
                 reused: Sequence[bytes] = ()) -> None:
-        fresh = []
-        for key in keys:
-            if key in state.seen or len(state.seen) >= MAX_KEYS_PER_REQUEST:
-                continue
+        seen = state.seen
+        fresh = [k for k in dict.fromkeys(keys) if k not in seen]
+        fresh = fresh[:self._room(len(seen), len(fresh))]
+        for key in fresh:
             state.key_groups.setdefault(group_of(key), []).append(key)
-            state.seen.add(key)
-            fresh.append(key)
+        seen.update(fresh)
         if fresh:
             self.policy.on_request_access(fresh, state)
         # Re-reading a block this request inserted is not a second use.
-        state.reused.update(k for k in reused if k not in state.inserted)
+        state.reused.update(k for k in reused if k in seen and k not in state.inserted)
 
     def request_finished(self, req: Hashable) -> None:
         """Apply the request's recorded accesses to the policy in prefix order."""
-        state = self._requests.pop(req, None)
+        state = self._drop(req)
         if state is None or state.generation != self._generation or state.finished:
             return
         state.finished = True
@@ -138,7 +197,7 @@ class NamespaceManager:
 
     def forget_request(self, req: Hashable) -> None:
         """Drop a request's accesses without applying them (its session died)."""
-        self._requests.pop(req, None)
+        self._drop(req)
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes], req: Hashable | None = None,
@@ -259,7 +318,8 @@ class NamespaceManager:
         misses = [k for k in new if k not in state.store_misses]
         if misses:
             self.policy.on_store_miss(misses, state)
-            state.store_misses.update(misses)
+            if len(state.store_misses) < MAX_KEYS_PER_REQUEST:
+                state.store_misses.update(misses)
         recorded = set(new)
         recorded.update(ready_existing)
         self._record([k for k in keys if k in recorded], state, reused=ready_existing)
@@ -288,7 +348,7 @@ class NamespaceManager:
             self.policy.insert(key, Block(slot, -1), state)
         self._storing += len(new)
         self.counters.stores_started_total += len(new)
-        state.inserted.update(new)
+        state.inserted.update(k for k in new if k in state.seen)
         return StoreGrant(new, slots, evicted)
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True,
@@ -337,21 +397,31 @@ class NamespaceManager:
             self.counters.events_dropped_total += 1
         events.append(event)
 
-    def take_events(self, max_events: int | None = None) -> tuple[list[OffloadEvent], bool]:
-        """Drain stored/removed events in order; `more` says whether any are left."""
+    def take_events(self, max_events: int | None = None,
+                    max_bytes: int | None = None) -> tuple[list[OffloadEvent], bool]:
+        """Drain stored/removed events in order, at most `max_events` and about `max_bytes`
+        of keys (always at least one event); `more` says whether any are left."""
         events = self._events
         if not events:
             return [], False
         out: list[OffloadEvent] = []
         limit = len(events) if max_events is None else max_events
+        budget = max_bytes
         while events and len(out) < limit:
-            event = events.popleft()
+            event = events[0]
             if event.metadata_only:
                 # A retry may already own the key again: then the clean-up is moot.
                 keys = tuple(k for k in event.keys if self.policy.get(k) is None)
                 if not keys:
+                    events.popleft()
                     continue
                 event = OffloadEvent(keys, removed=True, metadata_only=True)
+            if budget is not None:
+                cost = event_bytes(event)
+                if out and cost > budget:
+                    break
+                budget -= cost
+            events.popleft()
             out.append(event)
         return out, bool(events)
 
@@ -374,7 +444,8 @@ class NamespaceManager:
                 self.slots.free(slot)
         self._storing = 0
         self._evictable = 0
-        self._requests.clear()
+        for req in list(self._requests):
+            self._drop(req)
         self._generation += 1
         self.epoch += 1
         self.counters.resets_total += 1

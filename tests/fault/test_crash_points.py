@@ -169,6 +169,17 @@ def test_engine_dies_at_a_chosen_point(daemon, phase, how):
         (info,) = sessions(daemon)
         assert info.peer_pid == os.getpid(), "the surviving session is the live engine's"
         assert (info.pins, info.pending_stores, info.leases) == (1, 1, 0)
+        if how == "SIGSTOP":
+            # A stopped victim may resume mid-copy: what it pinned or leased stays pinned (and
+            # what it was writing stays out of use) until its process is gone.
+            assert doc["pool"]["quarantined_pins"] == said["pins"] + said["leases"], doc["pool"]
+            if said["pins"] + said["leases"]:
+                assert doc["blocks"]["pinned"] > 1
+            reap(victim, close=False)
+            wait_until(lambda: daemon.stats()["pool"]["quarantined_pins"] == 0, SETTLE_S,
+                       "the stopped victim's held pins to come back once it is gone")
+            doc = daemon.stats()
+        assert doc["pool"]["quarantined_pins"] == 0
         assert doc["blocks"]["pinned"] == 1
 
         # Nothing the victim half-wrote is visible; what it completed is.

@@ -27,13 +27,17 @@ class Clock:
         return self.now
 
 
-def make_core(pool=1 << 20, extent=256 << 10, **overrides) -> tuple[KvdCore, Clock]:
+def make_core(pool=1 << 20, extent=256 << 10, alive=lambda pid: False,
+              **overrides) -> tuple[KvdCore, Clock]:
+    """A serving core; by default every peer's process counts as gone once its session ends
+    (`alive`), as for an engine that exited."""
     ov = {"pool.size": (str(pool), "test"), "pool.extent_size": (str(extent), "test"),
           "manager.liveness_timeout": ("5s", "test")}
     ov.update({k: (v, "test") for k, v in overrides.items()})
     cfg = load_config(None, env={}, overrides=ov)
     clock = Clock()
-    core = KvdCore(cfg, ExtentAllocator(cfg.pool.size, cfg.pool.extent_size), clock=clock)
+    core = KvdCore(cfg, ExtentAllocator(cfg.pool.size, cfg.pool.extent_size), clock=clock,
+                   alive=alive)
     core.set_serving()
     return core, clock
 
