@@ -49,7 +49,8 @@ test-fast: $(VENV)/.stamp-test ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 soak: $(VENV)/.stamp-vllm ## long fault runs (100 crash rounds), < 30 min
-	KVD_SOAK_ROUNDS=100 KVD_SOAK_FUZZ=10000 KVD_SOAK_LOAD_S=60 $(PY) -m pytest -q -m "fault or soak" -p no:cacheprovider $(PYTEST_ARGS)
+	KVD_SOAK_ROUNDS=100 KVD_SOAK_FUZZ=10000 KVD_SOAK_LOAD_S=60 KVD_SOAK_HARDEN_S=20 \
+	  KVD_SOAK_CONNECTIONS=19000 $(PY) -m pytest -q -m "fault or soak" -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(VENV)/.stamp-vllm ## run the benchmarks, write bench/results/
 	$(PIP) install matplotlib

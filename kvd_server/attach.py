@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -63,10 +64,14 @@ Handler = Callable[[PeerCred, AttachRequest], AttachReply]
 class AttachServer:
     """asyncio server of the attach socket. The handler runs on the event loop."""
 
-    def __init__(self, path: str, mode: int, handler: Handler) -> None:
+    def __init__(self, path: str, mode: int, handler: Handler,
+                 on_exhausted: Callable[[], bool] | None = None) -> None:
         self.path = path
         self.mode = mode
         self.handler = handler
+        # Called when accept() finds no descriptor left: frees one (the front door sheds its
+        # idlest connection) so attaches keep working at the limit.
+        self.on_exhausted = on_exhausted
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -100,6 +105,9 @@ class AttachServer:
             except asyncio.CancelledError:
                 raise
             except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self.on_exhausted is not None \
+                        and self.on_exhausted():
+                    continue
                 log.warning("attach accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue

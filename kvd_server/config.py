@@ -41,6 +41,8 @@ class ServerConfig:
     admin_gids: tuple[int, ...]
     max_sessions: int
     max_sessions_per_uid: int
+    max_connections_per_uid: int
+    idle_timeout: float
     metrics_port: int
     metrics_address: str
     reflection: bool
@@ -275,6 +277,8 @@ _SCHEMA: dict[str, _Key] = {
     "server.admin_gids": _Key("ids", _ids),
     "server.max_sessions": _Key("int", _int(1, 1_000_000)),
     "server.max_sessions_per_uid": _Key("int", _int(1, 1_000_000)),
+    "server.max_connections_per_uid": _Key("int", _int(1, 1_000_000)),
+    "server.idle_timeout": _Key("duration", _duration),
     "server.metrics_port": _Key("int", _int(0, 65535)),
     "server.metrics_address": _Key("str", _str),
     "server.reflection": _Key("bool", _bool),
@@ -439,7 +443,7 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
     if socket and len((socket + ATTACH_SUFFIX).encode()) > 107:
         fail("server.socket", "is too long for a Unix socket path (at most 100 bytes)")
     for key in ("manager.heartbeat_interval", "manager.liveness_timeout",
-                "manager.register_timeout"):
+                "manager.register_timeout", "server.idle_timeout"):
         if values[key] <= 0:
             fail(key, "must be greater than 0")
     if values["manager.liveness_timeout"] <= values["manager.heartbeat_interval"]:

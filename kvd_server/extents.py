@@ -8,13 +8,23 @@ vLLM's CPU manager with a capacity that grows while the pool has free extents.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+
 from kvd_proto.wire import SLOT_ALIGNMENT, align_up
 
 
 class ExtentAllocator:
-    """Equal extents of the pool (a trailing partial extent is left unused)."""
+    """Equal extents of the pool (a trailing partial extent is left unused).
 
-    def __init__(self, pool_bytes: int, extent_bytes: int) -> None:
+    Each tenant has its own memory file of the pool's size (kvd_server/pool.py); an extent's
+    pages live in the file of the tenant that last held it. `owner` remembers which, and
+    `on_move(extent, from_tenant, to_tenant)` is told when an extent changes tenant, so the
+    pages can move too (punched out of one file, populated in the other).
+    """
+
+    def __init__(self, pool_bytes: int, extent_bytes: int, *, first_owner: str | None = None,
+                 on_move: Callable[[int, str | None, str], None] | None = None) -> None:
         if pool_bytes <= 0:
             raise ValueError("pool size must be positive")
         extent_bytes = min(align_up(extent_bytes), pool_bytes // SLOT_ALIGNMENT * SLOT_ALIGNMENT)
@@ -25,9 +35,19 @@ class ExtentAllocator:
         self.total = pool_bytes // extent_bytes
         # LIFO of free extent indexes, lowest index on top.
         self._free = list(range(self.total - 1, -1, -1))
+        self.owner: list[str | None] = [first_owner] * self.total
+        self.on_move = on_move
 
-    def take(self) -> int | None:
-        return self._free.pop() if self._free else None
+    def take(self, tenant: str = "default") -> int | None:
+        if not self._free:
+            return None
+        index = self._free.pop()
+        previous = self.owner[index]
+        if previous != tenant:
+            self.owner[index] = tenant
+            if self.on_move is not None:
+                self.on_move(index, previous, tenant)
+        return index
 
     def give(self, index: int) -> None:
         if not 0 <= index < self.total:
@@ -66,10 +86,18 @@ class TenantBudget:
 
 
 class NamespaceSlots:
-    """A SlotSource over extents taken on demand (see manager/types.py)."""
+    """A SlotSource over extents taken on demand (see manager/types.py).
+
+    Slot ids are pool-wide: slot `e * per_extent + i` is the i-th slot of extent e, so ids stay
+    valid when another extent is given back. Order is vLLM's: never-used slots of the held
+    extents first (extent by extent, in the order taken), then the LIFO free list, then a new
+    extent. A namespace that needs room the free extents cannot give may `reclaim` extents
+    from other namespaces through the table that owns it (fair share, namespaces.py).
+    """
 
     def __init__(self, extents: ExtentAllocator, slot_bytes: int,
-                 budget: TenantBudget | None = None) -> None:
+                 budget: TenantBudget | None = None,
+                 reclaimer: Callable[[NamespaceSlots, int], bool] | None = None) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot size must be positive")
         self.stride = align_up(slot_bytes)
@@ -80,9 +108,12 @@ class NamespaceSlots:
         self.extents = extents
         self.per_extent = extents.extent_bytes // self.stride
         self.budget = budget
-        self._held: list[int] = []     # extent indexes, in the order taken
-        self._position: dict[int, int] = {}  # extent index -> its position in _held
-        self._allocated = 0            # never-used ids below this have been handed out
+        self.tenant = budget.tenant if budget is not None else "default"
+        self.reclaimer = reclaimer
+        self._held: list[int] = []          # extent indexes, in the order taken
+        self._fresh: deque[int] = deque()   # held extents with never-used slots, in order
+        self._high: dict[int, int] = {}     # extent -> slots of it handed out since taken
+        self._used: dict[int, int] = {}     # extent -> slots of it in use now
         self._free: list[int] = []
         self._in_use = 0
 
@@ -100,49 +131,94 @@ class NamespaceSlots:
         if n > self.free_count():
             raise RuntimeError(f"asked for {n} slots with {self.free_count()} free")
         out: list[int] = []
-        while len(out) < n and self._allocated < len(self._held) * self.per_extent:
-            out.append(self._allocated)
-            self._allocated += 1
-        while len(out) < n and self._free:
-            out.append(self._free.pop())
+        per = self.per_extent
         while len(out) < n:
-            index = self.extents.take()
-            if index is None:  # free_count() said there was room: only a bug gets here
-                raise RuntimeError("pool ran out of extents during allocation")
-            self._position[index] = len(self._held)
-            self._held.append(index)
-            if self.budget is not None:
-                self.budget.held += 1
-            take = min(n - len(out), self.per_extent)
-            out.extend(range(self._allocated, self._allocated + take))
-            self._allocated += take
+            if self._fresh:
+                e = self._fresh[0]
+                i = self._high[e]
+                take = min(n - len(out), per - i)
+                out.extend(range(e * per + i, e * per + i + take))
+                self._high[e] = i + take
+                if i + take == per:
+                    self._fresh.popleft()
+            elif self._free:
+                out.append(self._free.pop())
+            else:
+                index = self.extents.take(self.tenant)
+                if index is None:  # free_count() said there was room: only a bug gets here
+                    raise RuntimeError("pool ran out of extents during allocation")
+                self._held.append(index)
+                self._high[index] = 0
+                self._used[index] = 0
+                self._fresh.append(index)
+                if self.budget is not None:
+                    self.budget.held += 1
+        for slot in out:
+            self._used[slot // per] += 1
         self._in_use += n
         return out
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+        self._used[slot // self.per_extent] -= 1
         self._in_use -= 1
 
     def reset(self) -> None:
         """Every slot free again, fresh order; extents are kept (see release_extents)."""
-        self._allocated = 0
         self._free.clear()
         self._in_use = 0
+        self._fresh = deque(self._held)
+        for e in self._held:
+            self._high[e] = 0
+            self._used[e] = 0
+
+    def reclaim(self, n: int) -> bool:
+        """Try to make room for `n` more slots by taking extents from other namespaces."""
+        return self.reclaimer is not None and self.reclaimer(self, n)
 
     # offsets
     def offset(self, slot: int) -> int:
-        extent = self._held[slot // self.per_extent]
-        return extent * self.extents.extent_bytes + (slot % self.per_extent) * self.stride
+        e, i = divmod(slot, self.per_extent)
+        return e * self.extents.extent_bytes + i * self.stride
 
     def slot_at(self, offset: int) -> int | None:
         ebytes = self.extents.extent_bytes
         extent, within = divmod(offset, ebytes)
-        if within % self.stride or within // self.stride >= self.per_extent:
+        if within % self.stride or within // self.stride >= self.per_extent \
+                or extent not in self._used:
             return None
-        pos = self._position.get(extent)
-        if pos is None:
-            return None
-        return pos * self.per_extent + within // self.stride
+        return extent * self.per_extent + within // self.stride
+
+    # extents
+    def extents_held(self) -> int:
+        return len(self._held)
+
+    def held(self) -> list[int]:
+        return list(self._held)
+
+    def used_in(self, extent: int) -> int:
+        """Slots of `extent` in use now."""
+        return self._used.get(extent, 0)
+
+    def slots_in(self, extent: int) -> range:
+        """Every slot id of `extent` that has been handed out since it was taken."""
+        base = extent * self.per_extent
+        return range(base, base + self._high.get(extent, 0))
+
+    def release_extent(self, extent: int) -> None:
+        """Give one held extent back to the pool; none of its slots may be in use."""
+        if self._used.get(extent):
+            raise RuntimeError(f"extent {extent} still has {self._used[extent]} slots in use")
+        per = self.per_extent
+        self._held.remove(extent)
+        del self._high[extent]
+        del self._used[extent]
+        if extent in self._fresh:
+            self._fresh.remove(extent)
+        self._free = [s for s in self._free if s // per != extent]
+        self.extents.give(extent)
+        if self.budget is not None:
+            self.budget.held -= 1
 
     def release_extents(self) -> int:
         """Give every extent back to the pool; only when no slot is in use."""
@@ -152,14 +228,13 @@ class NamespaceSlots:
         for index in reversed(self._held):
             self.extents.give(index)
         self._held.clear()
-        self._position.clear()
-        self.reset()
+        self._high.clear()
+        self._used.clear()
+        self._fresh.clear()
+        self._free.clear()
         if self.budget is not None:
             self.budget.held -= n
         return n
-
-    def extents_held(self) -> int:
-        return len(self._held)
 
     @property
     def in_use(self) -> int:

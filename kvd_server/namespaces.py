@@ -103,7 +103,8 @@ class NamespaceTable:
             if len(self._namespaces) >= MAX_NAMESPACES:
                 raise ResourceExhausted(f"{MAX_NAMESPACES} namespaces exist already")
         try:
-            slots = NamespaceSlots(self.extents, layout.block_bytes, budget=self.budget(tenant))
+            slots = NamespaceSlots(self.extents, layout.block_bytes, budget=self.budget(tenant),
+                                   reclaimer=self._reclaim)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         ns = Namespace(ns_id, model, layout, salt, tenant, slots,
@@ -129,6 +130,47 @@ class NamespaceTable:
                       if ns.sessions == 0 and ns.mgr.is_empty() and not ns.slots.in_use]:
             self._namespaces[ns_id].slots.release_extents()
             del self._namespaces[ns_id]
+
+    def _reclaim(self, asking: NamespaceSlots, n: int) -> bool:
+        """Fair share of a full pool: a namespace that needs room and holds fewer extents than
+        its share (the pool's extents over the active namespaces: those with sessions or
+        blocks) takes whole extents from the namespace furthest above its share, evicting the
+        blocks in them; the least occupied extent whose blocks are all evictable goes first.
+        A namespace at or above its share evicts its own blocks instead (its policy decides).
+        Tenant quotas still apply to the taker."""
+        if self.extents.free_extents() or (asking.budget is not None
+                                           and asking.budget.room(1) == 0):
+            return False
+        active = [ns for ns in self._namespaces.values()
+                  if ns.sessions or not ns.mgr.is_empty()]
+        share = self.extents.total // max(1, len(active))
+        wanted = -(-n // asking.per_extent)
+        got = 0
+        tried: set[str] = set()
+        while got < wanted and asking.extents_held() < share:
+            victims = [ns for ns in active if ns.slots is not asking and ns.id not in tried
+                       and ns.slots.extents_held() > share]
+            if not victims:
+                break
+            victim = max(victims, key=lambda ns: ns.slots.extents_held())
+            if self._take_extent(victim):
+                got += 1
+            else:
+                tried.add(victim.id)       # every extent of it is busy (pinned, storing)
+        return got > 0
+
+    @staticmethod
+    def _take_extent(victim: Namespace) -> bool:
+        """Empty one extent of `victim` (evicting its blocks) and give it back to the pool."""
+        slots = victim.slots
+        for extent in sorted(slots.held(), key=slots.used_in):
+            resident = victim.mgr.resident_slots(slots.slots_in(extent))
+            if len(resident) != slots.used_in(extent):
+                continue       # zombies or held slots in it: not now
+            if victim.mgr.evict_slots(resident):
+                slots.release_extent(extent)
+                return True
+        return False
 
     @staticmethod
     def maybe_release(ns: Namespace) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -99,14 +100,18 @@ class HostPool:
 
     @classmethod
     def create(cls, size: int, backing: str = "memfd", directory: str = "",
-               persist: bool = False) -> HostPool:
+               persist: bool = False, name: str = "kvd-pool") -> HostPool:
+        """A pool file of `size` bytes (sparse until pre-faulted): an anonymous sealed memfd,
+        or `directory/name` for a file-backed pool."""
         if size <= 0:
             raise PoolError(f"pool size must be positive, got {size}")
         size = (size + PAGE - 1) // PAGE * PAGE
+        seal = False
         if backing == "memfd":
-            fd = os.memfd_create("kvd-pool", os.MFD_CLOEXEC)
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             path = None
             pool_id = secrets.token_hex(8)
+            seal = True
         elif backing == "file":
             if not directory:
                 raise PoolError("pool.backing = \"file\" needs pool.path (a tmpfs or hugetlbfs "
@@ -116,13 +121,18 @@ class HostPool:
                 raise PoolError(f"pool directory {directory} does not exist")
             if not os.access(d, os.W_OK):
                 raise PoolError(f"pool directory {directory} is not writable by uid {os.getuid()}")
-            path = str(d / "kvd-pool")
+            path = str(d / name)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             pool_id = _file_pool_id(path, persist)
         else:
             raise PoolError(f"unknown pool backing {backing!r}; use \"memfd\" or \"file\"")
         try:
             os.ftruncate(fd, size)
+            if seal:
+                # Every engine of the tenant gets this descriptor read/write: none of them may
+                # shrink the file under the others (SIGBUS) or grow it past the pool.
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                            | fcntl.F_SEAL_SEAL)
             pool = cls(fd, size, backing, path, persist, pool_id)
         except OSError as exc:
             os.close(fd)
@@ -183,6 +193,49 @@ class HostPool:
             return False
         self.mlocked = True
         return True
+
+    def populate(self, offset: int, length: int, lock: bool = False) -> None:
+        """Fault in (and with `lock`, mlock) one range: an extent arriving from another
+        tenant's file. Best effort: a failure leaves the pages to fault on first write."""
+        assert self._map is not None
+        try:
+            if lock:
+                self._range_call("mlock", offset, length)
+            else:
+                self._map.madvise(MADV_POPULATE_WRITE, offset, length)
+        except OSError as exc:
+            log.debug("populating [%d, +%d) failed: %s", offset, length, exc)
+
+    def release(self, offset: int, length: int, locked: bool = False) -> None:
+        """Give one range's pages back to the kernel (an extent leaving for another tenant's
+        file): what this file held there is gone, its mappings read zeros."""
+        assert self._map is not None
+        if locked:
+            self._range_call("munlock", offset, length)
+        try:
+            self._map.madvise(mmap.MADV_REMOVE, offset, length)
+        except OSError as exc:
+            log.warning("could not release [%d, +%d) of pool %s: %s", offset, length,
+                        self.pool_id, exc)
+
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
+    def resident_bytes(self) -> int:
+        """Bytes of the file that have pages (what it costs in memory now)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    def _range_call(self, name: str, offset: int, length: int) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        assert self._map is not None
+        base = ctypes.c_void_p.from_buffer(self._map)
+        try:
+            address = ctypes.addressof(base) + offset
+            if getattr(libc, name)(ctypes.c_void_p(address), ctypes.c_size_t(length)) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        finally:
+            del base
 
     def view(self) -> memoryview:
         """The daemon's own mapping (tests and diagnostics; the daemon never copies KV)."""

@@ -12,7 +12,10 @@ import contextlib
 import gc
 import logging
 import os
+import resource
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -29,11 +32,13 @@ from kvd_server.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileErr
 from kvd_server.attach import AttachReply, AttachServer, PeerCred
 from kvd_server.config import Config
 from kvd_server.core import KvdCore
-from kvd_server.errors import PermissionDenied
+from kvd_server.errors import PermissionDenied, Unavailable
 from kvd_server.extents import ExtentAllocator
+from kvd_server.front_door import FrontDoor
 from kvd_server.pool import HostPool, PoolError, check_fits
 from kvd_server.service import AdminService, EngineService, RpcRecorder
 from kvd_server.stats import DaemonFacts, StatsSnapshot, build_snapshot
+from kvd_server.tenant_pools import DEFAULT_TENANT, TenantPools
 from kvd_server.units import format_duration, format_size
 
 if TYPE_CHECKING:
@@ -42,7 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL = 0.1
-PREFAULT_EXTEND_S = 60.0     # start-timeout extension asked for at each tenth of the pre-fault
+PREFAULT_EXTEND_S = 60.0
+TRIM_INTERVAL = 10.0         # how often tenants' pool files are checked for stray pages     # start-timeout extension asked for at each tenth of the pre-fault
 DRAIN_POLL = 0.05
 STOP_GRACE = 1.0
 HEALTH_SERVICES = ("", "kvd.v1.KvdEngine")
@@ -87,9 +93,11 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.pool: HostPool | None = None
+        self.pools: TenantPools | None = None
         self.core: KvdCore | None = None
         self._server: grpc.aio.Server | None = None
+        self._door: FrontDoor | None = None
+        self._private_dir: str | None = None
         self._health = health.aio.HealthServicer()
         self._attach: AttachServer | None = None
         self._admin_server: grpc.aio.Server | None = None
@@ -103,6 +111,12 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- stats and drain entry points
+
+    @property
+    def pool(self) -> HostPool | None:
+        """The default tenant's pool file (pre-faulted at start; the only one with one
+        tenant)."""
+        return self.pools.default if self.pools is not None else None
 
     def snapshot(self) -> StatsSnapshot:
         """The stats document: the core's state plus what only the daemon's parts know."""
@@ -180,15 +194,17 @@ class Daemon:
 
     async def _start(self) -> None:
         cfg = self.config
+        pools = self.pools = TenantPools(cfg.pool)
         try:
             if not cfg.pool.allow_overcommit:
                 check_fits(cfg.pool.size)
-            pool = HostPool.create(cfg.pool.size, cfg.pool.backing, cfg.pool.path,
-                                   cfg.pool.persist)
+            pool = pools.default
         except (PoolError, OSError) as exc:
             raise StartupError(f"cannot create the pool: {exc}") from None
-        self.pool = pool
-        core = self.core = KvdCore(cfg, ExtentAllocator(pool.size, cfg.pool.extent_size))
+        extents = ExtentAllocator(pool.size, cfg.pool.extent_size, first_owner=DEFAULT_TENANT,
+                                  on_move=pools.relocate)
+        pools.extent_bytes = extents.extent_bytes
+        core = self.core = KvdCore(cfg, extents)
         if cfg.server.admin_token_file:
             try:
                 self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))
@@ -207,13 +223,19 @@ class Daemon:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if cfg.server.reflection:
             self._enable_reflection(server)
-        server.add_insecure_port(grpc_target(cfg.server.socket))
+        # gRPC listens in a private directory; the public socket is the front door's.
+        self._private_dir = tempfile.mkdtemp(prefix="kvd-")
+        backend = os.path.join(self._private_dir, "grpc.sock")
+        server.add_insecure_port(grpc_target(backend))
         await server.start()
         self._server = server
-        os.chmod(cfg.server.socket, cfg.server.socket_mode)
+        self._door = FrontDoor(cfg.server.socket, cfg.server.socket_mode, backend,
+                               per_uid=cfg.server.max_connections_per_uid,
+                               idle_timeout=cfg.server.idle_timeout)
+        await self._door.start()
 
         self._attach = AttachServer(cfg.server.attach_socket, cfg.server.socket_mode,
-                                    self._on_attach)
+                                    self._on_attach, on_exhausted=self._door.shed)
         await self._attach.start()
         if cfg.server.admin_listen:
             await self._start_admin_listener(core)
@@ -292,7 +314,7 @@ class Daemon:
     def _on_attach(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
         """Attach handler (runs on the loop): a session for an engine, just the pool for a
         data-plane worker; the core decides who may attach."""
-        assert self.core is not None and self.pool is not None
+        assert self.core is not None and self.pools is not None
         if request.role == ROLE_ADMIN:
             if not self.core.sessions.is_admin(peer):
                 raise PermissionDenied(f"uid {peer.uid} / gid {peer.gid} is not an admin (root, "
@@ -302,18 +324,23 @@ class Daemon:
                                        "expires_ms": int(ADMIN_TOKEN_TTL_S * 1000),
                                        "instance_id": self.core.instance_id,
                                        "daemon_version": __version__})
+        tenant = self.core.sessions.tenant_of(peer)
+        try:
+            pool = self.pools.for_tenant(tenant)   # only ever the peer's own tenant's file
+        except (PoolError, OSError) as exc:
+            raise Unavailable(f"cannot create the pool file of tenant {tenant}: {exc}") \
+                from None
         session = self.core.attach(peer, request.role)
         if request.engine_id:
             log.debug("attach of %s (pid %d) as %s", request.engine_id, peer.pid, request.role)
         fields = {
             "token": session.token if session else "",
             "session_id": session.id if session else "",
-            "pool_bytes": self.pool.size, "pool_id": self.pool.pool_id,
+            "pool_bytes": pool.size, "pool_id": pool.pool_id,
             "instance_id": self.core.instance_id, "slot_alignment": SLOT_ALIGNMENT,
-            "daemon_version": __version__,
-            "tenant": session.tenant if session else self.core.sessions.tenant_of(peer),
+            "daemon_version": __version__, "tenant": tenant,
         }
-        return AttachReply(fields=fields, fd=self.pool.fd)
+        return AttachReply(fields=fields, fd=pool.fd)
 
     async def _prepare_pool(self) -> None:
         cfg = self.config.pool
@@ -346,6 +373,7 @@ class Daemon:
 
     async def _sweeper(self, core: KvdCore) -> None:
         loop = asyncio.get_running_loop()
+        next_trim = loop.time() + TRIM_INTERVAL
         while True:
             due = loop.time() + SWEEP_INTERVAL
             await asyncio.sleep(SWEEP_INTERVAL)
@@ -357,6 +385,9 @@ class Daemon:
                     # not the engines'. Do not reap anyone for it.
                     core.forgive(late)
                 core.sweep()
+                if loop.time() >= next_trim and self.pools is not None:
+                    next_trim = loop.time() + TRIM_INTERVAL
+                    self.pools.trim(core.extents.owner)
             except Exception:  # a sweep bug must not stop liveness for every later sweep
                 log.exception("sweep failed")
 
@@ -388,14 +419,18 @@ class Daemon:
                 await task
         if self._attach is not None:
             await self._attach.close()
+        if self._door is not None:
+            await self._door.close()
         if self._admin_server is not None:
             await self._admin_server.stop(STOP_GRACE)
         if self._server is not None:
             await self._server.stop(STOP_GRACE)
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
         if self._metrics_server is not None:
             self._metrics_server.close()
-        if self.pool is not None:
-            self.pool.close()
+        if self.pools is not None:
+            self.pools.close()
         if self._server is not None or self._attach is not None:
             _remove(self.config.server.socket)
             _remove(self.config.server.attach_socket)
@@ -411,6 +446,15 @@ def _read_pem(path: str, key: str) -> bytes:
     if b"-----BEGIN " not in data:
         raise ValueError(f"{key} {path} is not a PEM file")
     return data
+
+
+def raise_open_files_limit() -> None:
+    """Every engine holds a few descriptors of the daemon's: take the hard limit, not the
+    (often 1024) soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def tune_gc() -> None:
@@ -430,4 +474,5 @@ def tune_gc() -> None:
 async def serve(config: Config) -> int:
     """Run a daemon until it is drained (SIGTERM/SIGINT or KvdAdmin.Drain); the exit code."""
     tune_gc()
+    raise_open_files_limit()
     return await Daemon(config).run()

@@ -12,7 +12,7 @@ reads or writes.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvd_server.errors import NotReady
@@ -82,6 +82,7 @@ class NamespaceManager:
         self._evictable = 0
         self._zombies: dict[tuple[int, bytes], Block] = {}
         self._requests: dict[Hashable, RequestState] = {}
+        self._slot_keys: dict[int, bytes] = {}    # slot -> key of each resident block
         self._tracked = 0                     # keys recorded by the open requests
         self._budget = budget
         self._generation = 0
@@ -328,6 +329,8 @@ class NamespaceManager:
 
         evicted: list[bytes] = []
         need = len(new) - self.slots.free_count()
+        if need > 0 and self.slots.reclaim(need):
+            need = len(new) - self.slots.free_count()   # extents taken from others
         if need > 0:
             if need > self._evictable:
                 self.counters.store_rejections_total += 1
@@ -339,6 +342,7 @@ class NamespaceManager:
             self._evictable -= len(victims)
             for key, block in victims:
                 self.slots.free(block.slot)
+                del self._slot_keys[block.slot]
                 evicted.append(key)
             self.counters.evictions_total += len(victims)
             self._emit(OffloadEvent(tuple(evicted), removed=True))
@@ -346,6 +350,7 @@ class NamespaceManager:
         slots = self.slots.allocate(len(new))
         for key, slot in zip(new, slots, strict=True):
             self.policy.insert(key, Block(slot, -1), state)
+            self._slot_keys[slot] = key
         self._storing += len(new)
         self.counters.stores_started_total += len(new)
         state.inserted.update(k for k in new if k in state.seen)
@@ -376,6 +381,7 @@ class NamespaceManager:
                 self.policy.mark_evictable(key)
             else:
                 self.policy.remove(key)
+                del self._slot_keys[block.slot]
                 self._free_or_hold(block.slot, hold)
             changed.append(key)
         if changed:
@@ -386,6 +392,32 @@ class NamespaceManager:
                 self.counters.stores_failed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))
         return len(changed)
+
+    def resident_slots(self, slots: Iterable[int]) -> list[int]:
+        """Which of `slots` hold a block of this namespace's index (not zombies or held)."""
+        keys = self._slot_keys
+        return [slot for slot in slots if slot in keys]
+
+    def evict_slots(self, slots: Sequence[int]) -> bool:
+        """Evict the blocks in exactly these slots, if every one is ready and unpinned (a
+        whole extent taken by another namespace); change nothing otherwise."""
+        victims: list[tuple[bytes, Block]] = []
+        for slot in slots:
+            key = self._slot_keys.get(slot)
+            block = None if key is None else self.policy.get(key)
+            if block is None or block.ref != 0 or block.slot != slot:
+                return False
+            victims.append((key, block))
+        if not victims:
+            return True
+        for key, block in victims:
+            self.policy.remove(key)
+            del self._slot_keys[block.slot]
+            self.slots.free(block.slot)
+        self._evictable -= len(victims)
+        self.counters.evictions_total += len(victims)
+        self._emit(OffloadEvent(tuple(k for k, _ in victims), removed=True))
+        return True
 
     # ----------------------------------------------------------------- events
     def _emit(self, event: OffloadEvent) -> None:
@@ -437,6 +469,7 @@ class NamespaceManager:
             else:
                 freed.append(block.slot)
         self.policy.clear()
+        self._slot_keys.clear()
         if not self._zombies:
             self.slots.reset()  # back to vLLM's fresh allocation order
         else:

@@ -41,3 +41,6 @@ class FixedSlots:
     def reset(self) -> None:
         self._allocated = 0
         self._free.clear()
+
+    def reclaim(self, n: int) -> bool:
+        return False  # a fixed capacity: nobody to take from

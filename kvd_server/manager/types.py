@@ -77,3 +77,8 @@ class SlotSource(Protocol):
     def reset(self) -> None:
         """Forget every allocation (all slots are free again; reset with no zombies)."""
         ...
+
+    def reclaim(self, n: int) -> bool:
+        """Try to grow by at least `n` slots at someone else's expense (another namespace
+        giving back an extent); True when free_count() grew."""
+        ...

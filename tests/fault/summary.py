@@ -11,7 +11,8 @@ from collections import Counter
 COUNTS: Counter[str] = Counter()
 # What the summary always shows (zeros included), in this order.
 ORDER = ("crash rounds", "crash points", "fuzz cases", "load clients", "load steps",
-         "divergences", "leaks", "torn blocks", "daemon crashes")
+         "isolation checks", "bound checks", "stall checks", "divergences", "leaks",
+         "torn blocks", "daemon crashes")
 
 
 def record(name: str, n: int = 1) -> None:

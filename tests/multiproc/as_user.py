@@ -91,6 +91,25 @@ def engine_action(sock_path: str, model: str, prefix: str, n: int, tag: str) -> 
         e.close()
 
 
+def scan_action(sock_path: str, model: str, prefix: str, n: int, tag: str) -> dict:
+    """Everything an engine of this tenant can do with its descriptor: look for another
+    tenant's bytes (`tag`, keys `prefix`) anywhere in its mapping, then overwrite all of it."""
+    from kvd_client.attach import attach
+    from kvd_client.pool_map import PoolMapping
+
+    info = attach(sock_path, role="dataplane")
+    mapping = PoolMapping(info.fd, info.pool_bytes)
+    try:
+        view = mapping.view(0, info.pool_bytes)
+        whole = bytes(view)
+        found = sum(1 for key in keys_for(prefix, n) if tagged_bytes(key, tag)[:64] in whole)
+        view[:] = b"\xff" * info.pool_bytes
+        view.release()
+        return {"tenant": info.tenant, "pool_bytes": info.pool_bytes, "found": found}
+    finally:
+        mapping.close()
+
+
 def verify_action(sock_path: str, model: str, prefix: str, n: int, tag: str) -> dict:
     keys = keys_for(prefix, n)
     e = Engine(sock_path, model, block=BLOCK, engine_id=f"as-user-{os.getuid()}")
@@ -121,9 +140,9 @@ def main(argv: list[str]) -> int:
     elif action == "claim":
         doc = attach_claiming(sock_path, rest[0])
         out = {"ok": doc.get("ok"), "tenant": doc.get("tenant"), "code": doc.get("code")}
-    elif action in ("engine", "verify"):
+    elif action in ("engine", "verify", "scan"):
         model, prefix, n, tag = rest[0], rest[1], int(rest[2]), rest[3]
-        fn = engine_action if action == "engine" else verify_action
+        fn = {"engine": engine_action, "verify": verify_action, "scan": scan_action}[action]
         out = fn(sock_path, model, prefix, n, tag)
     else:
         raise SystemExit(f"unknown action {action}")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvd_proto import kvd_pb2
+from tests.fault.summary import record
 from tests.multiproc.conftest import PY, ROOT, clean_env, keys_for, spawn_daemon
 
 pytestmark = [
@@ -23,6 +24,7 @@ pytestmark = [
 ]
 
 A, B, OUTSIDER, STRANGER = 60001, 60002, 60003, 60004
+ISOLATION_ROUNDS = max(1, int(os.environ.get("KVD_SOAK_ROUNDS", "10")) // 10)
 HIT, MISS = kvd_pb2.BLOCK_STATE_HIT, kvd_pb2.BLOCK_STATE_MISS
 QUOTA_A = 8 << 20              # two 4 MiB extents: 128 blocks of 64 KiB
 
@@ -75,6 +77,27 @@ def test_tenant_cannot_hit_load_or_overwrite_another_tenants_blocks(shared_daemo
     # A uid outside server.allowed_uids may open the socket but not attach.
     stranger = as_user(STRANGER, sock, "claim", "team-a")
     assert not stranger["ok"] and stranger["code"] == "PERMISSION_DENIED", stranger
+
+
+@pytest.mark.fault
+def test_a_tenants_descriptor_covers_none_of_another_tenants_bytes(shared_daemon):
+    """Isolation by the kernel, not just the index: team-a's engines map a pool file in which
+    team-b's blocks do not exist, so nothing they read or write can reach them (rounds of it
+    in `make soak`, with extents moving between the tenants as they evict)."""
+    sock = shared_daemon.socket
+    for round_ in range(ISOLATION_ROUNDS):
+        tag = f"secret-{round_}"
+        b = as_user(B, sock, "engine", "llama", tag, "32", "team-b")
+        assert b["stored"] == 32 and b["own_match"]
+        a = as_user(A, sock, "scan", "llama", tag, "32", "team-b")
+        assert a["tenant"] == "team-a" and a["pool_bytes"] == 64 << 20
+        assert a["found"] == 0, "team-b's bytes are readable through team-a's descriptor"
+        again = as_user(B, sock, "verify", "llama", tag, "32", "team-b")
+        assert set(again["states"]) == {HIT} and again["match"], "team-a overwrote team-b's blocks"
+        record("isolation checks")
+    # One budget for the node: team-a's stray writes cost it, not the pool (given back).
+    doc = shared_daemon.stats()
+    assert doc["pool"]["used_bytes"] + doc["pool"]["free_bytes"] == doc["pool"]["total_bytes"]
 
 
 def test_tenant_quota_holds_and_only_its_own_blocks_are_evicted(shared_daemon):

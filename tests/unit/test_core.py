@@ -214,19 +214,54 @@ def test_admin_reset_unknown_namespace():
     assert code(e) == grpc.StatusCode.NOT_FOUND
 
 
-def test_pool_full_evicts_within_namespace_and_extents_come_back():
+def test_a_full_pool_gives_every_namespace_its_fair_share():
+    """The first namespace to fill the pool does not keep it: a second one that asks takes a
+    whole extent from it (fair share), then each evicts within its own share."""
     core, _ = make_core(pool=128 << 10, extent=64 << 10)     # 2 extents x 8 slots
     a = session(core, model="a")
     b = session(core, model="b")
     _, e = core.prepare_store(a, keys(*range(16)), "r", None)
     core.complete_store(a, keys(*range(16)), True, "r", e)
-    assert core.prepare_store(b, keys(100), "r", None)[0].cannot_store   # no extent left
+    ans, e = core.prepare_store(b, keys(100), "r", None)
+    assert not ans.cannot_store and ans.keys_to_store == keys(100)
+    rows = {ns["model"]: ns for ns in stats(core)["namespaces"]}
+    assert rows["a"]["extents"] == 1 and rows["a"]["evictions_total"] == 8
+    assert rows["b"]["extents"] == 1
+    assert sum(s is Lookup.HIT for s in core.lookup(a, keys(*range(16))).states) == 8
+    core.complete_store(b, keys(100), True, "r", e)
+    ans, e = core.prepare_store(b, keys(*range(101, 109)), "r", None)   # 7 free + 1 own
+    assert len(ans.keys_to_store) == 8 and len(ans.evicted_keys) == 1
+    core.complete_store(b, ans.keys_to_store, True, "r", e)
     ans, e = core.prepare_store(a, keys(50), "r", None)                  # a evicts its own
     assert len(ans.evicted_keys) == 1
     core.complete_store(a, keys(50), False, "r", e)
+    assert {ns["model"]: ns["extents"] for ns in stats(core)["namespaces"]} == {"a": 1, "b": 1}
+    pool_accounting(core)
     core.admin_reset(None)
     assert stats(core)["pool"]["extents_free"] == 2
-    assert not core.prepare_store(b, keys(100), "r", None)[0].cannot_store
+
+
+def test_a_namespace_nobody_uses_gives_way_and_quotas_still_hold():
+    core, _ = make_core(pool=256 << 10, extent=64 << 10,
+                        **{"tenants.uids": "2000=t2", "tenants.quotas": "t2=64KiB"})
+    a = session(core, model="a")
+    _, e = core.prepare_store(a, keys(*range(32)), "r", None)          # the whole pool
+    core.complete_store(a, keys(*range(32)), True, "r", e)
+    core.close_session(a, "engine exited", copies_done=True)           # its blocks stay
+    b = session(core, model="b")
+    ans, e = core.prepare_store(b, keys(*range(100, 116)), "r", None)  # half the pool
+    assert len(ans.keys_to_store) == 16 and not ans.evicted_keys
+    core.complete_store(b, ans.keys_to_store, True, "r", e)
+    c = session(core, uid=2000, model="c")                              # quota: one extent
+    ans, e = core.prepare_store(c, keys(*range(200, 208)), "r", None)  # its share, from a
+    assert len(ans.keys_to_store) == 8 and not ans.evicted_keys
+    core.complete_store(c, ans.keys_to_store, True, "r", e)
+    ans, _ = core.prepare_store(c, keys(*range(208, 212)), "r", None)  # at its quota
+    assert len(ans.evicted_keys) == 4
+    doc = stats(core)
+    assert doc["tenants"]["t2"]["used_bytes"] == 64 << 10
+    assert {ns["model"]: ns["extents"] for ns in doc["namespaces"]} == {"a": 1, "b": 2, "c": 1}
+    pool_accounting(core)
 
 
 def test_stats_document_shape():
