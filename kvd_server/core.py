@@ -152,9 +152,12 @@ class ExpiryWheel:
         entries.add((token, key))
 
     def discard(self, token: str, key: bytes, expiry: float) -> None:
-        entries = self._ticks.get(self._tick(expiry))
+        tick = self._tick(expiry)
+        entries = self._ticks.get(tick)
         if entries is not None:
             entries.discard((token, key))
+            if not entries:
+                del self._ticks[tick]      # an emptied set keeps its table: drop it
 
     def move(self, token: str, key: bytes, old: float, new: float) -> None:
         if self._tick(old) != self._tick(new):
@@ -167,6 +170,8 @@ class ExpiryWheel:
         limit = self._tick(now)
         while self._order and self._order[0] <= limit:
             out.extend(self._ticks.pop(heapq.heappop(self._order), ()))
+        if len(self._order) > 4 * len(self._ticks) + 64:   # ticks emptied and dropped early
+            self._order = sorted(self._ticks)
         return out
 
     def __len__(self) -> int:

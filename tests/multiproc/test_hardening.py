@@ -126,7 +126,9 @@ def test_renewing_the_same_leases_does_not_grow_the_daemon(daemon):
         grown = rss_anon(daemon.proc.pid) - before
         assert renewals > 20_000
         record("bound checks")
-        assert grown < 8 << 20, f"{renewals} renewals grew the daemon by {grown >> 20} MiB"
+        # Memory follows the leases held (plus allocator slack that levels off within one
+        # lease duration), not the renewals made: a heap entry per renewal took 515 MiB in 20 s.
+        assert grown < 32 << 20, f"{renewals} renewals grew the daemon by {grown >> 20} MiB"
         assert daemon.stats()["stats"]["leases"] == len(keys)
     finally:
         e.close()

@@ -1,0 +1,477 @@
+"""The offload protocol of one engine, engine-neutral: nothing here ever waits for the daemon.
+
+An engine's scheduler asks, every step, which blocks are cached, pins the ones it loads,
+reserves slots for the ones it stores and reports what finished. `OffloadSession` answers all
+of that from local state:
+
+- lookups read the namespace's shared index (kvd_client/index_reader.py) directly;
+- a HIT stays loadable without a pin round trip: the session publishes, before each step's
+  lookups, the oldest reclaim epoch it may still act on (its loads in flight), and the daemon
+  reuses a freed slot only after every reader has moved past it;
+- stores go to slots the daemon granted in advance (a reserve refilled in the background);
+  with too small a reserve, `reserve` declines at once (the engine offers again later);
+- everything the daemon must hear (pins for its eviction order, stores, completions, request
+  ends, grant requests, event pulls) is queued per step and sent by a background thread on the
+  session's StepStream; answers are applied at the next step.
+
+A dead or slow daemon costs a step nothing: lookups answer MISS and stores are declined until
+the client is back. The vLLM plug-in (kvd_client/vllm/manager.py) only translates vLLM's calls
+to these; another engine can drive it the same way (docs/client.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvd_proto import kvd_pb2
+from kvd_proto.wire import MAX_KEYS_PER_CALL, MAX_OPS_PER_STEP
+
+from .client import KvdClient
+from .index_reader import STATE_READY, IndexReader, Marks
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RESERVE = 256           # slots granted in advance (what one step may store at once)
+MAX_BATCHES_IN_FLIGHT = 64      # steps whose messages wait for the sender; past it: degraded
+MAX_LOCAL_STORES = 1 << 16
+
+
+class Lookup(enum.Enum):
+    MISS = "miss"
+    HIT = "hit"
+    PENDING = "pending"         # being stored: not readable yet
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """A stored (removed=False) or removed event of the namespace's blocks."""
+
+    keys: tuple[bytes, ...]
+    removed: bool
+    metadata_only: bool = False
+
+
+@dataclass(slots=True)
+class _Store:
+    offset: int
+    reset_epoch: int
+    batch: int                  # the step batch that told the daemon about it
+    completed: bool = False
+
+
+@dataclass(slots=True)
+class _Batch:
+    seq: int
+    generation: int
+    ops: list[kvd_pb2.StepOp] = field(default_factory=list)
+
+
+class OffloadSession:
+    """One engine's offload session over a `KvdClient` (see the module doc)."""
+
+    def __init__(self, client: KvdClient, *, reserve: int = DEFAULT_RESERVE,
+                 enable_events: bool = False) -> None:
+        self.client = client
+        self.reserve_target = max(1, reserve)
+        self.enable_events = enable_events
+        self._generation = -1
+        self._index: IndexReader | None = None
+        self._marks: Marks | None = None
+        self._reset_epoch = 0
+        self._pool_id = ""
+        # step state (scheduler thread)
+        self._in_step = False
+        self._step_epoch = 0
+        self._hits: dict[bytes, int] = {}                       # this step's HITs -> offset
+        self._ops: list[kvd_pb2.StepOp] = []
+        self._seq = 0
+        # copies in flight
+        self._loads: dict[bytes, list[tuple[int, int]]] = {}    # key -> [(reclaim, reset)]
+        self._load_epochs: collections.Counter[int] = collections.Counter()
+        self._stores: dict[bytes, _Store] = {}
+        self._reserve: collections.deque[int] = collections.deque()
+        self._granting = 0                                       # slots asked, not answered
+        self._events: list[Event] = []
+        self._reset_pending = False
+        self._stale_stores: dict[int, list[bytes]] = {}
+        self._stale_loads: dict[int, list[bytes]] = {}
+        self._old_sessions: list[str] = []        # ended sessions whose copies still run
+        self._old_copies = 0
+        # the sender thread and what it hands back
+        self._lock = threading.Lock()             # publishing marks vs the step boundary
+        self._outbox: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[_Batch, list[kvd_pb2.StepResult] | None]] = \
+            queue.SimpleQueue()
+        self._in_flight = 0
+        self._acked = -1
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name="kvd-offload-sender",
+                                        daemon=True)
+        self._sender.start()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def available(self) -> bool:
+        return self.client.available and self._index is not None
+
+    @property
+    def pool_id(self) -> str:
+        return self._pool_id
+
+    def _sync(self) -> None:
+        """A new session (reconnect) replaces everything learned from the old one."""
+        generation = self.client.generation
+        if generation == self._generation:
+            return
+        old_session = self.client.previous_session_id
+        copies = sum(len(v) for v in self._loads.values()) + len(self._stores)
+        if old_session and copies:
+            self._old_sessions.append(old_session)
+            self._old_copies += copies
+        with self._lock:
+            self._generation = generation
+            self._close_index()
+        self._hits.clear()
+        self._loads.clear()
+        self._load_epochs.clear()
+        self._stores.clear()
+        self._reserve.clear()
+        self._granting = 0
+        self._reset_pending = False
+        self._stale_stores.clear()
+        self._stale_loads.clear()
+        if not self.client.available:
+            return
+        mapped = self.client.map_index()
+        if mapped is None:
+            return
+        with self._lock:
+            self._index, self._marks = IndexReader(mapped[0]), Marks(mapped[1])
+            self._marks.publish(self._index.reclaim_epoch)
+        self._pool_id = self.client.pool_id or ""
+        self._ask_grant()
+
+    def _close_index(self) -> None:
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        if self._marks is not None:
+            self._marks.close()
+            self._marks = None
+
+    def _begin(self) -> None:
+        """The first call of a step: apply the daemon's answers, then publish the epoch this
+        step's lookups may act on (before any of them reads the index)."""
+        if self._in_step:
+            return
+        self._apply_answers()
+        self._sync()
+        with self._lock:
+            self._in_step = True
+            if self._index is not None and self._marks is not None:
+                self._step_epoch = self._index.reclaim_epoch
+                self._reset_epoch = self._index.reset_epoch
+                floor = min(self._load_epochs) if self._load_epochs else self._step_epoch
+                self._marks.publish(min(floor, self._step_epoch))
+
+    # --------------------------------------------------------------- lookups
+    def lookup(self, key: bytes) -> Lookup:
+        """Whether `key` is cached: HIT (loadable now), PENDING (being stored) or MISS."""
+        self._begin()
+        index = self._index
+        if index is None or self._reset_pending or not self.client.available:
+            return Lookup.MISS
+        found = index.find(key)
+        store = self._stores.get(key)
+        if found is not None:
+            if found.state == STATE_READY:
+                self._hits[key] = found.offset
+                return Lookup.HIT
+            if store is not None and store.completed and store.offset == found.offset:
+                self._hits[key] = found.offset        # ours, completed: the daemon catches up
+                return Lookup.HIT
+            return Lookup.PENDING
+        if store is not None and store.batch > self._acked:
+            # The daemon has not heard of this store yet: the slot is still ours alone.
+            if store.completed:
+                self._hits[key] = store.offset
+                return Lookup.HIT
+            return Lookup.PENDING
+        return Lookup.MISS
+
+    def hit_offset(self, key: bytes) -> int | None:
+        """The pool offset a HIT of this step found (None: `key` was no HIT this step)."""
+        return self._hits.get(key)
+
+    # ------------------------------------------------------------------ loads
+    def pin(self, keys: Sequence[bytes], req_id: str = "",
+            positions: Sequence[int] | None = None) -> list[int | None]:
+        """Start loads of keys this step's lookups found HIT: their offsets (None for a key
+        that was not). The slots stay readable until `unpin`."""
+        self._begin()
+        offsets: list[int | None] = [self._hits.get(k) for k in keys]
+        loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
+        epochs = (self._step_epoch, self._reset_epoch)
+        for key in loaded:
+            self._loads.setdefault(key, []).append(epochs)
+            self._load_epochs[self._step_epoch] += 1
+        if loaded:
+            pos = list(positions) if positions and len(positions) == len(keys) else []
+            if pos:
+                pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
+            for i in range(0, len(loaded), MAX_KEYS_PER_CALL):
+                self._ops.append(kvd_pb2.StepOp(pin=kvd_pb2.PinRequest(
+                    keys=loaded[i:i + MAX_KEYS_PER_CALL], req_id=req_id,
+                    positions=pos[i:i + MAX_KEYS_PER_CALL],
+                    slot_offsets=[o for o in offsets if o is not None][i:i + MAX_KEYS_PER_CALL])))
+        return offsets
+
+    def unpin(self, keys: Sequence[bytes], req_id: str = "") -> None:
+        """Loads of `keys` finished (every worker copied)."""
+        by_reset: dict[int, list[bytes]] = {}
+        for key in keys:
+            held = self._loads.get(key)
+            if not held:
+                self._finished_old_copy()
+                continue
+            reclaim, reset = held.pop(0)
+            if not held:
+                del self._loads[key]
+            self._load_epochs[reclaim] -= 1
+            if not self._load_epochs[reclaim]:
+                del self._load_epochs[reclaim]
+            by_reset.setdefault(reset, []).append(key)
+        for reset, group in by_reset.items():
+            for i in range(0, len(group), MAX_KEYS_PER_CALL):
+                self._queue(kvd_pb2.StepOp(complete_load=kvd_pb2.CompleteLoadRequest(
+                    keys=group[i:i + MAX_KEYS_PER_CALL], req_id=req_id, epoch=reset)))
+
+    # ----------------------------------------------------------------- stores
+    def reserve(self, keys: Sequence[bytes], req_id: str = "",
+                positions: Sequence[int] | None = None) -> list[tuple[bytes, int]] | None:
+        """Slots for the offered keys that are new: [(key, offset)] (keys stored or being
+        stored already are left out), or None when the reserve cannot hold them all now."""
+        self._begin()
+        index = self._index
+        if index is None or self._reset_pending or not self.client.available:
+            return []
+        new = []
+        for key in keys:
+            if key in self._stores or index.find(key) is not None:
+                continue
+            new.append(key)
+        if len(new) > len(self._reserve):
+            self.reserve_target = max(self.reserve_target, 2 * len(new))
+            return None
+        batch = self._seq
+        granted = []
+        for key in new:
+            offset = self._reserve.popleft()
+            granted.append((key, offset))
+            if len(self._stores) < MAX_LOCAL_STORES:
+                self._stores[key] = _Store(offset, self._reset_epoch, batch)
+        pos = list(positions) if positions and len(positions) == len(keys) else []
+        for i in range(0, len(keys), MAX_KEYS_PER_CALL):
+            part = set(keys[i:i + MAX_KEYS_PER_CALL])
+            mine = [(k, o) for k, o in granted if k in part]
+            self._ops.append(kvd_pb2.StepOp(store_granted=kvd_pb2.StoreGrantedRequest(
+                keys=keys[i:i + MAX_KEYS_PER_CALL], req_id=req_id,
+                positions=pos[i:i + MAX_KEYS_PER_CALL],
+                granted_keys=[k for k, _ in mine], granted_offsets=[o for _, o in mine])))
+        return granted
+
+    def complete_store(self, keys: Sequence[bytes], req_id: str = "",
+                       success: bool = True) -> None:
+        """Stores of `keys` finished (every worker wrote its share)."""
+        by_reset: dict[int, list[bytes]] = {}
+        for key in keys:
+            store = self._stores.get(key)
+            if store is None:
+                self._finished_old_copy()
+                continue
+            if success:
+                store.completed = True
+            else:
+                del self._stores[key]
+            by_reset.setdefault(store.reset_epoch, []).append(key)
+        for reset, group in by_reset.items():
+            for i in range(0, len(group), MAX_KEYS_PER_CALL):
+                self._queue(kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
+                    keys=group[i:i + MAX_KEYS_PER_CALL], success=success, req_id=req_id,
+                    epoch=reset)))
+
+    # ---------------------------------------------------------- request scope
+    def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
+        for i in range(0, len(keys), MAX_KEYS_PER_CALL):
+            self._queue(kvd_pb2.StepOp(touch=kvd_pb2.TouchRequest(
+                keys=list(keys[i:i + MAX_KEYS_PER_CALL]), req_id=req_id)))
+
+    def request_finished(self, req_id: str) -> None:
+        self._queue(kvd_pb2.StepOp(request_finished=kvd_pb2.RequestFinishedRequest(
+            req_id=req_id)))
+
+    # ------------------------------------------------------------------ resets
+    def reset(self) -> None:
+        """Drop every block of the namespace; copies in flight finish harmlessly."""
+        self._sync()
+        if not self.available:
+            return
+        self._queue(kvd_pb2.StepOp(reset=kvd_pb2.ResetRequest()))
+        self._reset_pending = True
+        for key, store in self._stores.items():
+            self._stale_stores.setdefault(store.reset_epoch, []).append(key)
+        for key, held in self._loads.items():
+            for _, reset in held:
+                self._stale_loads.setdefault(reset, []).append(key)
+        self._stores.clear()
+        self._loads.clear()
+        self._load_epochs.clear()
+        self._hits.clear()
+
+    def reset_flushed(self) -> None:
+        """Every copy that was in flight at the last reset has finished: release their slots
+        at the daemon (it kept them, as zombies, until now)."""
+        for reset, keys in self._stale_stores.items():
+            for i in range(0, len(keys), MAX_KEYS_PER_CALL):
+                self._queue(kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
+                    keys=keys[i:i + MAX_KEYS_PER_CALL], success=False, epoch=reset)))
+        for reset, keys in self._stale_loads.items():
+            for key in keys:
+                self._queue(kvd_pb2.StepOp(complete_load=kvd_pb2.CompleteLoadRequest(
+                    keys=[key], epoch=reset)))
+        self._stale_stores.clear()
+        self._stale_loads.clear()
+
+    # ------------------------------------------------------------------ events
+    def take_events(self) -> list[Event]:
+        self._apply_answers()
+        events, self._events = self._events, []
+        return events
+
+    # --------------------------------------------------------------- the step
+    def end_step(self) -> None:
+        """The step is over: this step's HITs lapse and its messages go to the sender."""
+        self._sync()
+        with self._lock:
+            self._in_step = False
+            self._hits.clear()
+        if not self.available:
+            self._ops.clear()
+            return
+        want = self.reserve_target - len(self._reserve) - self._granting
+        if want > 0:
+            self._ask_grant(want)
+        if self.enable_events:
+            self._ops.append(kvd_pb2.StepOp(take_events=kvd_pb2.TakeEventsRequest()))
+        if not self._ops:
+            return
+        batch = _Batch(self._seq, self._generation, self._ops)
+        self._ops = []
+        self._seq += 1
+        if self._in_flight >= MAX_BATCHES_IN_FLIGHT:
+            log.warning("kvd daemon is %d steps behind; dropping this step's messages",
+                        self._in_flight)
+            return
+        self._in_flight += 1
+        self._outbox.put(batch)
+
+    def has_pending_work(self) -> bool:
+        """Messages queued or not yet answered (keep the engine stepping until they are)."""
+        self._apply_answers()
+        return bool(self._ops) or self._in_flight > 0 or self._reset_pending
+
+    def _ask_grant(self, want: int | None = None) -> None:
+        want = self.reserve_target if want is None else want
+        self._granting += want
+        self._ops.append(kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(count=want)))
+
+    def _queue(self, op: kvd_pb2.StepOp) -> None:
+        if self.client.available:
+            self._ops.append(op)
+
+    def _finished_old_copy(self) -> None:
+        """A copy of an earlier session finished; when the last one does, the daemon may
+        release what it held for that session (its process lives on: this one)."""
+        if self._old_copies:
+            self._old_copies -= 1
+            if not self._old_copies:
+                for session_id in self._old_sessions:
+                    self.client.release_held(session_id)
+                self._old_sessions.clear()
+
+    # ---------------------------------------------------------- answers
+    def _apply_answers(self) -> None:
+        while True:
+            try:
+                batch, results = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._in_flight -= 1
+            self._acked = max(self._acked, batch.seq)
+            if batch.generation != self._generation:
+                continue
+            if results is None:           # the daemon did not take it: reconnect follows
+                self._granting = 0
+                self._reset_pending = False
+                continue
+            for op, result in zip(batch.ops, results, strict=False):
+                kind = op.WhichOneof("op")
+                if kind == "grant":
+                    self._granting -= op.grant.count
+                    self._reserve.extend(result.grant.slot_offsets)
+                elif kind == "reset":
+                    self._reset_pending = False
+                elif kind == "take_events":
+                    self._events.extend(
+                        Event(tuple(e.keys), e.removed, e.metadata_only)
+                        for e in result.take_events.events)
+            self._granting = max(self._granting, 0)
+            self._forget_settled_stores()
+
+    def _forget_settled_stores(self) -> None:
+        """Completed stores the daemon has heard of are answered by the index from now on."""
+        acked = self._acked
+        settled = [k for k, s in self._stores.items() if s.completed and s.batch <= acked]
+        for key in settled:
+            del self._stores[key]
+
+    # ---------------------------------------------------------- the sender
+    def _send_loop(self) -> None:
+        while True:
+            batch = self._outbox.get()
+            if batch is None:
+                return
+            ops = batch.ops
+            results: list[kvd_pb2.StepResult] | None = None
+            if batch.generation == self.client.generation and self.client.available:
+                results = []
+                for i in range(0, len(ops), MAX_OPS_PER_STEP):
+                    part = self.client.step(ops[i:i + MAX_OPS_PER_STEP])
+                    if part is None:
+                        results = None
+                        break
+                    results.extend(part)
+            self._inbox.put((batch, results))
+            self._publish_idle()
+
+    def _publish_idle(self) -> None:
+        """Between steps with no load in flight, nothing holds back reuse: say so, so an idle
+        engine does not keep its namespace's freed slots from coming back."""
+        with self._lock:
+            if self._in_step or self._load_epochs or self._index is None or \
+                    self._marks is None or self._generation != self.client.generation:
+                return
+            self._marks.publish(self._index.reclaim_epoch)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._outbox.put(None)
+            self._sender.join(timeout=5)
+            self._close_index()

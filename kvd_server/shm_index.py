@@ -1,0 +1,295 @@
+"""The shared index of a namespace (the daemon writes it, engines read it) and the epoch-based
+reuse of the slots it frees.
+
+Engines answer lookups from this index without a round trip (layout: kvd_proto/index_layout).
+A slot a lookup found READY must stay untouched while the engine copies out of it, without a
+synchronous pin: every reading session publishes, in a small marks file of its own, the oldest
+reclaim epoch it may still act on; the daemon raises the reclaim epoch after freeing slots and
+reuses a freed slot only once every reader (and every ended reader whose process lives on)
+has published an epoch past it. A reader that stalls holds back reuse in its namespace; it
+never reads a reused slot.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import logging
+import mmap
+import os
+import threading
+from collections import deque
+
+from kvd_proto.index_layout import (
+    MARKS_BYTES,
+    MAX_PROBE,
+    RECLAIM_EPOCH_OFFSET,
+    RESET_EPOCH_OFFSET,
+    STATE_FREE,
+    STATE_READY,
+    STATE_STORING,
+    Header,
+    buckets_for,
+    key_hash,
+    meta_generation,
+    meta_key_len,
+    meta_word,
+)
+
+log = logging.getLogger(__name__)
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier (a locked instruction): the stores before it are visible before
+    the loads after it. Publishing a free and then reading the readers' marks needs one."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+class ShmIndex:
+    """The namespace's index in a memory file; `fd` is handed to its engines (read-only)."""
+
+    def __init__(self, capacity: int, key_width: int, per_extent: int, stride: int,
+                 extent_bytes: int, name: str = "kvd-index") -> None:
+        self.header = Header(capacity=capacity, buckets=buckets_for(capacity),
+                             key_width=key_width, per_extent=per_extent, stride=stride,
+                             extent_bytes=extent_bytes)
+        h = self.header
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, h.file_bytes)
+            self._map = mmap.mmap(self.fd, h.file_bytes, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+            # Engines map it read-only: no write through their descriptor or a new mapping,
+            # no size change, no further seal. The daemon's own mapping stays writable.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK
+                        | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self._map[:len(h.pack())] = h.pack()
+        view = memoryview(self._map)
+        self._buckets = view[h.buckets_offset:h.buckets_offset + 4 * h.buckets].cast("I")
+        self._meta = view[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
+        self._keys = view[h.keys_offset:h.keys_offset + h.key_width * h.capacity]
+        self._epochs = view[RESET_EPOCH_OFFSET:RECLAIM_EPOCH_OFFSET + 8].cast("Q")
+        self._home = array.array("I", bytes(0))   # slot -> its key's first bucket
+        self._mask = h.buckets - 1
+        self.overflows_total = 0
+
+    # -- epochs
+    @property
+    def reset_epoch(self) -> int:
+        return self._epochs[0]
+
+    @reset_epoch.setter
+    def reset_epoch(self, value: int) -> None:
+        self._epochs[0] = value
+
+    @property
+    def reclaim_epoch(self) -> int:
+        return self._epochs[1]
+
+    @reclaim_epoch.setter
+    def reclaim_epoch(self, value: int) -> None:
+        self._epochs[1] = value
+
+    # -- slots
+    def fits(self, key: bytes) -> bool:
+        return len(key) <= self.header.key_width
+
+    def insert(self, slot: int, key: bytes) -> bool:
+        """Publish `key` as being stored in `slot`; False when it cannot be indexed (too long,
+        or no free bucket within MAX_PROBE): readers then never see it, which is safe."""
+        if not self.fits(key):
+            return False
+        home = key_hash(key) & self._mask
+        buckets = self._buckets
+        for probe in range(MAX_PROBE):
+            b = (home + probe) & self._mask
+            if buckets[b] == 0:
+                width = self.header.key_width
+                self._keys[slot * width:slot * width + len(key)] = key
+                generation = meta_generation(self._meta[slot]) + 1
+                self._meta[slot] = meta_word(STATE_STORING, len(key), generation)
+                self._set_home(slot, home)
+                buckets[b] = slot + 1
+                return True
+        self.overflows_total += 1
+        return False
+
+    def set_ready(self, slot: int) -> None:
+        word = self._meta[slot]
+        if word & 3 == STATE_STORING:
+            self._meta[slot] = meta_word(STATE_READY, meta_key_len(word), meta_generation(word))
+
+    def remove(self, slot: int) -> None:
+        """Unpublish `slot` (meta first, then its bucket)."""
+        word = self._meta[slot]
+        if word & 3 == STATE_FREE:
+            return
+        self._meta[slot] = meta_word(STATE_FREE, 0, meta_generation(word) + 1)
+        home = self._home[slot]
+        buckets = self._buckets
+        for probe in range(MAX_PROBE):
+            b = (home + probe) & self._mask
+            v = buckets[b]
+            if v == 0:
+                return
+            if v == slot + 1:
+                self._delete_bucket(b)
+                return
+
+    def clear(self) -> None:
+        """Unpublish every slot (a reset)."""
+        meta = self._meta
+        for slot in range(len(self._home)):
+            word = meta[slot]
+            if word & 3 != STATE_FREE:
+                meta[slot] = meta_word(STATE_FREE, 0, meta_generation(word) + 1)
+        start = self.header.buckets_offset
+        end = start + 4 * self.header.buckets
+        zeros = bytes(1 << 20)
+        for off in range(start, end, len(zeros)):
+            n = min(len(zeros), end - off)
+            self._map[off:off + n] = zeros[:n]
+
+    def move(self, old: int, new: int, key: bytes) -> bool:
+        """`key` now lives in `new` (a duplicate store that completed first), READY."""
+        self.remove(old)
+        if not self.insert(new, key):
+            return False
+        self.set_ready(new)
+        return True
+
+    def state(self, slot: int) -> int:
+        return self._meta[slot] & 3
+
+    def _set_home(self, slot: int, home: int) -> None:
+        homes = self._home
+        if slot >= len(homes):
+            homes.extend([0] * (slot + 1 - len(homes)))
+        homes[slot] = home
+
+    def _delete_bucket(self, hole: int) -> None:
+        """Backward-shift deletion: later entries of the run move up, no tombstones."""
+        buckets, mask, homes = self._buckets, self._mask, self._home
+        j = hole
+        while True:
+            j = (j + 1) & mask
+            v = buckets[j]
+            if v == 0:
+                break
+            home = homes[v - 1]
+            # The entry at j may fill the hole unless its home lies cyclically in (hole, j].
+            if (hole < j and hole < home <= j) or (hole > j and (home > hole or home <= j)):
+                continue
+            buckets[hole] = v
+            hole = j
+        buckets[hole] = 0
+
+    def close(self) -> None:
+        for view in (self._buckets, self._meta, self._keys, self._epochs):
+            view.release()
+        self._map.close()
+        os.close(self.fd)
+
+
+class ReaderMarks:
+    """A session's marks file: it writes the oldest reclaim epoch it may still act on."""
+
+    def __init__(self, session_id: str) -> None:
+        self.fd = os.memfd_create(f"kvd-marks-{session_id}", os.MFD_CLOEXEC
+                                  | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, MARKS_BYTES)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_SEAL)
+        self._map = mmap.mmap(self.fd, MARKS_BYTES, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)
+        self._view = memoryview(self._map)[0:8].cast("Q")
+
+    @property
+    def published(self) -> int:
+        return self._view[0]
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+        os.close(self.fd)
+
+
+class Reclamation:
+    """Freed slots wait in limbo, tagged with the reclaim epoch raised after their free, until
+    every reader has published that epoch or a later one."""
+
+    def __init__(self, index: ShmIndex) -> None:
+        self.index = index
+        self.readers: dict[str, ReaderMarks] = {}
+        self.held: dict[str, int] = {}          # ended readers whose process lives on
+        self._pending: list[int] = []
+        self._limbo: deque[tuple[int, list[int]]] = deque()
+        self.in_limbo = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.readers or self.held)
+
+    def retire(self, slot: int) -> None:
+        self._pending.append(slot)
+
+    def seal(self) -> None:
+        """Raise the reclaim epoch past the slots freed since the last seal."""
+        if not self._pending:
+            return
+        epoch = self.index.reclaim_epoch + 1
+        self.index.reclaim_epoch = epoch
+        self._limbo.append((epoch, self._pending))
+        self.in_limbo += len(self._pending)
+        self._pending = []
+
+    def floor(self) -> int | None:
+        """The oldest epoch any reader may still act on; None: no reader holds anything."""
+        fence()
+        marks = [m.published for m in self.readers.values()]
+        marks = [m for m in marks if m] + list(self.held.values())
+        return min(marks) if marks else None
+
+    def collect(self) -> list[int]:
+        """Slots every reader has moved past: free for reuse."""
+        self.seal()
+        if not self._limbo:
+            return []
+        floor = self.floor()
+        out: list[int] = []
+        while self._limbo and (floor is None or self._limbo[0][0] <= floor):
+            out.extend(self._limbo.popleft()[1])
+        self.in_limbo -= len(out)
+        return out
+
+    def add_reader(self, session_id: str) -> ReaderMarks:
+        marks = self.readers.get(session_id)
+        if marks is None:
+            marks = self.readers[session_id] = ReaderMarks(session_id)
+        return marks
+
+    def end_reader(self, session_id: str, process_lives: bool) -> None:
+        """A reading session ended: what it published stays in force while its process may
+        still copy (until release_reader)."""
+        marks = self.readers.pop(session_id, None)
+        if marks is None:
+            return
+        published = marks.published
+        marks.close()
+        if process_lives and published:
+            self.held[session_id] = published
+
+    def release_reader(self, session_id: str) -> bool:
+        return self.held.pop(session_id, None) is not None
+
+    def close(self) -> None:
+        for marks in self.readers.values():
+            marks.close()
+        self.readers.clear()
