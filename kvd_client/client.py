@@ -129,6 +129,27 @@ class KvdClient:
                 self._rate_limited_warning("kvd client queue full; dropping the oldest op")
             self._queue.append(op)
 
+    def map_index(self) -> tuple[int, int] | None:
+        """Descriptors of this session's namespace index (read-only) and of its marks file, or
+        None (degraded, or a daemon without a shared index). The caller owns them."""
+        from kvd_proto.attach import ROLE_INDEX, AttachRequest, exchange
+
+        token = self._metadata[0][1] if self._metadata else ""
+        if not token or not self.available:
+            return None
+        try:
+            _, fds = exchange(self.socket_path, AttachRequest(ROLE_INDEX, token=token),
+                              max(self.deadline_s, 1.0))
+        except AttachError as exc:
+            self._rate_limited_warning(f"kvd: no shared index ({exc.code}: {exc.message}); "
+                                       "lookups answer MISS")
+            return None
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            return None
+        return fds[0], fds[1]
+
     def release_held(self, session_id: str) -> None:
         """Tell the daemon that every copy of this process's earlier session `session_id` has
         finished, so what it still holds for it (pins, store slots) can go back to the pool."""
@@ -266,7 +287,8 @@ class KvdClient:
                 engine=self.engine, model=self.model, layout_salt=self.salt,
                 layout=kvd_pb2.KvLayout(block_bytes=lay.block_bytes, num_ranks=lay.num_ranks,
                                         shard_bytes=lay.shard_bytes,
-                                        tokens_per_block=lay.tokens_per_block, dtype=lay.dtype)),
+                                        tokens_per_block=lay.tokens_per_block, dtype=lay.dtype,
+                                        max_key_bytes=lay.max_key_bytes)),
                 timeout=max(self.deadline_s, 1.0), metadata=md)
             expected = align_up(lay.block_bytes, info.slot_alignment)
             if reg.slot_bytes != expected:

@@ -26,6 +26,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE = 256           # slots granted in advance (what one step may store at once)
 MAX_BATCHES_IN_FLIGHT = 64      # steps whose messages wait for the sender; past it: degraded
 MAX_LOCAL_STORES = 1 << 16
+UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
 
 
 class Lookup(enum.Enum):
@@ -70,6 +72,7 @@ class _Batch:
     seq: int
     generation: int
     ops: list[kvd_pb2.StepOp] = field(default_factory=list)
+    essential: bool = True      # carries more than grant requests: the engine waits for it
 
 
 class OffloadSession:
@@ -101,6 +104,7 @@ class OffloadSession:
         self._reset_pending = False
         self._stale_stores: dict[int, list[bytes]] = {}
         self._stale_loads: dict[int, list[bytes]] = {}
+        self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
         self._old_sessions: list[str] = []        # ended sessions whose copies still run
         self._old_copies = 0
         # the sender thread and what it hands back
@@ -109,11 +113,38 @@ class OffloadSession:
         self._inbox: queue.SimpleQueue[tuple[_Batch, list[kvd_pb2.StepResult] | None]] = \
             queue.SimpleQueue()
         self._in_flight = 0
+        self._in_flight_essential = 0
         self._acked = -1
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name="kvd-offload-sender",
                                         daemon=True)
         self._sender.start()
+        # What a (re)connection set up for the next step to adopt: made in whichever thread
+        # connects (the constructor's, or the client's background thread), never in a step.
+        self._handoff: tuple[int, IndexReader, Marks, list[int]] | None = None
+        client.on_reconnect = self._on_connect
+        if client.available:
+            self._on_connect()
+
+    def _on_connect(self) -> None:
+        """A new session with the daemon: map its index and take the first grant now, so the
+        first step already answers lookups and stores."""
+        generation = self.client.generation
+        mapped = self.client.map_index()
+        if mapped is None:
+            return
+        index, marks = IndexReader(mapped[0]), Marks(mapped[1])
+        marks.publish(index.reclaim_epoch)
+        offsets: list[int] = []
+        results = self.client.step([kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(
+            count=self.reserve_target))])
+        if results:
+            offsets = list(results[0].grant.slot_offsets)
+        with self._lock:
+            stale, self._handoff = self._handoff, (generation, index, marks, offsets)
+        if stale is not None:
+            stale[1].close()
+            stale[2].close()
 
     # ------------------------------------------------------------------ state
     @property
@@ -146,16 +177,19 @@ class OffloadSession:
         self._reset_pending = False
         self._stale_stores.clear()
         self._stale_loads.clear()
-        if not self.client.available:
-            return
-        mapped = self.client.map_index()
-        if mapped is None:
-            return
+        self._deferred.clear()
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Take over what the connection set up for the current client generation."""
         with self._lock:
-            self._index, self._marks = IndexReader(mapped[0]), Marks(mapped[1])
-            self._marks.publish(self._index.reclaim_epoch)
+            handoff = self._handoff
+            if handoff is None or handoff[0] != self._generation or self._index is not None:
+                return
+            self._handoff = None
+            _, self._index, self._marks, offsets = handoff
+        self._reserve.extend(offsets)
         self._pool_id = self.client.pool_id or ""
-        self._ask_grant()
 
     def _close_index(self) -> None:
         if self._index is not None:
@@ -172,11 +206,14 @@ class OffloadSession:
             return
         self._apply_answers()
         self._sync()
+        if self._index is None:
+            self._adopt()
         with self._lock:
             self._in_step = True
             if self._index is not None and self._marks is not None:
                 self._step_epoch = self._index.reclaim_epoch
-                self._reset_epoch = self._index.reset_epoch
+                if not self._reset_pending:
+                    self._reset_epoch = self._index.reset_epoch
                 floor = min(self._load_epochs) if self._load_epochs else self._step_epoch
                 self._marks.publish(min(floor, self._step_epoch))
 
@@ -259,11 +296,13 @@ class OffloadSession:
         stored already are left out), or None when the reserve cannot hold them all now."""
         self._begin()
         index = self._index
-        if index is None or self._reset_pending or not self.client.available:
+        if index is None or not self.client.available:
             return []
         new = []
         for key in keys:
-            if key in self._stores or index.find(key) is not None:
+            # Until the daemon has done a reset this session asked for, the index still shows
+            # what the reset drops: only this session's own later stores count as present.
+            if key in self._stores or (not self._reset_pending and index.find(key) is not None):
                 continue
             new.append(key)
         if len(new) > len(self._reserve):
@@ -275,7 +314,10 @@ class OffloadSession:
             offset = self._reserve.popleft()
             granted.append((key, offset))
             if len(self._stores) < MAX_LOCAL_STORES:
-                self._stores[key] = _Store(offset, self._reset_epoch, batch)
+                # During a reset this session asked for, the stores' epoch is the reset's
+                # answer: UNKNOWN_EPOCH until it arrives.
+                epoch = UNKNOWN_EPOCH if self._reset_pending else self._reset_epoch
+                self._stores[key] = _Store(offset, epoch, batch)
         pos = list(positions) if positions and len(positions) == len(keys) else []
         for i in range(0, len(keys), MAX_KEYS_PER_CALL):
             part = set(keys[i:i + MAX_KEYS_PER_CALL])
@@ -299,7 +341,14 @@ class OffloadSession:
                 store.completed = True
             else:
                 del self._stores[key]
+            if store.reset_epoch == UNKNOWN_EPOCH:
+                self._deferred.append((key, req_id, success))
+                continue
             by_reset.setdefault(store.reset_epoch, []).append(key)
+        self._send_completions(by_reset, req_id, success)
+
+    def _send_completions(self, by_reset: dict[int, list[bytes]], req_id: str,
+                          success: bool) -> None:
         for reset, group in by_reset.items():
             for i in range(0, len(group), MAX_KEYS_PER_CALL):
                 self._queue(kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
@@ -364,14 +413,15 @@ class OffloadSession:
         if not self.available:
             self._ops.clear()
             return
+        essential = any(op.WhichOneof("op") != "grant" for op in self._ops)
         want = self.reserve_target - len(self._reserve) - self._granting
         if want > 0:
             self._ask_grant(want)
-        if self.enable_events:
+        if self.enable_events and essential:
             self._ops.append(kvd_pb2.StepOp(take_events=kvd_pb2.TakeEventsRequest()))
         if not self._ops:
             return
-        batch = _Batch(self._seq, self._generation, self._ops)
+        batch = _Batch(self._seq, self._generation, self._ops, essential)
         self._ops = []
         self._seq += 1
         if self._in_flight >= MAX_BATCHES_IN_FLIGHT:
@@ -379,12 +429,18 @@ class OffloadSession:
                         self._in_flight)
             return
         self._in_flight += 1
+        self._in_flight_essential += essential
         self._outbox.put(batch)
 
     def has_pending_work(self) -> bool:
         """Messages queued or not yet answered (keep the engine stepping until they are)."""
         self._apply_answers()
-        return bool(self._ops) or self._in_flight > 0 or self._reset_pending
+        if self._in_flight_essential > 0 or self._reset_pending:
+            # An idle engine asks this in a loop: let the sender thread have the interpreter
+            # (a yield, not a wait: it returns at once when the sender has nothing to do).
+            time.sleep(0)
+            return True
+        return any(op.WhichOneof("op") != "grant" for op in self._ops)
 
     def _ask_grant(self, want: int | None = None) -> None:
         want = self.reserve_target if want is None else want
@@ -413,12 +469,14 @@ class OffloadSession:
             except queue.Empty:
                 return
             self._in_flight -= 1
+            self._in_flight_essential -= batch.essential
             self._acked = max(self._acked, batch.seq)
             if batch.generation != self._generation:
                 continue
             if results is None:           # the daemon did not take it: reconnect follows
                 self._granting = 0
-                self._reset_pending = False
+                if self._reset_pending:
+                    self._reset_done(self._reset_epoch)
                 continue
             for op, result in zip(batch.ops, results, strict=False):
                 kind = op.WhichOneof("op")
@@ -426,13 +484,24 @@ class OffloadSession:
                     self._granting -= op.grant.count
                     self._reserve.extend(result.grant.slot_offsets)
                 elif kind == "reset":
-                    self._reset_pending = False
+                    self._reset_done(result.reset.epoch)
                 elif kind == "take_events":
                     self._events.extend(
                         Event(tuple(e.keys), e.removed, e.metadata_only)
                         for e in result.take_events.events)
             self._granting = max(self._granting, 0)
             self._forget_settled_stores()
+
+    def _reset_done(self, epoch: int) -> None:
+        """The daemon did the reset: the stores made meanwhile belong to its new epoch."""
+        self._reset_pending = False
+        self._reset_epoch = epoch
+        for store in self._stores.values():
+            if store.reset_epoch == UNKNOWN_EPOCH:
+                store.reset_epoch = epoch
+        deferred, self._deferred = self._deferred, []
+        for key, req_id, success in deferred:
+            self._send_completions({epoch: [key]}, req_id, success)
 
     def _forget_settled_stores(self) -> None:
         """Completed stores the daemon has heard of are answered by the index from now on."""
@@ -447,18 +516,27 @@ class OffloadSession:
             batch = self._outbox.get()
             if batch is None:
                 return
-            ops = batch.ops
             results: list[kvd_pb2.StepResult] | None = None
-            if batch.generation == self.client.generation and self.client.available:
-                results = []
-                for i in range(0, len(ops), MAX_OPS_PER_STEP):
-                    part = self.client.step(ops[i:i + MAX_OPS_PER_STEP])
-                    if part is None:
-                        results = None
-                        break
-                    results.extend(part)
+            try:
+                results = self._send(batch)
+            except Exception:  # the sender must outlive any bug: the batch is just lost
+                log.exception("kvd sender failed on a step's messages")
             self._inbox.put((batch, results))
-            self._publish_idle()
+            try:
+                self._publish_idle()
+            except Exception:
+                log.exception("kvd sender could not publish its idle epoch")
+
+    def _send(self, batch: _Batch) -> list[kvd_pb2.StepResult] | None:
+        if batch.generation != self.client.generation or not self.client.available:
+            return None
+        results: list[kvd_pb2.StepResult] = []
+        for i in range(0, len(batch.ops), MAX_OPS_PER_STEP):
+            part = self.client.step(batch.ops[i:i + MAX_OPS_PER_STEP])
+            if part is None:
+                return None
+            results.extend(part)
+        return results
 
     def _publish_idle(self) -> None:
         """Between steps with no load in flight, nothing holds back reuse: say so, so an idle

@@ -34,7 +34,8 @@ REQUEST_TIMEOUT_S = 2.0      # the daemon drops a peer that has not sent its lin
 ROLE_ENGINE = "engine"       # open a session: token + pool descriptor
 ROLE_DATAPLANE = "dataplane"  # an engine's worker: the pool descriptor only
 ROLE_ADMIN = "admin"         # an operator tool: an admin token, no descriptor
-ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN)
+ROLE_INDEX = "index"         # a registered session: its namespace's index + its marks file
+ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX)
 _HEADER = struct.Struct(">I")
 
 
@@ -51,11 +52,14 @@ class AttachError(Exception):
 class AttachRequest:
     role: str
     engine_id: str = ""
+    token: str = ""              # role "index": the session whose namespace is mapped
 
 
 def encode_request(request: AttachRequest) -> bytes:
     doc = {"version": PROTOCOL_VERSION, "pid": os.getpid(), "engine_id": request.engine_id,
            "role": request.role}
+    if request.token:
+        doc["token"] = request.token
     return json.dumps(doc).encode() + b"\n"
 
 
@@ -88,7 +92,12 @@ def parse_request(line: bytes) -> AttachRequest:
         raise AttachError("INVALID_ARGUMENT", "engine_id must be a string of at most 256 bytes")
     if role not in ROLES:
         raise AttachError("INVALID_ARGUMENT", f"role must be one of {', '.join(ROLES)}")
-    return AttachRequest(role, engine_id)
+    token = doc.get("token", "")
+    if not isinstance(token, str) or len(token) > 128:
+        raise AttachError("INVALID_ARGUMENT", "token must be a string of at most 128 characters")
+    if role == ROLE_INDEX and not token:
+        raise AttachError("INVALID_ARGUMENT", "role \"index\" needs the session's token")
+    return AttachRequest(role, engine_id, token)
 
 
 def encode_reply(fields: dict[str, Any]) -> bytes:

@@ -44,18 +44,20 @@ class EngineIdentity(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., engine_kind: _Optional[str] = ..., engine_version: _Optional[str] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("block_bytes", "num_ranks", "shard_bytes", "tokens_per_block", "dtype")
+    __slots__ = ("block_bytes", "num_ranks", "shard_bytes", "tokens_per_block", "dtype", "max_key_bytes")
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     block_bytes: int
     num_ranks: int
     shard_bytes: int
     tokens_per_block: int
     dtype: str
-    def __init__(self, block_bytes: _Optional[int] = ..., num_ranks: _Optional[int] = ..., shard_bytes: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    max_key_bytes: int
+    def __init__(self, block_bytes: _Optional[int] = ..., num_ranks: _Optional[int] = ..., shard_bytes: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., max_key_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterSessionRequest(_message.Message):
     __slots__ = ("engine", "model", "layout", "layout_salt")
@@ -257,6 +259,66 @@ class ResetResponse(_message.Message):
     dropped_blocks: int
     def __init__(self, epoch: _Optional[int] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...
 
+class GrantRequest(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class GrantResponse(_message.Message):
+    __slots__ = ("slot_offsets",)
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    slot_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreGrantedRequest(_message.Message):
+    __slots__ = ("keys", "req_id", "positions", "granted_keys", "granted_offsets")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    req_id: str
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    granted_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    granted_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., req_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., granted_keys: _Optional[_Iterable[bytes]] = ..., granted_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreGrantedResponse(_message.Message):
+    __slots__ = ("accepted", "duplicates", "refused", "evicted_keys", "epoch")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    refused: int
+    evicted_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    epoch: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., refused: _Optional[int] = ..., evicted_keys: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys", "req_id", "positions", "slot_offsets")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    req_id: str
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    slot_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., req_id: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., slot_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pinned", "epoch")
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    pinned: int
+    epoch: int
+    def __init__(self, pinned: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class ReleaseHeldRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -272,7 +334,7 @@ class ReleaseHeldResponse(_message.Message):
     def __init__(self, released_pins: _Optional[int] = ..., released_slots: _Optional[int] = ...) -> None: ...
 
 class StepOp(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held", "grant", "store_granted", "pin")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +346,9 @@ class StepOp(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HELD_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    STORE_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupRequest
     prepare_load: PrepareLoadRequest
     complete_load: CompleteLoadRequest
@@ -295,10 +360,13 @@ class StepOp(_message.Message):
     reset: ResetRequest
     transfer_report: TransferReport
     release_held: ReleaseHeldRequest
-    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldRequest, _Mapping]] = ...) -> None: ...
+    grant: GrantRequest
+    store_granted: StoreGrantedRequest
+    pin: PinRequest
+    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldRequest, _Mapping]] = ..., grant: _Optional[_Union[GrantRequest, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedRequest, _Mapping]] = ..., pin: _Optional[_Union[PinRequest, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held", "grant", "store_granted", "pin")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +378,9 @@ class StepResult(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HELD_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    STORE_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupResponse
     prepare_load: PrepareLoadResponse
     complete_load: CompleteLoadResponse
@@ -321,7 +392,10 @@ class StepResult(_message.Message):
     reset: ResetResponse
     transfer_report: TransferReportResponse
     release_held: ReleaseHeldResponse
-    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReportResponse, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldResponse, _Mapping]] = ...) -> None: ...
+    grant: GrantResponse
+    store_granted: StoreGrantedResponse
+    pin: PinResponse
+    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReportResponse, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldResponse, _Mapping]] = ..., grant: _Optional[_Union[GrantResponse, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedResponse, _Mapping]] = ..., pin: _Optional[_Union[PinResponse, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("ops",)

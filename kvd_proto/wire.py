@@ -34,6 +34,8 @@ TRANSPORT_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES
 
 # --- the pool -------------------------------------------------------------------------------
 SLOT_ALIGNMENT = 4096           # slot offsets (and strides) are multiples of this
+DEFAULT_INDEX_KEY_BYTES = 64    # KvLayout.max_key_bytes = 0
+MAX_GRANTED_SLOTS = 4096        # slots one session may hold granted for future stores
 
 
 def align_up(n: int, alignment: int = SLOT_ALIGNMENT) -> int:
@@ -57,8 +59,16 @@ class KvLayout:
     shard_bytes: int
     tokens_per_block: int = 0
     dtype: str = ""
+    max_key_bytes: int = 0      # 0: DEFAULT_INDEX_KEY_BYTES
+
+    @property
+    def index_key_width(self) -> int:
+        """Bytes per key in the namespace's shared index."""
+        return align_up(self.max_key_bytes or DEFAULT_INDEX_KEY_BYTES, 8)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.max_key_bytes <= MAX_KEY_BYTES:
+            raise ValueError(f"max_key_bytes {self.max_key_bytes} is outside 0..{MAX_KEY_BYTES}")
         if not 1 <= self.num_ranks <= MAX_RANKS or self.shard_bytes < 1:
             raise ValueError(f"num_ranks must be 1..{MAX_RANKS} and shard_bytes positive")
         if self.block_bytes != self.num_ranks * self.shard_bytes:

@@ -46,10 +46,12 @@ class PeerCred:
 
 @dataclass(slots=True)
 class AttachReply:
-    """Success: fields for the JSON answer plus the fd to pass. `fields` must be JSON-able."""
+    """Success: fields for the JSON answer plus the descriptors to pass (the daemon keeps its
+    own; the peer receives duplicates). `fields` must be JSON-able."""
 
     fields: dict[str, Any] = field(default_factory=dict)
     fd: int = -1
+    more_fds: tuple[int, ...] = ()
 
 
 def peer_credentials(sock: socket.socket) -> PeerCred:
@@ -162,7 +164,8 @@ class AttachServer:
             return
         payload = encode_reply(reply.fields)
         # The fd rides with the first bytes; the (small) rest follows with plain sends.
-        sent = await _send_with_fd(loop, conn, payload, reply.fd)
+        fds = ([reply.fd] if reply.fd >= 0 else []) + list(reply.more_fds)
+        sent = await _send_with_fds(loop, conn, payload, fds)
         if sent < len(payload):
             await loop.sock_sendall(conn, payload[sent:])
         self.attaches_total += 1
@@ -183,9 +186,8 @@ class AttachServer:
             os.unlink(self.path)
 
 
-async def _send_with_fd(loop: asyncio.AbstractEventLoop, conn: socket.socket, payload: bytes,
-                        fd: int) -> int:
-    fds = [fd] if fd >= 0 else []
+async def _send_with_fds(loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                         payload: bytes, fds: list[int]) -> int:
     for _ in range(200):  # a fresh socket's buffer takes this at once; bounded retries otherwise
         try:
             return socket.send_fds(conn, [payload], fds)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, KvLayout
+from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, MAX_GRANTED_SLOTS, KvLayout
 from kvd_server.attach import PeerCred
 from kvd_server.config import Config
 from kvd_server.errors import (
@@ -96,6 +96,14 @@ class CompleteStoreResult(NamedTuple):
     ignored: bool
     completed: int
     mismatched: int
+
+
+class StoreGrantedAnswer(NamedTuple):
+    accepted: int
+    duplicates: int
+    refused: int
+    evicted: list[bytes]
+    epoch: int
 
 
 class EventBatch(NamedTuple):
@@ -264,19 +272,25 @@ class KvdCore:
         ns = s.ns
         pins = [(epoch, key) for (epoch, key), n in s.pins.items() for _ in range(n)]
         pins += [(epoch, key) for key, (_, epoch) in s.leases.items()]
-        held = Held(ns, s.id, s.peer.pid, self.clock(), [], pins) if ns is not None else None
+        held = Held(ns, s.id, s.peer.pid, self.clock(), [], pins, s.reader) \
+            if ns is not None else None
         if ns is not None and held is not None:
             mgr = ns.mgr
-            for epoch, key in s.pending:
-                mgr.complete_store((key,), False, None, epoch, hold=held.slots)
+            for (epoch, key), slot in s.pending.items():
+                mgr.complete_store((key,), False, None, epoch, hold=held.slots, slots=(slot,))
+            held.slots.extend(s.granted)          # it may have started writing into these
+            s.granted.clear()
             for req_id in s.requests:
                 mgr.forget_request((s.id, req_id))
-            if copies_done or not self.quarantine.alive(s.peer.pid):
-                SlotQuarantine.release(held)
-                what = "released"
-            else:
+            lives = not copies_done and self.quarantine.alive(s.peer.pid)
+            if ns.reclaim is not None and s.reader:
+                ns.reclaim.end_reader(s.id, process_lives=lives)
+            if lives:
                 self.quarantine.hold(held)
                 what = "holds (its process lives on)"
+            else:
+                SlotQuarantine.release(held)
+                what = "released"
             self.namespaces.leave(ns)
             log.info("session %s ended (%s): %s %d pins and leases and %d unfinished stores",
                      s.id, reason, what, len(held.pins), len(held.slots))
@@ -329,6 +343,8 @@ class KvdCore:
             self.leases_expired_total += 1
         for s, why in self.sessions.expired():
             self.close_session(s, why, reaped=True)
+        for ns in self.namespaces:
+            ns.slots.collect()              # slots every reader has moved past come back
 
     # ------------------------------------------------------------ operations
     @staticmethod
@@ -475,7 +491,8 @@ class KvdCore:
         if len(s.pending) + len(keys) > MAX_PENDING_STORES_PER_SESSION:
             # Not an error, like a full pool: complete the stores in flight and offer again.
             return StoreAnswer(StoreDecision(True, [], [], []), epoch)
-        grant = mgr.prepare_store(keys, self._req(s, req_id), positions or None)
+        grant = mgr.prepare_store(keys, self._req(s, req_id), positions or None,
+                                  self._slack(ns))
         if grant is None:
             return StoreAnswer(StoreDecision(True, [], [], []), epoch)
         offset = ns.slots.offset
@@ -491,6 +508,7 @@ class KvdCore:
         ns = self._ns(s)
         self._check_epoch(ns, epoch)
         own: list[bytes] = []
+        own_slots: list[int] = []
         mismatched = 0
         for i, key in enumerate(keys):
             pk = (epoch, key)
@@ -502,15 +520,105 @@ class KvdCore:
                 continue
             del s.pending[pk]
             own.append(key)
+            own_slots.append(slot)
         if epoch < ns.epoch:
-            ns.mgr.complete_store(own, success, None, epoch)
+            ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
             NamespaceTable.maybe_release(ns)
             return CompleteStoreResult(True, 0, mismatched)
-        completed = ns.mgr.complete_store(own, success, None, epoch)
+        completed = ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
         self.completed_store_bytes += completed * ns.layout.block_bytes
         if not success:
             NamespaceTable.maybe_release(ns)
         return CompleteStoreResult(False, completed, mismatched)
+
+    # -------------------------------------------------- the fast path (shared index)
+    def attach_index(self, s: Session) -> tuple[int, int]:
+        """Make `s` a reader of its namespace's index: (index fd, the session's marks fd).
+        The daemon keeps both; the attach server passes duplicates of them."""
+        ns = self._ns(s)
+        if ns.index is None or ns.reclaim is None:
+            raise FailedPrecondition("this namespace has no shared index")
+        marks = ns.reclaim.add_reader(s.id)
+        s.reader = True
+        return ns.index.fd, marks.fd
+
+    def grant(self, s: Session, count: int) -> list[int]:
+        """Free slots for the session's future stores (no eviction); their offsets."""
+        ns = self._ns(s)
+        s.reserve_target = min(MAX_GRANTED_SLOTS, len(s.granted) + count)
+        self._size_policy(ns)
+        if self.state is DaemonState.DRAINING:
+            return []
+        count = max(0, min(count, MAX_GRANTED_SLOTS - len(s.granted), ns.slots.free_count()))
+        if not count:
+            return []
+        slots = ns.slots.allocate(count)
+        s.granted.update(slots)
+        offset = ns.slots.offset
+        return [offset(slot) for slot in slots]
+
+    def store_granted(self, s: Session, keys: Sequence[bytes], req_id: str,
+                      positions: Sequence[int] | None, granted_keys: Sequence[bytes],
+                      granted_offsets: Sequence[int]) -> StoreGrantedAnswer:
+        """The session stored into its granted slots: see StoreGrantedRequest (kvd.proto)."""
+        ns = self._ns(s)
+        mgr = ns.mgr
+        epoch = mgr.epoch
+        offered = set(keys)
+        bound: list[tuple[bytes, int]] = []
+        refused = 0
+        for key, offset in zip(granted_keys, granted_offsets, strict=True):
+            slot = ns.slots.slot_at(offset)
+            if slot is None or slot not in s.granted or key not in offered or \
+                    (epoch, key) in s.pending:
+                refused += 1
+                continue
+            bound.append((key, slot))
+        if len(s.pending) + len(bound) > MAX_PENDING_STORES_PER_SESSION:
+            return StoreGrantedAnswer(0, 0, len(bound) + refused, [], epoch)
+        slack = self._slack(ns)
+        for _, slot in bound:
+            s.granted.discard(slot)
+        result = mgr.offer(keys, bound, self._req(s, req_id), positions or None, slack)
+        for key, slot in bound:
+            s.pending[(epoch, key)] = slot            # duplicates too: they settle at completion
+        return StoreGrantedAnswer(len(result.accepted), len(result.duplicates), refused,
+                                  result.evicted, epoch)
+
+    def _slack(self, ns: Namespace) -> int:
+        """What the free count of `ns` does not show (see NamespaceManager._evict_for): slots
+        waiting for readers count as free, slots owed to its sessions' reserves as taken. So
+        a namespace holds exactly its capacity minus the reserves, whenever limbo drains."""
+        owed = sum(max(0, x.reserve_target - len(x.granted)) for x in self.sessions
+                   if x.ns is ns and x.reserve_target)
+        limbo = ns.reclaim.in_limbo if ns.reclaim is not None else 0
+        return limbo - owed
+
+    def _size_policy(self, ns: Namespace) -> None:
+        """The policy's capacity (ARC bounds its target and ghost lists by it) is what blocks
+        may hold: the namespace's slots less its sessions' reserves."""
+        reserved = sum(x.reserve_target for x in self.sessions if x.ns is ns)
+        ns.mgr.policy.capacity = max(1, ns.slots.capacity() - reserved)
+
+    def pin_loads(self, s: Session, keys: Sequence[bytes], offsets: Sequence[int],
+                  req_id: str, positions: Sequence[int] | None) -> tuple[int, int]:
+        """Loads the session started from its own lookups: (pinned, epoch)."""
+        ns = self._ns(s)
+        if len(s.pins) + len(keys) > MAX_PINS_PER_SESSION:
+            raise ResourceExhausted(f"session holds {len(s.pins)} pins already (at most "
+                                    f"{MAX_PINS_PER_SESSION}); complete loads first")
+        mgr = ns.mgr
+        epoch = mgr.epoch
+        slots = [ns.slots.slot_at(o) for o in offsets]
+        usable = [(k, sl, i) for i, (k, sl) in enumerate(zip(keys, slots, strict=True))
+                  if sl is not None]
+        pinned = mgr.pin_loads([k for k, _, _ in usable], [sl for _, sl, _ in usable],
+                               self._req(s, req_id),
+                               [positions[i] for _, _, i in usable] if positions else None)
+        pins = s.pins
+        for key in pinned:
+            pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
+        return len(pinned), epoch
 
     def request_finished(self, s: Session, req_id: str) -> None:
         ns = self._ns(s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from kvd_proto.wire import SLOT_ALIGNMENT, align_up
 
@@ -85,6 +86,17 @@ class TenantBudget:
         return max(0, min(free_extents, self.max_extents - self.held))
 
 
+class Limbo(Protocol):
+    """Freed slots that may not be reused yet (kvd_server/shm_index.Reclamation)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def retire(self, slot: int) -> None: ...
+
+    def collect(self) -> list[int]: ...
+
+
 class NamespaceSlots:
     """A SlotSource over extents taken on demand (see manager/types.py).
 
@@ -97,7 +109,8 @@ class NamespaceSlots:
 
     def __init__(self, extents: ExtentAllocator, slot_bytes: int,
                  budget: TenantBudget | None = None,
-                 reclaimer: Callable[[NamespaceSlots, int], bool] | None = None) -> None:
+                 reclaimer: Callable[[NamespaceSlots, int], bool] | None = None,
+                 limbo: Limbo | None = None) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot size must be positive")
         self.stride = align_up(slot_bytes)
@@ -110,6 +123,8 @@ class NamespaceSlots:
         self.budget = budget
         self.tenant = budget.tenant if budget is not None else "default"
         self.reclaimer = reclaimer
+        # Freed slots wait here while engines may still read them (shm_index.Reclamation).
+        self.limbo = limbo
         self._held: list[int] = []          # extent indexes, in the order taken
         self._fresh: deque[int] = deque()   # held extents with never-used slots, in order
         self._high: dict[int, int] = {}     # extent -> slots of it handed out since taken
@@ -125,9 +140,11 @@ class NamespaceSlots:
         return (len(self._held) + free) * self.per_extent
 
     def free_count(self) -> int:
+        self.collect()
         return self.capacity() - self._in_use
 
     def allocate(self, n: int) -> list[int]:
+        self.collect()
         if n > self.free_count():
             raise RuntimeError(f"asked for {n} slots with {self.free_count()} free")
         out: list[int] = []
@@ -159,18 +176,27 @@ class NamespaceSlots:
         return out
 
     def free(self, slot: int) -> None:
+        """Give a slot back: at once, or after every engine reading the namespace's index
+        has moved past it (it stays in use meanwhile)."""
+        if self.limbo is not None and self.limbo.active:
+            self.limbo.retire(slot)
+            return
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
         self._free.append(slot)
         self._used[slot // self.per_extent] -= 1
         self._in_use -= 1
 
-    def reset(self) -> None:
-        """Every slot free again, fresh order; extents are kept (see release_extents)."""
-        self._free.clear()
-        self._in_use = 0
-        self._fresh = deque(self._held)
-        for e in self._held:
-            self._high[e] = 0
-            self._used[e] = 0
+    def collect(self) -> None:
+        """Reuse the retired slots every reader has moved past."""
+        if self.limbo is not None:
+            for slot in self.limbo.collect():
+                self._release(slot)
+
+    def reset(self) -> bool:
+        """Never all at once: granted, held and retired slots are in use too."""
+        return False
 
     def reclaim(self, n: int) -> bool:
         """Try to make room for `n` more slots by taking extents from other namespaces."""

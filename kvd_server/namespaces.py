@@ -18,6 +18,7 @@ from kvd_server.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd_server.extents import ExtentAllocator, NamespaceSlots, TenantBudget
 from kvd_server.manager import NamespaceManager
 from kvd_server.manager.namespace import RecencyBudget
+from kvd_server.shm_index import Reclamation, ShmIndex
 
 MAX_NAMESPACES = 1024
 # Keys all open requests of all namespaces may record for recency (see RecencyBudget): about
@@ -34,6 +35,8 @@ class Namespace:
     tenant: str
     slots: NamespaceSlots
     mgr: NamespaceManager
+    index: ShmIndex | None = None
+    reclaim: Reclamation | None = None
     sessions: int = 0
     lookups_total: int = 0
     hits_total: int = 0
@@ -52,7 +55,8 @@ def namespace_id(model: str, layout: KvLayout, salt: str, tenant: str) -> str:
     """
     h = hashlib.sha256(b"kvd-namespace-v2")
     for part in (model, str(layout.block_bytes), str(layout.num_ranks), str(layout.shard_bytes),
-                 str(layout.tokens_per_block), layout.dtype, salt, tenant):
+                 str(layout.tokens_per_block), layout.dtype, salt, tenant,
+                 str(layout.index_key_width)):
         data = part.encode()
         h.update(len(data).to_bytes(4, "big"))
         h.update(data)
@@ -107,8 +111,14 @@ class NamespaceTable:
                                    reclaimer=self._reclaim)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        index = ShmIndex(self.extents.total * slots.per_extent, layout.index_key_width,
+                         slots.per_extent, slots.stride, self.extents.extent_bytes,
+                         name=f"kvd-index-{ns_id[:12]}")
+        reclaim = Reclamation(index)
+        slots.limbo = reclaim
         ns = Namespace(ns_id, model, layout, salt, tenant, slots,
-                       NamespaceManager(slots, self.policy, budget=self.recency))
+                       NamespaceManager(slots, self.policy, budget=self.recency, index=index),
+                       index, reclaim)
         self._namespaces[ns_id] = ns
         return ns
 
@@ -128,8 +138,12 @@ class NamespaceTable:
         """Forget namespaces nobody uses that hold nothing."""
         for ns_id in [i for i, ns in self._namespaces.items()
                       if ns.sessions == 0 and ns.mgr.is_empty() and not ns.slots.in_use]:
-            self._namespaces[ns_id].slots.release_extents()
-            del self._namespaces[ns_id]
+            ns = self._namespaces.pop(ns_id)
+            ns.slots.release_extents()
+            if ns.reclaim is not None:
+                ns.reclaim.close()
+            if ns.index is not None:
+                ns.index.close()
 
     def _reclaim(self, asking: NamespaceSlots, n: int) -> bool:
         """Fair share of a full pool: a namespace that needs room and holds fewer extents than
@@ -176,6 +190,7 @@ class NamespaceTable:
     def maybe_release(ns: Namespace) -> None:
         """Give an empty namespace's extents back to the pool."""
         if ns.slots.extents_held() and ns.mgr.is_empty():
+            ns.slots.collect()
             ns.slots.release_extents()
 
 
@@ -189,6 +204,7 @@ class Held:
     since: float
     slots: list[int]                    # slots of unfinished stores it may still be writing
     pins: list[tuple[int, bytes]]       # (epoch, key) refs of blocks it may still be reading
+    reader: bool = False                # its published index epoch still holds back reuse
 
 
 class SlotQuarantine:
@@ -207,7 +223,7 @@ class SlotQuarantine:
         self._held: list[Held] = []
 
     def hold(self, held: Held) -> None:
-        if held.slots or held.pins:
+        if held.slots or held.pins or held.reader:
             self._held.append(held)
 
     def release_due(self) -> None:
@@ -237,6 +253,8 @@ class SlotQuarantine:
             q.ns.mgr.unpin(key, epoch)
         for slot in q.slots:
             q.ns.slots.free(slot)
+        if q.reader and q.ns.reclaim is not None:
+            q.ns.reclaim.release_reader(q.session_id)
         NamespaceTable.maybe_release(q.ns)
 
     def __bool__(self) -> bool:

@@ -24,7 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from kvd_proto.attach import ROLE_ADMIN, AttachRequest
+from kvd_proto.attach import ROLE_ADMIN, ROLE_INDEX, AttachRequest
+from kvd_proto.index_layout import VERSION as INDEX_VERSION
 from kvd_proto.paths import SocketState, attach_path, grpc_target, probe_socket
 from kvd_proto.wire import SLOT_ALIGNMENT, TRANSPORT_MESSAGE_BYTES, channel_options
 from kvd_server import __version__, notify
@@ -32,7 +33,7 @@ from kvd_server.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileErr
 from kvd_server.attach import AttachReply, AttachServer, PeerCred
 from kvd_server.config import Config
 from kvd_server.core import KvdCore
-from kvd_server.errors import PermissionDenied, Unavailable
+from kvd_server.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvd_server.extents import ExtentAllocator
 from kvd_server.front_door import FrontDoor
 from kvd_server.pool import HostPool, PoolError, check_fits
@@ -324,6 +325,8 @@ class Daemon:
                                        "expires_ms": int(ADMIN_TOKEN_TTL_S * 1000),
                                        "instance_id": self.core.instance_id,
                                        "daemon_version": __version__})
+        if request.role == ROLE_INDEX:
+            return self._attach_index(peer, request)
         tenant = self.core.sessions.tenant_of(peer)
         try:
             pool = self.pools.for_tenant(tenant)   # only ever the peer's own tenant's file
@@ -341,6 +344,20 @@ class Daemon:
             "daemon_version": __version__, "tenant": tenant,
         }
         return AttachReply(fields=fields, fd=pool.fd)
+
+    def _attach_index(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
+        """A registered session maps its namespace's shared index and its own marks file."""
+        assert self.core is not None
+        session = self.core.sessions.get(request.token)
+        if session is None or session.peer.uid != peer.uid:
+            raise Unauthenticated("unknown or expired session token (or another uid's); "
+                                  "attach again")
+        index_fd, marks_fd = self.core.attach_index(session)
+        header = session.ns.index.header if session.ns and session.ns.index else None
+        return AttachReply(fields={"session_id": session.id,
+                                   "index_version": INDEX_VERSION,
+                                   "index_bytes": header.file_bytes if header else 0},
+                           fd=index_fd, more_fds=(marks_fd,))
 
     async def _prepare_pool(self) -> None:
         cfg = self.config.pool

@@ -27,6 +27,7 @@ from kvd_proto.wire import (
     DEFAULT_EVENTS,
     DEFAULT_SESSIONS_LIMIT,
     MAX_EVENTS,
+    MAX_GRANTED_SLOTS,
     MAX_KEY_BYTES,
     MAX_KEYS_PER_CALL,
     MAX_KEYS_PER_STEP,
@@ -374,6 +375,36 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         pins, slots = self._core.release_held(s, _check_str(req.session_id, "session_id"))
         return kvd_pb2.ReleaseHeldResponse(released_pins=pins, released_slots=slots)
 
+    def _grant(self, s: Session, req: kvd_pb2.GrantRequest) -> kvd_pb2.GrantResponse:
+        if req.count > MAX_GRANTED_SLOTS:
+            raise InvalidArgument(f"count {req.count} is more than MAX_GRANTED_SLOTS "
+                                  f"({MAX_GRANTED_SLOTS})")
+        return kvd_pb2.GrantResponse(slot_offsets=self._core.grant(s, req.count))
+
+    def _store_granted(self, s: Session, req: kvd_pb2.StoreGrantedRequest
+                       ) -> kvd_pb2.StoreGrantedResponse:
+        keys = _check_keys(req.keys)
+        granted = _check_keys(req.granted_keys, "granted_keys")
+        if len(req.granted_offsets) != len(granted):
+            raise InvalidArgument(f"granted_offsets has {len(req.granted_offsets)} entries for "
+                                  f"{len(granted)} granted_keys (one per key)")
+        positions = _check_positions(req.positions, len(keys))
+        answer = self._core.store_granted(s, keys, _check_str(req.req_id, "req_id"), positions,
+                                          granted, list(req.granted_offsets))
+        return kvd_pb2.StoreGrantedResponse(
+            accepted=answer.accepted, duplicates=answer.duplicates, refused=answer.refused,
+            evicted_keys=answer.evicted, epoch=answer.epoch)
+
+    def _pin(self, s: Session, req: kvd_pb2.PinRequest) -> kvd_pb2.PinResponse:
+        keys = _check_keys(req.keys)
+        if len(req.slot_offsets) != len(keys):
+            raise InvalidArgument(f"slot_offsets has {len(req.slot_offsets)} entries for "
+                                  f"{len(keys)} keys (one per key)")
+        positions = _check_positions(req.positions, len(keys))
+        pinned, epoch = self._core.pin_loads(s, keys, list(req.slot_offsets),
+                                             _check_str(req.req_id, "req_id"), positions)
+        return kvd_pb2.PinResponse(pinned=pinned, epoch=epoch)
+
     _OPS = {
         "lookup": _lookup,
         "prepare_load": _prepare_load,
@@ -386,6 +417,9 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         "reset": _reset,
         "transfer_report": _transfer_report,
         "release_held": _release_held,
+        "grant": _grant,
+        "store_granted": _store_granted,
+        "pin": _pin,
     }
 
     # -- RPCs
@@ -403,7 +437,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         try:
             layout = KvLayout(block_bytes=lay.block_bytes, num_ranks=lay.num_ranks,
                               shard_bytes=lay.shard_bytes, tokens_per_block=lay.tokens_per_block,
-                              dtype=lay.dtype)
+                              dtype=lay.dtype, max_key_bytes=lay.max_key_bytes)
         except ValueError as exc:
             raise InvalidArgument(f"layout: {exc}") from None
         reg = self._core.register(

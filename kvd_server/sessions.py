@@ -47,6 +47,9 @@ class Session:
     leases: dict[bytes, tuple[float, int]] = field(default_factory=dict)  # key -> (expiry, epoch)
     pending: dict[tuple[int, bytes], int] = field(default_factory=dict)   # (epoch, key) -> slot
     requests: set[str] = field(default_factory=set)
+    granted: set[int] = field(default_factory=set)   # slots for stores it will decide itself
+    reserve_target: int = 0                            # how many granted slots it wants
+    reader: bool = False                               # maps its namespace's shared index
     closed: bool = False
 
     @property

@@ -20,6 +20,8 @@ import os
 import threading
 from collections import deque
 
+import numpy as np
+
 from kvd_proto.index_layout import (
     MARKS_BYTES,
     MAX_PROBE,
@@ -144,12 +146,10 @@ class ShmIndex:
                 return
 
     def clear(self) -> None:
-        """Unpublish every slot (a reset)."""
-        meta = self._meta
-        for slot in range(len(self._home)):
-            word = meta[slot]
-            if word & 3 != STATE_FREE:
-                meta[slot] = meta_word(STATE_FREE, 0, meta_generation(word) + 1)
+        """Unpublish every slot (a reset): meta words first, then the buckets."""
+        meta = np.frombuffer(self._meta, dtype="<u8", count=len(self._home))
+        used = (meta & 3) != STATE_FREE
+        meta[used] = ((meta[used] >> 10) + 1) << 10
         start = self.header.buckets_offset
         end = start + 4 * self.header.buckets
         zeros = bytes(1 << 20)

@@ -6,15 +6,18 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvd_proto.wire import KvLayout
 
+DEFAULT_KEY_BYTES = 40      # vLLM's offload key: a 32-byte block hash + a 4-byte group index
 
-def layout_of(config: OffloadingConfig) -> KvLayout:
+
+def layout_of(config: OffloadingConfig, key_bytes: int = DEFAULT_KEY_BYTES) -> KvLayout:
     """One slot = one chunk over all ranks (each rank's shard = its bytes per chunk)."""
     bpc = config.cache.blocks_per_chunk
     ranks = max(1, config.parallel.world_size)
     shard = config.worker_kv_bytes_per_block * bpc
     tokens = config.groups[0].tokens_per_block * bpc if config.groups else 0
     return KvLayout(block_bytes=shard * ranks, num_ranks=ranks, shard_bytes=shard,
-                        tokens_per_block=tokens, dtype=str(config.model.dtype))
+                    tokens_per_block=tokens, dtype=str(config.model.dtype),
+                    max_key_bytes=key_bytes)
 
 
 def salt_of(config: OffloadingConfig) -> str:

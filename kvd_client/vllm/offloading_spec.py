@@ -14,10 +14,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvd_client.client import KvdClient
+from kvd_client.offload_session import DEFAULT_RESERVE, OffloadSession
 from kvd_proto.paths import default_socket_path
 
 from .manager import KvdOffloadingManager
-from .namespace import layout_of, salt_of
+from .namespace import DEFAULT_KEY_BYTES, layout_of, salt_of
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,9 @@ class KvdOffloadingSpec(OffloadingSpec):
     """Offload vLLM's KV cache to the node's kvd daemon.
 
     kv_connector_extra_config keys: `kvd_socket` (default: $KVD_SOCKET, else the daemon's
-    default path), `kvd_deadline_ms` (per call, default 500), `kvd_lease_ms` (lookup lease;
-    default: the daemon's manager.default_lease), plus vLLM's own (`block_size` /
+    default path), `kvd_deadline_ms` (per background call, default 500), `kvd_reserve` (slots
+    granted in advance for stores, default 256), `kvd_key_bytes` (longest offload key, default
+    40: a 32-byte block hash and its group), plus vLLM's own (`block_size` /
     `blocks_per_chunk`, `offload_prompt_only`).
     """
 
@@ -36,8 +38,8 @@ class KvdOffloadingSpec(OffloadingSpec):
         extra: dict[str, Any] = dict(self.extra_config)
         self.socket_path = str(extra.get("kvd_socket") or default_socket_path())
         self.deadline_s = float(extra.get("kvd_deadline_ms", 500)) / 1000.0
-        lease = extra.get("kvd_lease_ms")
-        self.lease_ms = None if lease is None else int(lease)
+        self.reserve = int(extra.get("kvd_reserve", DEFAULT_RESERVE))
+        self.key_bytes = int(extra.get("kvd_key_bytes", DEFAULT_KEY_BYTES))
         self._manager: KvdOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -46,15 +48,14 @@ class KvdOffloadingSpec(OffloadingSpec):
             import vllm
 
             client = KvdClient(
-                self.socket_path, model=self.config.model.name, layout=layout_of(self.config),
-                salt=salt_of(self.config), engine_id=self.config.engine_id,
-                engine_kind="vllm", engine_version=getattr(vllm, "__version__", ""),
-                deadline_s=self.deadline_s)
-            sliding = [g.group_id for g in self.config.groups
-                       if g.sliding_window_size_in_chunks is not None]
-            self._manager = KvdOffloadingManager(
-                client, enable_events=self.kv_events_config.enable_kv_cache_events,
-                lease_ms=self.lease_ms, sliding_window_groups=sliding)
+                self.socket_path, model=self.config.model.name,
+                layout=layout_of(self.config, self.key_bytes), salt=salt_of(self.config),
+                engine_id=self.config.engine_id, engine_kind="vllm",
+                engine_version=getattr(vllm, "__version__", ""), deadline_s=self.deadline_s)
+            session = OffloadSession(
+                client, reserve=self.reserve,
+                enable_events=self.kv_events_config.enable_kv_cache_events)
+            self._manager = KvdOffloadingManager(session)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -19,7 +19,15 @@ from kvd_server.errors import NotReady
 
 from .policies import Block, RequestState, make_policy
 from .policies.base import group_of
-from .types import BlockCounts, Lookup, OffloadEvent, SlotSource, StoreGrant
+from .types import (
+    BlockCounts,
+    BlockIndex,
+    Lookup,
+    OfferResult,
+    OffloadEvent,
+    SlotSource,
+    StoreGrant,
+)
 
 # Bounds that keep a misbehaving client from growing the daemon without limit.
 MAX_PENDING_EVENTS = 100_000
@@ -72,7 +80,7 @@ class NamespaceManager:
 
     def __init__(self, slots: SlotSource, policy: str = "lru", *, enable_events: bool = True,
                  store_threshold: int = 0, max_tracker_size: int = 64_000,
-                 budget: RecencyBudget | None = None) -> None:
+                 budget: RecencyBudget | None = None, index: BlockIndex | None = None) -> None:
         self.slots = slots
         self.policy = make_policy(policy, slots.capacity())
         self.epoch = 0
@@ -83,6 +91,9 @@ class NamespaceManager:
         self._zombies: dict[tuple[int, bytes], Block] = {}
         self._requests: dict[Hashable, RequestState] = {}
         self._slot_keys: dict[int, bytes] = {}    # slot -> key of each resident block
+        # The shared index engines read (None: gRPC-only, tests): every change of what is
+        # stored where is published there as it happens.
+        self.index = index
         self._tracked = 0                     # keys recorded by the open requests
         self._budget = budget
         self._generation = 0
@@ -297,9 +308,10 @@ class NamespaceManager:
                 unprotected -= 1
             offers[key] = 1
 
-    def prepare_store(self, keys: Sequence[bytes], req: Hashable | None = None,
-                      positions: Sequence[int] | None = None) -> StoreGrant | None:
-        """Reserve slots for the offered keys that are new; None when there is no room."""
+    def _classify_offer(self, keys: Sequence[bytes], req: Hashable | None,
+                        positions: Sequence[int] | None) -> tuple[RequestState, list[bytes]]:
+        """vLLM's prepare_store bookkeeping of an offer: positions, offer counts, ghost hits,
+        request accesses; returns the request and the offered keys that are new."""
         state = self._request(req)
         self._set_positions(state, keys, positions)
         if self._offers is not None:
@@ -324,54 +336,116 @@ class NamespaceManager:
         recorded = set(new)
         recorded.update(ready_existing)
         self._record([k for k in keys if k in recorded], state, reused=ready_existing)
+        return state, new
+
+    def _evict_for(self, n: int, protected: Sequence[bytes],
+                   slack: int = 0) -> list[bytes] | None:
+        """Make room for `n` more blocks (another namespace's extents first, then this one's
+        policy); the evicted keys, or None when there is no room (nothing changed).
+
+        `slack` corrects the free count for what it does not show: slots freed but waiting
+        for readers (+), slots owed to sessions' reserves (-), so that what is evicted does
+        not depend on when freed slots happen to come back."""
+        need = n - self.slots.free_count() - slack
+        if need > 0 and self.slots.reclaim(need):
+            need = n - self.slots.free_count() - slack   # extents taken from others
+        if need <= 0:
+            return []
+        if need > self._evictable:
+            return None
+        victims = self.policy.evict(need, set(protected))
+        if victims is None:
+            return None
+        self._evictable -= len(victims)
+        evicted = []
+        for key, block in victims:
+            self._unpublish(block.slot)
+            self.slots.free(block.slot)
+            del self._slot_keys[block.slot]
+            evicted.append(key)
+        self.counters.evictions_total += len(victims)
+        self._emit(OffloadEvent(tuple(evicted), removed=True))
+        return evicted
+
+    def _insert(self, key: bytes, slot: int, state: RequestState) -> None:
+        self.policy.insert(key, Block(slot, -1), state)
+        self._slot_keys[slot] = key
+        if self.index is not None:
+            self.index.insert(slot, key)
+
+    def _unpublish(self, slot: int) -> None:
+        if self.index is not None:
+            self.index.remove(slot)
+
+    def prepare_store(self, keys: Sequence[bytes], req: Hashable | None = None,
+                      positions: Sequence[int] | None = None, slack: int = 0
+                      ) -> StoreGrant | None:
+        """Reserve slots for the offered keys that are new; None when there is no room."""
+        state, new = self._classify_offer(keys, req, positions)
         if not new:
             return StoreGrant([], [], [])
-
-        evicted: list[bytes] = []
-        need = len(new) - self.slots.free_count()
-        if need > 0 and self.slots.reclaim(need):
-            need = len(new) - self.slots.free_count()   # extents taken from others
-        if need > 0:
-            if need > self._evictable:
-                self.counters.store_rejections_total += 1
-                return None
-            victims = self.policy.evict(need, set(keys))
-            if victims is None:
-                self.counters.store_rejections_total += 1
-                return None
-            self._evictable -= len(victims)
-            for key, block in victims:
-                self.slots.free(block.slot)
-                del self._slot_keys[block.slot]
-                evicted.append(key)
-            self.counters.evictions_total += len(victims)
-            self._emit(OffloadEvent(tuple(evicted), removed=True))
-
+        evicted = self._evict_for(len(new), keys, min(slack, 0))
+        if evicted is None:
+            self.counters.store_rejections_total += 1
+            return None
         slots = self.slots.allocate(len(new))
         for key, slot in zip(new, slots, strict=True):
-            self.policy.insert(key, Block(slot, -1), state)
-            self._slot_keys[slot] = key
+            self._insert(key, slot, state)
         self._storing += len(new)
         self.counters.stores_started_total += len(new)
         state.inserted.update(k for k in new if k in state.seen)
         return StoreGrant(new, slots, evicted)
 
+    def offer(self, keys: Sequence[bytes], granted: Sequence[tuple[bytes, int]],
+              req: Hashable | None = None, positions: Sequence[int] | None = None,
+              slack: int = 0) -> OfferResult:
+        """A store an engine decided itself into slots it was granted (StoreGranted):
+        prepare_store's bookkeeping of `keys`, the eviction prepare_store would have done
+        (the session's next grants find that room), then each granted (key, slot) published
+        as being stored. A granted key that is not new is a duplicate: its slot stays the
+        engine's, and settles when the engine completes it (complete_store with `slots`)."""
+        state, new = self._classify_offer(keys, req, positions)
+        fresh = set(new)
+        bound = [(k, slot) for k, slot in granted if k in fresh]
+        duplicates = [(k, slot) for k, slot in granted if k not in fresh]
+        # The granted slots are in use already (the session's reserve): what vLLM would free
+        # for these stores is what the reserve needs back.
+        evicted = self._evict_for(len(bound), keys, slack) or []
+        for key, slot in bound:
+            self._insert(key, slot, state)
+        self._storing += len(bound)
+        self.counters.stores_started_total += len(bound)
+        state.inserted.update(k for k, _ in bound if k in state.seen)
+        return OfferResult([k for k, _ in bound], [k for k, _ in duplicates], evicted)
+
     def complete_store(self, keys: Sequence[bytes], success: bool = True,
                        req: Hashable | None = None, epoch: int | None = None,
-                       hold: list[int] | None = None) -> int:
+                       hold: list[int] | None = None,
+                       slots: Sequence[int] | None = None) -> int:
         """Make pending blocks readable (success) or free them; returns how many changed.
 
-        With `hold`, the slots of failed stores are appended to it instead of being freed: the
-        caller quarantines them while the writer might still be copying into them.
+        With `slots` (one per key: where the completing store wrote), a store into another
+        slot than the key's block is a duplicate: the first such store to complete wins (the
+        block moves to its slot), a later one's slot is freed. With `hold`, the slots of
+        failed stores are appended to it instead of being freed: the caller quarantines them
+        while the writer might still be copying into them.
         """
         if epoch is not None and epoch != self.epoch:
             if epoch < self.epoch:
-                for key in keys:
+                for i, key in enumerate(keys):
+                    if slots is not None and self._settle_lost(key, slots[i], hold):
+                        continue
                     self._release_zombie(epoch, key, loading=False, hold=hold)
             return 0
         changed: list[bytes] = []
-        for key in keys:
+        for i, key in enumerate(keys):
             block = self.policy.get(key)
+            if slots is not None and (block is None or block.slot != slots[i]):
+                if success and block is not None and block.ref < 0:
+                    self._move(key, block, slots[i])      # the first completed copy wins
+                else:
+                    self._free_or_hold(slots[i], hold)   # a later one loses its slot
+                    continue
             if block is None or block.ref >= 0:
                 continue
             self._storing -= 1
@@ -379,9 +453,12 @@ class NamespaceManager:
                 block.ref = 0
                 self._evictable += 1
                 self.policy.mark_evictable(key)
+                if self.index is not None:
+                    self.index.set_ready(block.slot)
             else:
                 self.policy.remove(key)
                 del self._slot_keys[block.slot]
+                self._unpublish(block.slot)
                 self._free_or_hold(block.slot, hold)
             changed.append(key)
         if changed:
@@ -392,6 +469,46 @@ class NamespaceManager:
                 self.counters.stores_failed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))
         return len(changed)
+
+    def _move(self, key: bytes, block: Block, slot: int) -> None:
+        """A duplicate store completed first: the block takes its slot. The old slot stays in
+        use until its own (losing) store completes."""
+        old = block.slot
+        del self._slot_keys[old]
+        self._unpublish(old)
+        block.slot = slot
+        self._slot_keys[slot] = key
+        if self.index is not None:
+            self.index.insert(slot, key)
+
+    def _settle_lost(self, key: bytes, slot: int, hold: list[int] | None) -> bool:
+        """A completion from before a reset for a slot that is no zombie of the key (a losing
+        duplicate): free it. False when the slot is the zombie's (release it the usual way)."""
+        for (_, zkey), block in self._zombies.items():
+            if zkey == key and block.slot == slot:
+                return False
+        if slot in self._slot_keys:
+            return False
+        self._free_or_hold(slot, hold)
+        return True
+
+    def pin_loads(self, keys: Sequence[bytes], slots: Sequence[int],
+                  req: Hashable | None = None,
+                  positions: Sequence[int] | None = None) -> list[bytes]:
+        """Loads an engine started from its own lookups: pin each key whose readable block
+        still sits in the slot it read (prepare_load's bookkeeping for those); skip the rest."""
+        pinned: list[bytes] = []
+        kept_positions: list[int] = []
+        for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
+            block = self.policy.get(key)
+            if block is None or block.ref < 0 or block.slot != slot:
+                continue
+            pinned.append(key)
+            if positions:
+                kept_positions.append(positions[i])
+        if pinned:
+            self.prepare_load(pinned, req, kept_positions or None)
+        return pinned
 
     def resident_slots(self, slots: Iterable[int]) -> list[int]:
         """Which of `slots` hold a block of this namespace's index (not zombies or held)."""
@@ -413,6 +530,7 @@ class NamespaceManager:
         for key, block in victims:
             self.policy.remove(key)
             del self._slot_keys[block.slot]
+            self._unpublish(block.slot)
             self.slots.free(block.slot)
         self._evictable -= len(victims)
         self.counters.evictions_total += len(victims)
@@ -470,8 +588,10 @@ class NamespaceManager:
                 freed.append(block.slot)
         self.policy.clear()
         self._slot_keys.clear()
-        if not self._zombies:
-            self.slots.reset()  # back to vLLM's fresh allocation order
+        if self.index is not None:
+            self.index.clear()
+        if not self._zombies and self.slots.reset():
+            pass  # back to vLLM's fresh allocation order
         else:
             for slot in freed:
                 self.slots.free(slot)
@@ -481,5 +601,7 @@ class NamespaceManager:
             self._drop(req)
         self._generation += 1
         self.epoch += 1
+        if self.index is not None:
+            self.index.reset_epoch = self.epoch
         self.counters.resets_total += 1
         return dropped

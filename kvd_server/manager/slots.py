@@ -38,9 +38,10 @@ class FixedSlots:
     def capacity(self) -> int:
         return self._capacity
 
-    def reset(self) -> None:
+    def reset(self) -> bool:
         self._allocated = 0
         self._free.clear()
+        return True
 
     def reclaim(self, n: int) -> bool:
         return False  # a fixed capacity: nobody to take from

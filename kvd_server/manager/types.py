@@ -37,6 +37,16 @@ class StoreGrant:
     evicted_keys: list[bytes]
 
 
+@dataclass(slots=True, frozen=True)
+class OfferResult:
+    """What a StoreGranted offer did: the keys now being stored in their granted slots, the
+    granted keys another store already had (duplicates), the keys evicted to make room."""
+
+    accepted: list[bytes]
+    duplicates: list[bytes]
+    evicted: list[bytes]
+
+
 @dataclass(slots=True)
 class BlockCounts:
     """Blocks of one namespace by state (a block is in exactly one of the first three)."""
@@ -74,11 +84,36 @@ class SlotSource(Protocol):
         """Slots this namespace could hold now (allocated + free + growable)."""
         ...
 
-    def reset(self) -> None:
-        """Forget every allocation (all slots are free again; reset with no zombies)."""
+    def reset(self) -> bool:
+        """Forget every allocation (all slots free again, fresh order) when the source has no
+        other users than the blocks being dropped; False (nothing done) when it cannot, and
+        the caller frees the blocks' slots one by one."""
         ...
 
     def reclaim(self, n: int) -> bool:
         """Try to grow by at least `n` slots at someone else's expense (another namespace
         giving back an extent); True when free_count() grew."""
+        ...
+
+
+class BlockIndex(Protocol):
+    """Where the manager publishes what is stored where, for engines to read (the shared
+    index, kvd_server/shm_index.py)."""
+
+    reset_epoch: int
+
+    def insert(self, slot: int, key: bytes) -> bool:
+        """`key` is being stored in `slot`."""
+        ...
+
+    def set_ready(self, slot: int) -> None:
+        """The block in `slot` is readable."""
+        ...
+
+    def remove(self, slot: int) -> None:
+        """Nothing readable is in `slot` any more."""
+        ...
+
+    def clear(self) -> None:
+        """Every slot is unpublished (a reset)."""
         ...

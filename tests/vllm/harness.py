@@ -65,9 +65,11 @@ class Engine:
     def __init__(self, socket_path: str, *, block_size: int = 16, num_gpu_blocks: int = 64,
                  blocks_per_chunk: int = 1, head_size: int = 8,
                  extra: dict[str, Any] | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, compute: bool = True) -> None:
         """`sliding_window` (tokens) adds a second KV group, a sliding-window layer, as hybrid
-        models (Gemma, gpt-oss) have."""
+        models (Gemma, gpt-oss) have. `compute=False` skips the pattern writes (benchmarks that
+        time only the scheduler side)."""
+        self.compute = compute
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         extra_config: dict[str, Any] = {
@@ -194,7 +196,8 @@ class Engine:
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(self._ctx)
-        self._compute(out)
+        if self.compute:
+            self._compute(out)
         self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(out.finished_req_ids)
         worker_meta = self.worker.build_connector_worker_meta() or OffloadingWorkerMetadata()

@@ -21,6 +21,7 @@ from .harness import Engine
 pytestmark = [pytest.mark.vllm]
 MAX_TOKENS = 4000
 PAGE = 1024                       # the harness's KV bytes per block (all layers, K and V)
+RESERVE = 128                     # slots kvd grants the engine ahead (a few steps' stores)
 # (shape, capacity in chunks, blocks per chunk): capacities well below each trace's distinct
 # blocks (so both policies evict and differ), but above what its stores in flight need at once:
 # below that vLLM's synchronous prepare_store says "cannot store" and retries the next step,
@@ -61,11 +62,13 @@ def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 
     finally:
         baseline.close()
     slot = -(-PAGE * per_chunk // 4096) * 4096          # a chunk, rounded up to 4 KiB
-    pool = chunks * slot
+    # kvd grants RESERVE slots to the engine in advance (its stores never wait for the
+    # daemon): those are on top of the capacity the cache holds, as vLLM's own are not.
+    pool = (chunks + RESERVE) * slot
     daemon = start_daemon("--pool-size", str(pool), "--extent-size", str(pool),
                           "--policy", policy)
     engine = Engine(daemon.socket, num_gpu_blocks=512, blocks_per_chunk=per_chunk,
-                    sliding_window=sliding_window)
+                    sliding_window=sliding_window, extra={"kvd_reserve": RESERVE})
     try:
         assert engine.manager.client.wait_available(10)
         got = replay(engine, requests)
