@@ -4,7 +4,9 @@ The same trace (many multi-turn chat sessions, far more distinct blocks than the
 so it evicts) is replayed twice in one process: with vLLM's own in-process
 CPUOffloadingManager, and with KvdOffloadingSpec against a real `kvd serve`, at the same
 capacity and eviction policy. Every OffloadingManager method the scheduler calls is timed; a
-step's manager time is the sum over the calls it made. Requests run concurrently (up to
+step's manager time is the sum over the calls it made. Per-step figures are over the steps
+that scheduled tokens; steps with nothing to schedule (an engine waiting for transfers or
+messages) are counted apart, and the total over all steps is reported too. Requests run concurrently (up to
 16 at once), as a serving engine's do.
 
 Also counted: blocking waits, i.e. calls to the daemon made on the scheduler thread (the
@@ -83,6 +85,8 @@ def _replay(engine, requests: list[Request]) -> dict:
     running: set[str] = set()
     hits = 0
     n = 0
+    idle = 0
+    total = 0.0
     for _ in range(10_000_000):
         while queue and len(running) < IN_FLIGHT:
             req = queue.pop(0)
@@ -93,19 +97,24 @@ def _replay(engine, requests: list[Request]) -> dict:
         if not running and not engine.busy():
             break
         clock.take()
-        engine.step()
-        per_step.append(clock.take())
+        out = engine.step()
+        spent = clock.take()
+        total += spent
+        if out.total_num_scheduled_tokens:
+            per_step.append(spent)
+        else:
+            idle += 1          # nothing scheduled: waiting for transfers or messages
         done = [rid for rid in running if rid not in engine.scheduler.requests]
         for rid in done:
             running.discard(rid)
             hits += engine.stats.hit_tokens.get(rid, 0)
     per_step_us = [t * 1e6 for t in per_step]
     per_step_us.sort()
-    return {"steps": len(per_step), "hit_tokens": hits,
+    return {"steps": len(per_step), "idle_steps": idle, "hit_tokens": hits,
             "mean": statistics.fmean(per_step_us),
             "median": per_step_us[len(per_step_us) // 2],
             "p99": per_step_us[min(len(per_step_us) - 1, int(len(per_step_us) * 0.99))],
-            "total_seconds": sum(per_step)}
+            "total_seconds": total}
 
 
 def _count_blocking_calls(client) -> list[int]:
@@ -162,6 +171,8 @@ def run(sessions: int = 1000, turns: int = 8, capacity: int = 65536,
         "hits": {"kvd": kvd["hit_tokens"], "vllm": vllm["hit_tokens"],
                  "kvd_over_vllm": kvd["hit_tokens"] / max(1, vllm["hit_tokens"])},
         "steps": {"kvd": kvd["steps"], "vllm": vllm["steps"]},
+        "idle_steps": {"kvd": kvd["idle_steps"], "vllm": vllm["idle_steps"]},
+        "manager_seconds_total": {"kvd": kvd["total_seconds"], "vllm": vllm["total_seconds"]},
         "evictions_kvd": evictions,
     }
 

@@ -12,7 +12,6 @@ import contextlib
 import mmap
 import os
 import threading
-from typing import NamedTuple
 
 from kvd_proto.index_layout import (
     MARKS_BYTES,
@@ -26,21 +25,23 @@ from kvd_proto.index_layout import (
     key_hash,
 )
 
-__all__ = ["STATE_FREE", "STATE_READY", "STATE_STORING", "Found", "IndexReader", "Marks"]
+__all__ = ["STATE_FREE", "STATE_READY", "STATE_STORING", "IndexReader", "Marks"]
+
+MEMO_LIMIT = 1 << 17       # keys remembered by `find` (cleared when full: a bound, not a cache
+                           # policy; about 25 MiB at the limit)
 
 _FENCE = threading.Lock()
 
 
-class Found(NamedTuple):
-    state: int        # STATE_READY or STATE_STORING
-    slot: int
-    offset: int       # the slot's pool offset
-
-
 class IndexReader:
-    """A read-only mapping of one namespace's index (owns the descriptor)."""
+    """A read-only mapping of one namespace's index (owns the descriptor).
 
-    def __init__(self, fd: int) -> None:
+    `find` remembers where it found a key, with the slot's meta word at that time: the word
+    holds the slot's generation, which every insert and removal changes, so an unchanged word
+    proves the slot still holds the key in the same state and one read answers a repeated
+    lookup (the scheduler asks about a waiting request's blocks every step)."""
+
+    def __init__(self, fd: int, *, memo_limit: int = MEMO_LIMIT) -> None:
         self.fd = fd
         size = os.fstat(fd).st_size
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -50,10 +51,14 @@ class IndexReader:
         view = memoryview(self._map)
         self._buckets = view[h.buckets_offset:h.buckets_offset + 4 * h.buckets].cast("I")
         self._meta = view[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
-        self._keys = view[h.keys_offset:h.keys_offset + h.key_width * h.capacity]
         self._epochs = view[RESET_EPOCH_OFFSET:RECLAIM_EPOCH_OFFSET + 8].cast("Q")
+        self._keys_offset = h.keys_offset
         self._mask = h.buckets - 1
         self._width = h.key_width
+        self._per_extent, self._extent_bytes, self._stride = \
+            h.per_extent, h.extent_bytes, h.stride
+        self._memo: dict[bytes, tuple[int, int, int]] = {}   # key -> (slot, word, offset)
+        self._memo_limit = memo_limit
 
     @property
     def reset_epoch(self) -> int:
@@ -63,13 +68,19 @@ class IndexReader:
     def reclaim_epoch(self) -> int:
         return self._epochs[1]
 
-    def find(self, key: bytes) -> Found | None:
-        """The key's slot if it is stored (READY) or being stored (STORING), else None."""
+    def find(self, key: bytes) -> tuple[int, int] | None:
+        """(state, pool offset) of the key's slot if it is stored (STATE_READY) or being
+        stored (STATE_STORING), else None."""
+        memo = self._memo.get(key)
+        if memo is not None:
+            slot, word, offset = memo
+            if self._meta[slot] == word:
+                return word & 3, offset
         n = len(key)
         if n > self._width:
             return None
-        buckets, meta, keys, width = self._buckets, self._meta, self._keys, self._width
-        b = key_hash(key) & self._mask
+        buckets, meta, mask = self._buckets, self._meta, self._mask
+        b = key_hash(key) & mask
         for _ in range(MAX_PROBE):
             v = buckets[b]
             if not v:
@@ -77,14 +88,20 @@ class IndexReader:
             slot = v - 1
             word = meta[slot]
             if word & 3 and (word >> 2) & 0xFF == n:
-                start = slot * width
-                if keys[start:start + n] == key and meta[slot] == word:
-                    return Found(word & 3, slot, self.header.offset_of(slot))
-            b = (b + 1) & self._mask
+                start = self._keys_offset + slot * self._width
+                if self._map[start:start + n] == key and meta[slot] == word:
+                    offset = (slot // self._per_extent * self._extent_bytes
+                              + slot % self._per_extent * self._stride)
+                    if len(self._memo) >= self._memo_limit:
+                        self._memo.clear()
+                    self._memo[key] = (slot, word, offset)
+                    return word & 3, offset
+            b = (b + 1) & mask
         return None
 
     def close(self) -> None:
-        for view in (self._buckets, self._meta, self._keys, self._epochs):
+        self._memo.clear()
+        for view in (self._buckets, self._meta, self._epochs):
             view.release()
         with contextlib.suppress(BufferError):   # a view alive elsewhere: the GC unmaps it
             self._map.close()

@@ -67,12 +67,66 @@ class _Store:
     completed: bool = False
 
 
+# A queued message, as the scheduler thread leaves it: (kind, *fields). The sender thread
+# turns them into StepOps (`_wire`), so the step pays for no protobuf work.
+_Op = tuple
+
+
 @dataclass(slots=True)
 class _Batch:
     seq: int
     generation: int
-    ops: list[kvd_pb2.StepOp] = field(default_factory=list)
+    ops: list[_Op] = field(default_factory=list)
     essential: bool = True      # carries more than grant requests: the engine waits for it
+
+
+def _chunks(keys: Sequence, size: int = MAX_KEYS_PER_CALL) -> range:
+    return range(0, max(1, len(keys)), size)
+
+
+def _wire(op: _Op) -> list[kvd_pb2.StepOp]:
+    """One queued message as the StepOps that carry it (split to the per-call key bound)."""
+    kind = op[0]
+    if kind == "pin":
+        _, keys, req_id, pos, offsets = op
+        return [kvd_pb2.StepOp(pin=kvd_pb2.PinRequest(
+            keys=keys[i:i + MAX_KEYS_PER_CALL], req_id=req_id,
+            positions=pos[i:i + MAX_KEYS_PER_CALL],
+            slot_offsets=offsets[i:i + MAX_KEYS_PER_CALL])) for i in _chunks(keys)]
+    if kind == "store_granted":
+        _, keys, req_id, pos, granted = op
+        ops = []
+        for i in _chunks(keys):
+            part = set(keys[i:i + MAX_KEYS_PER_CALL])
+            mine = [(k, o) for k, o in granted if k in part]
+            ops.append(kvd_pb2.StepOp(store_granted=kvd_pb2.StoreGrantedRequest(
+                keys=keys[i:i + MAX_KEYS_PER_CALL], req_id=req_id,
+                positions=pos[i:i + MAX_KEYS_PER_CALL],
+                granted_keys=[k for k, _ in mine], granted_offsets=[o for _, o in mine])))
+        return ops
+    if kind == "complete_load":
+        _, keys, req_id, epoch = op
+        return [kvd_pb2.StepOp(complete_load=kvd_pb2.CompleteLoadRequest(
+            keys=keys[i:i + MAX_KEYS_PER_CALL], req_id=req_id, epoch=epoch))
+            for i in _chunks(keys)]
+    if kind == "complete_store":
+        _, keys, success, req_id, epoch = op
+        return [kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
+            keys=keys[i:i + MAX_KEYS_PER_CALL], success=success, req_id=req_id, epoch=epoch))
+            for i in _chunks(keys)]
+    if kind == "touch":
+        _, keys, req_id = op
+        return [kvd_pb2.StepOp(touch=kvd_pb2.TouchRequest(
+            keys=keys[i:i + MAX_KEYS_PER_CALL], req_id=req_id)) for i in _chunks(keys)]
+    if kind == "request_finished":
+        return [kvd_pb2.StepOp(request_finished=kvd_pb2.RequestFinishedRequest(req_id=op[1]))]
+    if kind == "grant":
+        return [kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(count=op[1]))]
+    if kind == "reset":
+        return [kvd_pb2.StepOp(reset=kvd_pb2.ResetRequest())]
+    if kind == "take_events":
+        return [kvd_pb2.StepOp(take_events=kvd_pb2.TakeEventsRequest())]
+    raise ValueError(f"unknown offload message {kind!r}")
 
 
 class OffloadSession:
@@ -92,7 +146,7 @@ class OffloadSession:
         self._in_step = False
         self._step_epoch = 0
         self._hits: dict[bytes, int] = {}                       # this step's HITs -> offset
-        self._ops: list[kvd_pb2.StepOp] = []
+        self._ops: list[_Op] = []
         self._seq = 0
         # copies in flight
         self._loads: dict[bytes, list[tuple[int, int]]] = {}    # key -> [(reclaim, reset)]
@@ -110,8 +164,9 @@ class OffloadSession:
         # the sender thread and what it hands back
         self._lock = threading.Lock()             # publishing marks vs the step boundary
         self._outbox: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
-        self._inbox: queue.SimpleQueue[tuple[_Batch, list[kvd_pb2.StepResult] | None]] = \
-            queue.SimpleQueue()
+        # (batch, answers): the sender's digest of the results the session applies, in order,
+        # or None when the daemon did not take the batch
+        self._inbox: queue.SimpleQueue[tuple[_Batch, list[tuple] | None]] = queue.SimpleQueue()
         self._in_flight = 0
         self._in_flight_essential = 0
         self._acked = -1
@@ -220,20 +275,23 @@ class OffloadSession:
     # --------------------------------------------------------------- lookups
     def lookup(self, key: bytes) -> Lookup:
         """Whether `key` is cached: HIT (loadable now), PENDING (being stored) or MISS."""
-        self._begin()
+        if not self._in_step:
+            self._begin()
         index = self._index
         if index is None or self._reset_pending or not self.client.available:
             return Lookup.MISS
         found = index.find(key)
-        store = self._stores.get(key)
         if found is not None:
-            if found.state == STATE_READY:
-                self._hits[key] = found.offset
+            state, offset = found
+            if state == STATE_READY:
+                self._hits[key] = offset
                 return Lookup.HIT
-            if store is not None and store.completed and store.offset == found.offset:
-                self._hits[key] = found.offset        # ours, completed: the daemon catches up
+            store = self._stores.get(key)
+            if store is not None and store.completed and store.offset == offset:
+                self._hits[key] = offset              # ours, completed: the daemon catches up
                 return Lookup.HIT
             return Lookup.PENDING
+        store = self._stores.get(key)
         if store is not None and store.batch > self._acked:
             # The daemon has not heard of this store yet: the slot is still ours alone.
             if store.completed:
@@ -251,43 +309,56 @@ class OffloadSession:
             positions: Sequence[int] | None = None) -> list[int | None]:
         """Start loads of keys this step's lookups found HIT: their offsets (None for a key
         that was not). The slots stay readable until `unpin`."""
-        self._begin()
-        offsets: list[int | None] = [self._hits.get(k) for k in keys]
-        loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
+        if not self._in_step:
+            self._begin()
+        hits = self._hits
+        offsets: list[int | None] = [hits.get(k) for k in keys]
+        if None in offsets:
+            loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
+            loaded_offsets = [o for o in offsets if o is not None]
+        else:
+            loaded, loaded_offsets = list(keys), offsets
+        if not loaded:
+            return offsets
         epochs = (self._step_epoch, self._reset_epoch)
+        loads = self._loads
         for key in loaded:
-            self._loads.setdefault(key, []).append(epochs)
-            self._load_epochs[self._step_epoch] += 1
-        if loaded:
-            pos = list(positions) if positions and len(positions) == len(keys) else []
-            if pos:
-                pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
-            for i in range(0, len(loaded), MAX_KEYS_PER_CALL):
-                self._ops.append(kvd_pb2.StepOp(pin=kvd_pb2.PinRequest(
-                    keys=loaded[i:i + MAX_KEYS_PER_CALL], req_id=req_id,
-                    positions=pos[i:i + MAX_KEYS_PER_CALL],
-                    slot_offsets=[o for o in offsets if o is not None][i:i + MAX_KEYS_PER_CALL])))
+            held = loads.get(key)
+            if held is None:
+                loads[key] = [epochs]
+            else:
+                held.append(epochs)
+        self._load_epochs[self._step_epoch] += len(loaded)
+        pos = list(positions) if positions and len(positions) == len(keys) else []
+        if pos and len(loaded) != len(keys):
+            pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
+        self._ops.append(("pin", loaded, req_id, pos, loaded_offsets))
         return offsets
 
     def unpin(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Loads of `keys` finished (every worker copied)."""
         by_reset: dict[int, list[bytes]] = {}
+        released: collections.Counter[int] = collections.Counter()
+        loads = self._loads
         for key in keys:
-            held = self._loads.get(key)
+            held = loads.get(key)
             if not held:
                 self._finished_old_copy()
                 continue
-            reclaim, reset = held.pop(0)
-            if not held:
-                del self._loads[key]
-            self._load_epochs[reclaim] -= 1
-            if not self._load_epochs[reclaim]:
-                del self._load_epochs[reclaim]
-            by_reset.setdefault(reset, []).append(key)
+            reclaim, reset = held.pop(0) if len(held) > 1 else loads.pop(key)[0]
+            released[reclaim] += 1
+            group = by_reset.get(reset)
+            if group is None:
+                by_reset[reset] = [key]
+            else:
+                group.append(key)
+        load_epochs = self._load_epochs
+        for reclaim, n in released.items():
+            load_epochs[reclaim] -= n
+            if load_epochs[reclaim] <= 0:
+                del load_epochs[reclaim]
         for reset, group in by_reset.items():
-            for i in range(0, len(group), MAX_KEYS_PER_CALL):
-                self._queue(kvd_pb2.StepOp(complete_load=kvd_pb2.CompleteLoadRequest(
-                    keys=group[i:i + MAX_KEYS_PER_CALL], req_id=req_id, epoch=reset)))
+            self._queue(("complete_load", group, req_id, reset))
 
     # ----------------------------------------------------------------- stores
     def reserve(self, keys: Sequence[bytes], req_id: str = "",
@@ -319,13 +390,7 @@ class OffloadSession:
                 epoch = UNKNOWN_EPOCH if self._reset_pending else self._reset_epoch
                 self._stores[key] = _Store(offset, epoch, batch)
         pos = list(positions) if positions and len(positions) == len(keys) else []
-        for i in range(0, len(keys), MAX_KEYS_PER_CALL):
-            part = set(keys[i:i + MAX_KEYS_PER_CALL])
-            mine = [(k, o) for k, o in granted if k in part]
-            self._ops.append(kvd_pb2.StepOp(store_granted=kvd_pb2.StoreGrantedRequest(
-                keys=keys[i:i + MAX_KEYS_PER_CALL], req_id=req_id,
-                positions=pos[i:i + MAX_KEYS_PER_CALL],
-                granted_keys=[k for k, _ in mine], granted_offsets=[o for _, o in mine])))
+        self._ops.append(("store_granted", list(keys), req_id, pos, granted))
         return granted
 
     def complete_store(self, keys: Sequence[bytes], req_id: str = "",
@@ -350,20 +415,15 @@ class OffloadSession:
     def _send_completions(self, by_reset: dict[int, list[bytes]], req_id: str,
                           success: bool) -> None:
         for reset, group in by_reset.items():
-            for i in range(0, len(group), MAX_KEYS_PER_CALL):
-                self._queue(kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
-                    keys=group[i:i + MAX_KEYS_PER_CALL], success=success, req_id=req_id,
-                    epoch=reset)))
+            self._queue(("complete_store", group, success, req_id, reset))
 
     # ---------------------------------------------------------- request scope
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
-        for i in range(0, len(keys), MAX_KEYS_PER_CALL):
-            self._queue(kvd_pb2.StepOp(touch=kvd_pb2.TouchRequest(
-                keys=list(keys[i:i + MAX_KEYS_PER_CALL]), req_id=req_id)))
+        if keys:
+            self._queue(("touch", list(keys), req_id))
 
     def request_finished(self, req_id: str) -> None:
-        self._queue(kvd_pb2.StepOp(request_finished=kvd_pb2.RequestFinishedRequest(
-            req_id=req_id)))
+        self._queue(("request_finished", req_id))
 
     # ------------------------------------------------------------------ resets
     def reset(self) -> None:
@@ -371,7 +431,7 @@ class OffloadSession:
         self._sync()
         if not self.available:
             return
-        self._queue(kvd_pb2.StepOp(reset=kvd_pb2.ResetRequest()))
+        self._queue(("reset",))
         self._reset_pending = True
         for key, store in self._stores.items():
             self._stale_stores.setdefault(store.reset_epoch, []).append(key)
@@ -387,13 +447,10 @@ class OffloadSession:
         """Every copy that was in flight at the last reset has finished: release their slots
         at the daemon (it kept them, as zombies, until now)."""
         for reset, keys in self._stale_stores.items():
-            for i in range(0, len(keys), MAX_KEYS_PER_CALL):
-                self._queue(kvd_pb2.StepOp(complete_store=kvd_pb2.CompleteStoreRequest(
-                    keys=keys[i:i + MAX_KEYS_PER_CALL], success=False, epoch=reset)))
+            self._queue(("complete_store", keys, False, "", reset))
         for reset, keys in self._stale_loads.items():
-            for key in keys:
-                self._queue(kvd_pb2.StepOp(complete_load=kvd_pb2.CompleteLoadRequest(
-                    keys=[key], epoch=reset)))
+            for key in keys:          # one per load: a key may have several in flight
+                self._queue(("complete_load", [key], "", reset))
         self._stale_stores.clear()
         self._stale_loads.clear()
 
@@ -413,12 +470,12 @@ class OffloadSession:
         if not self.available:
             self._ops.clear()
             return
-        essential = any(op.WhichOneof("op") != "grant" for op in self._ops)
+        essential = any(op[0] != "grant" for op in self._ops)
         want = self.reserve_target - len(self._reserve) - self._granting
         if want > 0:
             self._ask_grant(want)
         if self.enable_events and essential:
-            self._ops.append(kvd_pb2.StepOp(take_events=kvd_pb2.TakeEventsRequest()))
+            self._ops.append(("take_events",))
         if not self._ops:
             return
         batch = _Batch(self._seq, self._generation, self._ops, essential)
@@ -436,18 +493,18 @@ class OffloadSession:
         """Messages queued or not yet answered (keep the engine stepping until they are)."""
         self._apply_answers()
         if self._in_flight_essential > 0 or self._reset_pending:
-            # An idle engine asks this in a loop: let the sender thread have the interpreter
-            # (a yield, not a wait: it returns at once when the sender has nothing to do).
+            # Only an engine with nothing to schedule asks, in a loop: hand the sender the
+            # interpreter (a yield, not a wait; no request is kept waiting by it).
             time.sleep(0)
             return True
-        return any(op.WhichOneof("op") != "grant" for op in self._ops)
+        return any(op[0] != "grant" for op in self._ops)
 
     def _ask_grant(self, want: int | None = None) -> None:
         want = self.reserve_target if want is None else want
         self._granting += want
-        self._ops.append(kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(count=want)))
+        self._ops.append(("grant", want))
 
-    def _queue(self, op: kvd_pb2.StepOp) -> None:
+    def _queue(self, op: _Op) -> None:
         if self.client.available:
             self._ops.append(op)
 
@@ -478,17 +535,14 @@ class OffloadSession:
                 if self._reset_pending:
                     self._reset_done(self._reset_epoch)
                 continue
-            for op, result in zip(batch.ops, results, strict=False):
-                kind = op.WhichOneof("op")
+            for kind, value, extra in results:
                 if kind == "grant":
-                    self._granting -= op.grant.count
-                    self._reserve.extend(result.grant.slot_offsets)
+                    self._granting -= value
+                    self._reserve.extend(extra)
                 elif kind == "reset":
-                    self._reset_done(result.reset.epoch)
-                elif kind == "take_events":
-                    self._events.extend(
-                        Event(tuple(e.keys), e.removed, e.metadata_only)
-                        for e in result.take_events.events)
+                    self._reset_done(value)
+                else:
+                    self._events.extend(extra)
             self._granting = max(self._granting, 0)
             self._forget_settled_stores()
 
@@ -516,7 +570,7 @@ class OffloadSession:
             batch = self._outbox.get()
             if batch is None:
                 return
-            results: list[kvd_pb2.StepResult] | None = None
+            results: list[tuple] | None = None
             try:
                 results = self._send(batch)
             except Exception:  # the sender must outlive any bug: the batch is just lost
@@ -527,16 +581,28 @@ class OffloadSession:
             except Exception:
                 log.exception("kvd sender could not publish its idle epoch")
 
-    def _send(self, batch: _Batch) -> list[kvd_pb2.StepResult] | None:
+    def _send(self, batch: _Batch) -> list[tuple] | None:
+        """Send a batch; digest the results the session applies: (kind, value, items)."""
         if batch.generation != self.client.generation or not self.client.available:
             return None
-        results: list[kvd_pb2.StepResult] = []
-        for i in range(0, len(batch.ops), MAX_OPS_PER_STEP):
-            part = self.client.step(batch.ops[i:i + MAX_OPS_PER_STEP])
+        wire = [step_op for op in batch.ops for step_op in _wire(op)]
+        answers: list[tuple] = []
+        for i in range(0, len(wire), MAX_OPS_PER_STEP):
+            part_ops = wire[i:i + MAX_OPS_PER_STEP]
+            part = self.client.step(part_ops)
             if part is None:
                 return None
-            results.extend(part)
-        return results
+            for op, result in zip(part_ops, part, strict=False):
+                kind = op.WhichOneof("op")
+                if kind == "grant":
+                    answers.append(("grant", op.grant.count, list(result.grant.slot_offsets)))
+                elif kind == "reset":
+                    answers.append(("reset", result.reset.epoch, None))
+                elif kind == "take_events":
+                    answers.append(("take_events", 0, [
+                        Event(tuple(e.keys), e.removed, e.metadata_only)
+                        for e in result.take_events.events]))
+        return answers
 
     def _publish_idle(self) -> None:
         """Between steps with no load in flight, nothing holds back reuse: say so, so an idle

@@ -47,8 +47,9 @@ class KvdOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _positions(keys: Sequence[bytes], ctx: ReqContext) -> list[int] | None:
-        positions = [ctx.get_offload_key_position(k) for k in keys]
-        return None if any(p is None for p in positions) else positions  # type: ignore[misc]
+        position = ctx.get_offload_key_position
+        positions = [position(k) for k in keys]
+        return None if None in positions else positions  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
