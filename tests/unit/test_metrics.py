@@ -22,7 +22,8 @@ def _doc(namespaces: int = 2) -> dict:
         "sessions": 3,
         "clients": {"active": 3, "attached_total": 7, "reaped_total": 1, "closed_total": 3},
         "namespaces": [
-            {"id": f"ns{i:02d}", "slots_capacity": 100, "lookups_total": 10, "hits_total": 6,
+            {"id": f"ns{i:02d}", "model": f"org/model-{i}", "tenant": "team-a",
+             "slots_capacity": 100, "lookups_total": 10, "hits_total": 6,
              "misses_total": 4, "stores_started_total": 5, "stores_completed_total": 4,
              "stores_failed_total": 1, "evictions_total": 2, "store_rejections_total": 0,
              "blocks": {"storing": 0, "ready": 4, "pinned": 1, "zombie": 0}}
@@ -66,6 +67,22 @@ def test_namespace_labels_are_bounded():
     labels = {line.split('namespace="')[1].split('"')[0]
               for line in text.splitlines() if line.startswith("kvd_hits_total{")}
     assert len(labels) == MAX_NAMESPACE_LABELS + 1
+
+
+def test_namespace_info_names_each_namespace_within_the_bound():
+    text = _exposition(_doc(namespaces=MAX_NAMESPACE_LABELS + 5))
+    assert 'kvd_namespace_info{model="org/model-1",namespace="ns01",tenant="team-a"} 1.0' in text
+    assert 'kvd_namespace_info{model="other",namespace="other",tenant="other"} 1.0' in text
+    assert text.count("\nkvd_namespace_info{") == MAX_NAMESPACE_LABELS + 1
+
+
+def test_standard_process_and_python_series_and_no_created_samples():
+    text = _exposition(_doc())
+    for name in ("process_resident_memory_bytes", "process_open_fds", "process_max_fds",
+                 "process_cpu_seconds_total", "process_start_time_seconds",
+                 'python_info{implementation="CPython"', "python_gc_collections_total"):
+        assert f"\n{name}" in text, name
+    assert "_created" not in text
 
 
 def test_broken_snapshot_reports_down():
