@@ -111,14 +111,33 @@ def test_http_endpoint():
         server.close()
 
 
-def test_grafana_dashboard_uses_exposed_metrics():
+def _dashboard_exprs() -> list[str]:
     import json
     import pathlib
-    import re
 
     path = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvd-dashboard.json"
     dash = json.loads(path.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian: prometheus)")
+def test_grafana_dashboard_expressions_are_valid_promql(tmp_path):
+    import json
+
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:panel_{i}", "expr": expr.replace("$instance", ".*")}
+        for i, expr in enumerate(_dashboard_exprs())]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps(rules))      # JSON is YAML
+    proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_grafana_dashboard_uses_exposed_metrics():
+    import re
+
+    exprs = _dashboard_exprs()
     assert exprs
     exposed = {line.split("{")[0].split(" ")[0]
                for line in _exposition(_doc()).splitlines() if line and not line.startswith("#")}
