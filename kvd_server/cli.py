@@ -91,7 +91,7 @@ class CliError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that suggests the close match for a mistyped subcommand, choice or option."""
 
-    commands: dict[str, argparse.ArgumentParser]
+    commands: dict[str, _Parser]
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         # argparse's one check of a value against `choices`, subcommand names included.
@@ -112,7 +112,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> _Parser:
     sockets = argparse.ArgumentParser(add_help=False)
     sockets.add_argument("--socket", metavar="PATH",
-                         help="the daemon's gRPC socket (default: $KVD_SERVER_SOCKET, $KVD_SOCKET, "
+                         help="the daemon's gRPC socket (default: $KVD_SOCKET, $KVD_SERVER_SOCKET, "
                               "server.socket from $KVD_CONFIG, else $XDG_RUNTIME_DIR/kvd/kvd.sock "
                               "or /tmp/kvd-$UID/kvd.sock; client commands also try "
                               "/run/kvd/kvd.sock when that default does not exist)")
@@ -396,8 +396,6 @@ _TLS_PROBLEMS: tuple[tuple[str, str], ...] = (
                                   "CA.pem, the CA that signed it"),
     ("Hostname Verification", "the daemon's certificate does not name this host: connect by "
                               "a name or address the certificate holds"),
-    ("CERTIFICATE_REQUIRED", "the daemon requires a client certificate: pass --tls-cert and "
-                             "--tls-key"),
     ("WRONG_VERSION_NUMBER", "this port does not speak TLS: is it the daemon's "
                              "server.admin_listen?"),
 )
