@@ -4,11 +4,12 @@ without kvd's .proto file (what grpcurl does, done here with grpcio-reflection's
 from __future__ import annotations
 
 import json
+import os
 
 import grpc
 import pytest
 
-from tests.multiproc.conftest import Daemon, target
+from tests.multiproc.conftest import Daemon, clean_env, target
 
 pytestmark = pytest.mark.multiproc
 reflection_db = pytest.importorskip(
@@ -49,3 +50,15 @@ def test_no_reflection_without_the_flag(daemon: Daemon):
             pytest.raises(grpc.RpcError) as err:
         reflection_db.ProtoReflectionDescriptorDatabase(channel).get_services()
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_reflection_without_its_package_says_which_extra_to_install(workdir, start_daemon):
+    hidden = workdir / "hide" / "grpc_reflection"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(workdir / "hide"), env["PYTHONPATH"]])
+    daemon: Daemon = start_daemon("--pool-size", "8MiB", "--extent-size", "4MiB",
+                                  "--reflection", env=env)
+    assert "pip install 'kvd-offload[reflection]'" in daemon.log()
+    assert "serving without reflection" in daemon.log()
