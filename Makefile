@@ -7,8 +7,11 @@ PY := $(BIN)/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= ghcr.io/kvd/kvd:$(VERSION)
+CONTAINER ?= podman
 
-.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env clean
+.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env image wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -59,6 +62,12 @@ bench: $(VENV)/.stamp-vllm ## run the benchmarks, write bench/results/
 proto: $(VENV)/.stamp-test ## regenerate the committed gRPC code in kvd_proto/
 	$(PY) tools/gen_proto.py
 
+wheel: $(VENV)/.stamp-run ## build the kvd-offload wheel into dist/
+	$(PIP) wheel --no-deps --wheel-dir dist .
+
+image: ## build the daemon image ghcr.io/kvd/kvd:VERSION from deploy/Containerfile (CONTAINER=docker)
+	$(CONTAINER) build -f deploy/Containerfile -t $(IMAGE) .
+
 lint: $(VENV)/.stamp-test ## ruff
 	$(BIN)/ruff check .
 
@@ -66,4 +75,4 @@ fmt: $(VENV)/.stamp-test
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

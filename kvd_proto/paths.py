@@ -3,7 +3,9 @@
 The daemon serves gRPC on a Unix socket `P` and the attach side channel on `P.attach`. With
 nothing configured, `P` is `$KVD_SOCKET`, else `$KVD_SERVER_SOCKET`, else
 `$XDG_RUNTIME_DIR/kvd/kvd.sock`, else `/tmp/kvd-$UID/kvd.sock` (systemd and Kubernetes set
-`/run/kvd/kvd.sock` explicitly).
+`/run/kvd/kvd.sock` explicitly). Clients (the CLI, kvd_client) follow the same rule, except that
+when neither variable is set and the user's own socket does not exist, they try the system
+daemon's `/run/kvd/kvd.sock`; a daemon never binds there unless told to.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping
 
 ATTACH_SUFFIX = ".attach"
 SOCKET_ENV = ("KVD_SOCKET", "KVD_SERVER_SOCKET")
+SYSTEM_SOCKET = "/run/kvd/kvd.sock"   # what the systemd unit and the DaemonSet configure
 
 
 def runtime_socket_path(env: Mapping[str, str] | None = None) -> str:
@@ -30,14 +33,25 @@ def runtime_socket_path(env: Mapping[str, str] | None = None) -> str:
     return f"/tmp/kvd-{os.getuid()}/kvd.sock"
 
 
-def default_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """The gRPC socket when none is given: `$KVD_SOCKET`, `$KVD_SERVER_SOCKET`, else the
-    runtime rule. A relative path is taken from the current directory."""
+def daemon_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """The socket a daemon binds when none is configured: `$KVD_SOCKET`, `$KVD_SERVER_SOCKET`,
+    else the runtime rule. A relative path is taken from the current directory."""
     env = os.environ if env is None else env
     for name in SOCKET_ENV:
         if env.get(name):
             return os.path.abspath(env[name])
     return runtime_socket_path(env)
+
+
+def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """The socket a client talks to when none is given: the daemon's rule, or the system
+    daemon's socket when no variable names one, the user's own socket does not exist and the
+    system's does (a node run by systemd or Kubernetes needs no --socket then)."""
+    env = os.environ if env is None else env
+    path = daemon_socket_path(env)
+    if any(env.get(name) for name in SOCKET_ENV) or os.path.lexists(path):
+        return path
+    return SYSTEM_SOCKET if os.path.lexists(SYSTEM_SOCKET) else path
 
 
 def attach_path(socket_path: str) -> str:

@@ -7,15 +7,16 @@ the same way wherever it came from, with a message naming the key and its source
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvd_proto.paths import ATTACH_SUFFIX, default_socket_path
+from kvd_proto.paths import ATTACH_SUFFIX, daemon_socket_path
 from kvd_proto.wire import SLOT_ALIGNMENT
 from kvd_server import units
 
@@ -23,6 +24,7 @@ DEFAULTS_PATH = Path(__file__).with_name("default_config.toml")
 CONFIG_ENV = "KVD_CONFIG"
 ENV_PREFIX = "KVD_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 POLICIES = ("lru", "arc")
 BACKINGS = ("memfd", "file")
 
@@ -48,6 +50,7 @@ class ServerConfig:
     reflection: bool
     drain_timeout: float
     log_level: str
+    log_format: str
     admin_token_file: str
     admin_listen: str
     tls_cert: str
@@ -284,6 +287,7 @@ _SCHEMA: dict[str, _Key] = {
     "server.reflection": _Key("bool", _bool),
     "server.drain_timeout": _Key("duration", _duration),
     "server.log_level": _Key("str", _choice(LOG_LEVELS)),
+    "server.log_format": _Key("str", _choice(LOG_FORMATS)),
     "server.admin_token_file": _Key("str", _str),
     "server.admin_listen": _Key("str", _str),
     "server.tls_cert": _Key("str", _str),
@@ -320,6 +324,12 @@ def env_name(key: str) -> str:
 _ENV_TO_KEY = {env_name(key): key for key in _SCHEMA}
 
 
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """` (did you mean X?)` for the closest of `known`, or "" when nothing is close."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 # --- loading -------------------------------------------------------------------------------
 
 
@@ -327,13 +337,14 @@ def _flatten(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for section, table in doc.items():
         if section not in _SECTIONS:
-            raise ConfigError(f"unknown section [{section}] in {source}")
+            hint = did_you_mean(section, _SECTIONS)
+            raise ConfigError(f"unknown section [{section}] in {source}{hint}")
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] must be a table in {source}")
         for key, value in table.items():
             name = f"{section}.{key}"
             if name not in _SCHEMA:
-                raise ConfigError(f"unknown key {name} in {source}")
+                raise ConfigError(f"unknown key {name} in {source}{did_you_mean(name, _SCHEMA)}")
             flat[name] = value
     return flat
 
@@ -357,11 +368,12 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             continue
         key = _ENV_TO_KEY.get(name)
         if key is None:
-            # Only names under one of our sections are ours; other KVD_* names (e.g. the
-            # client's) are left alone.
+            # Names under one of our sections (or a misspelt one: KVD_POLL_SIZE) are ours;
+            # other KVD_* names (the client's, KVD_SOCKET, ...) are left alone.
             section = name[len(ENV_PREFIX):].split("_", 1)[0].lower()
-            if section in _SECTIONS:
-                raise ConfigError(f"unknown setting in environment variable {name}")
+            if section in _SECTIONS or difflib.get_close_matches(section, _SECTIONS, n=1):
+                raise ConfigError(f"unknown setting in environment variable {name}"
+                                  f"{did_you_mean(name, _ENV_TO_KEY)}")
             continue
         layer[key] = (value, f"environment variable {name}")
     return layer
@@ -399,7 +411,7 @@ def load_config(
     raw.update(_env_layer(env))
     for key, (value, origin) in (overrides or {}).items():
         if key not in _SCHEMA:
-            raise ConfigError(f"unknown key {key} ({origin})")
+            raise ConfigError(f"unknown key {key} ({origin}){did_you_mean(key, _SCHEMA)}")
         raw[key] = (value, origin)
 
     values: dict[str, Any] = {}
@@ -408,9 +420,10 @@ def load_config(
             values[key] = _SCHEMA[key].parse(value)
         except ValueError as exc:
             raise ConfigError(f"{key}: {exc} (from {origin})") from None
+    # One rule wherever the path came from: relative to the directory kvd runs in.
+    socket = values["server.socket"]
+    values["server.socket"] = os.path.abspath(socket) if socket else daemon_socket_path(env)
     _check(values, raw)
-    if not values["server.socket"]:
-        values["server.socket"] = default_socket_path(env)
     extent_cap = values["pool.size"] // SLOT_ALIGNMENT * SLOT_ALIGNMENT
     values["pool.extent_size"] = min(values["pool.extent_size"], extent_cap)
 
@@ -434,13 +447,12 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
     if extent < SLOT_ALIGNMENT or extent % SLOT_ALIGNMENT:
         fail("pool.extent_size", f"must be a positive multiple of {SLOT_ALIGNMENT} bytes")
     if values["pool.backing"] == "file" and not values["pool.path"]:
-        fail("pool.path", 'must name a directory when pool.backing = "file"')
+        # Blame the setting that asked for a file, not the empty default path.
+        fail("pool.backing", '"file" needs pool.path, the directory of the pool file (e.g. '
+                             "--pool-path /dev/shm or KVD_POOL_PATH)")
     if values["pool.persist"] and values["pool.backing"] != "file":
         fail("pool.persist", 'only applies to pool.backing = "file"')
-    socket = values["server.socket"]
-    if socket and not os.path.isabs(socket):
-        fail("server.socket", f"must be an absolute path, got {socket!r}")
-    if socket and len((socket + ATTACH_SUFFIX).encode()) > 107:
+    if len((values["server.socket"] + ATTACH_SUFFIX).encode()) > 107:
         fail("server.socket", "is too long for a Unix socket path (at most 100 bytes)")
     for key in ("manager.heartbeat_interval", "manager.liveness_timeout",
                 "manager.register_timeout", "server.idle_timeout"):

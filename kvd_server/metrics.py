@@ -3,7 +3,8 @@
 State metrics (pool, blocks, namespaces, sessions, counters) are read from the stats snapshot
 at scrape time by a custom collector, so the hot path pays nothing for them. Only what cannot be
 read back later is observed as it happens: RPC latencies, step-batch sizes and the transfer
-sizes that clients report.
+sizes that clients report. The standard `process_*` (resident memory, open descriptors, CPU)
+and `python_*` (version, GC) series come from prometheus_client's own collectors.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -206,11 +215,15 @@ def _namespaces(namespaces: Sequence[NamespaceStats]) -> Iterator[Metric]:
                 for name, doc, _ in _NS_COUNTERS}
     stores = CounterMetricFamily("kvd_stores", "Block stores by outcome.",
                                  labels=["namespace", "outcome"])
+    info = InfoMetricFamily("kvd_namespace", "The model and tenant of a namespace id (join "
+                                             "on `namespace` to name other series' lines).",
+                            labels=["namespace"])
     slots = GaugeMetricFamily("kvd_namespace_slots", "Slots a namespace can hold now.",
                               labels=["namespace"])
     ns_blocks = GaugeMetricFamily("kvd_namespace_blocks", "Blocks of a namespace by state.",
                                   labels=["namespace", "state"])
     for label, ns in rows:
+        info.add_metric([label], {"model": ns.model, "tenant": ns.tenant})
         for name, _, attr in _NS_COUNTERS:
             counters[name].add_metric([label], float(getattr(ns, attr)))
         for outcome, attr in (("started", "stores_started_total"),
@@ -220,6 +233,7 @@ def _namespaces(namespaces: Sequence[NamespaceStats]) -> Iterator[Metric]:
         slots.add_metric([label], float(ns.slots_capacity))
         for state in BLOCK_STATES:
             ns_blocks.add_metric([label, state], float(getattr(ns.blocks, state)))
+    yield info
     yield from counters.values()
     yield stores
     yield slots
@@ -252,7 +266,7 @@ def _bounded(namespaces: Sequence[NamespaceStats]) -> list[tuple[str, NamespaceS
     rows = [(ns.id, ns) for ns in namespaces[:MAX_NAMESPACE_LABELS]]
     rest = namespaces[MAX_NAMESPACE_LABELS:]
     if rest:
-        other = NamespaceStats(id="other")
+        other = NamespaceStats(id="other", model="other", tenant="other")
         for ns in rest:
             for f in dataclasses.fields(NamespaceStats):
                 value = getattr(ns, f.name)
@@ -297,17 +311,26 @@ class MetricsServer:
 
 def build_registry(snapshot: Callable[[], StatsSnapshot]
                    ) -> tuple[CollectorRegistry, RpcMetrics]:
-    """A private registry with the stats collector and the request-path metrics."""
+    """A private registry with the stats collector, the request-path metrics and the standard
+    process and Python series.
+
+    prometheus_client adds a `*_created` sample (a start timestamp) to every counter and
+    histogram unless told not to; Prometheus has no use for them here (counter resets are
+    detected without), so the daemon, the only user of this process's metrics, turns them off.
+    """
+    disable_created_metrics()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(snapshot))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
     return registry, RpcMetrics(registry)
 
 
 def start_metrics(registry: CollectorRegistry, address: str, port: int) -> MetricsServer:
-    """Serve `registry` on http://address:port/metrics (port 0 picks a free port)."""
-    server = MetricsServer(registry, address, port)
-    log.info("metrics on http://%s:%d/metrics", address, server.port)
-    return server
+    """Serve `registry` on http://address:port/metrics (port 0 picks a free port). The daemon's
+    start-up summary logs the address, so this does not."""
+    return MetricsServer(registry, address, port)
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], StatsSnapshot],

@@ -63,6 +63,10 @@ def _prepare_socket_path(path: str) -> None:
     """Create the socket directory (0750) and clear a stale socket; refuse a live daemon."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
+        blocker = _file_in_the_way(directory)
+        if blocker:
+            raise StartupError(f"cannot create the socket directory {directory}: {blocker} is "
+                               "a file, not a directory; choose another --socket")
         try:
             os.makedirs(directory, mode=0o750, exist_ok=True)
             os.chmod(directory, 0o750)
@@ -82,6 +86,15 @@ def _prepare_socket_path(path: str) -> None:
             log.info("removing stale socket %s", candidate)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(candidate)
+
+
+def _file_in_the_way(directory: str) -> str | None:
+    """The nearest existing ancestor of `directory` (itself included) when it is not a
+    directory: the reason a makedirs would fail with "File exists" or "Not a directory"."""
+    current = os.path.abspath(directory)
+    while not os.path.lexists(current):
+        current = os.path.dirname(current)
+    return None if os.path.isdir(current) else current
 
 
 def _remove(path: str) -> None:
@@ -300,13 +313,14 @@ class Daemon:
         try:
             from grpc_reflection.v1alpha import reflection
         except ImportError:
-            log.warning("server.reflection is on but grpcio-reflection is not installed; "
-                        "serving without reflection")
+            log.warning("server.reflection is on but grpcio-reflection is not installed "
+                        "(pip install 'kvd-offload[reflection]'); serving without reflection")
             return
         names = (kvd_pb2.DESCRIPTOR.services_by_name["KvdEngine"].full_name,
                  kvd_pb2.DESCRIPTOR.services_by_name["KvdAdmin"].full_name,
                  health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
+        log.info("gRPC server reflection on (services: %s)", ", ".join(names))
 
     async def _set_health(self, status: int) -> None:
         for name in HEALTH_SERVICES:

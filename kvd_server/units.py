@@ -1,7 +1,12 @@
-"""Human sizes (`64MiB`, `1.5GiB`, `200GB`) and durations (`500ms`, `2s`, `1m`).
+"""Human sizes (`64MiB`, `8G`, `64Gi`, `1.5GB`) and durations (`500ms`, `2s`, `1m`).
 
 Config files, env vars and flags all go through these two parsers, so every source accepts the
 same spellings and fails with the same messages.
+
+Sizes have one rule: K, M, G and T are powers of 1024 however they are written (`8g`, `8G`,
+`8Gi`, `8GiB`, `8GB` are all 8 x 2^30 bytes). kvd sizes memory, and that is what systemd
+(`MemoryMax=8G`), Docker (`--memory 8g`), the JVM and Kubernetes' `Gi` mean; a decimal amount
+is written as a number of bytes.
 """
 
 from __future__ import annotations
@@ -10,21 +15,12 @@ import math
 import re
 from fractions import Fraction
 
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+# Every spelling of every power: "", "b", "k", "kb", "ki", "kib", "m", ... (lower case).
 _SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+    letter + tail: 1024**power
+    for letter, power in _POWERS.items()
+    for tail in (("", "b") if not letter else ("", "b", "i", "ib"))
 }
 _DURATION_UNITS: dict[str, Fraction] = {
     "": Fraction(1),
@@ -38,11 +34,9 @@ _NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$
 
 
 def parse_size(value: str | int) -> int:
-    """Bytes in `value`: an int, or a number with an optional unit (KiB/MiB/GiB/TiB, KB/MB/...).
-
-    Case-insensitive; decimal units are powers of 1000, binary units powers of 1024. A fraction
-    must come out to a whole number of bytes.
-    """
+    """Bytes in `value`: an int, or a number with an optional unit (K, M, G, T, each a power
+    of 1024, optionally followed by `i` and/or `B`; any case). A fraction must come out to a
+    whole number of bytes."""
     if isinstance(value, bool):
         raise ValueError(f"size {value!r} is not a number of bytes")
     if isinstance(value, int):
@@ -59,7 +53,7 @@ def parse_size(value: str | int) -> int:
     if factor is None:
         raise ValueError(
             f"size {value!r} has an unknown unit {match.group(2)!r} "
-            "(use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)"
+            "(use B, K, M, G or T, powers of 1024: e.g. 512M, 64Gi, 1.5GiB)"
         )
     exact = Fraction(number) * factor
     if exact.denominator != 1:

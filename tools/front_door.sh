@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's front door as a newcomer meets it: `make run` in a venv that has only what
-# `make run` installs (not the test extras), the daemon answering health, and a clean exit on
-# SIGTERM. CI runs this after `make test`, so a runtime import that only the test extras
+# `make run` installs (not the test extras), no setuptools banner on the way, the daemon
+# answering health, and a clean exit on SIGTERM. CI runs this after `make test`, so a runtime import that only the test extras
 # provide cannot land.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,4 +28,8 @@ done
 pkill -TERM -f "$venv/bin/kvd serve" || true
 wait "$pid" || { echo "front door: make run did not exit 0 after SIGTERM:"; cat "$work/run.log"; exit 1; }
 grep -q "kvd stopped" "$work/run.log" || { echo "front door: no clean stop:"; cat "$work/run.log"; exit 1; }
+# A newcomer's first `make run` shows kvd's own lines, not the build backend's banners.
+if grep -E "BuildBackendWarning|SetuptoolsDeprecationWarning|SetuptoolsWarning" "$work/run.log"; then
+  echo "front door: make run printed a setuptools banner (above)"; exit 1
+fi
 echo "front door: make run serves with its own dependencies and stops cleanly"

@@ -6,6 +6,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -16,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from tests.multiproc.conftest import Engine, keys_for
+from tests.multiproc.conftest import Engine, clean_env, keys_for
 
 pytestmark = pytest.mark.multiproc
 TOKEN = "t0ps3cret-admin-token-" + "x" * 16
@@ -28,8 +29,9 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_pki(directory: Path) -> dict[str, str]:
-    """A CA and a server certificate for 127.0.0.1 / localhost, valid for a day."""
+def make_pki(directory: Path, ip_name: bool = True) -> dict[str, str]:
+    """A CA and a server certificate for localhost (and 127.0.0.1 unless `ip_name` is
+    False), valid for a day."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvd test CA")])
@@ -46,8 +48,9 @@ def make_pki(directory: Path) -> dict[str, str]:
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost")]
+                + [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))] * ip_name),
                 critical=False)
             .sign(ca_key, hashes.SHA256()))
     paths = {"ca": directory / "ca.pem", "cert": directory / "server.pem",
@@ -71,7 +74,6 @@ def free_port() -> int:
 def tls_daemon(workdir, start_daemon):
     pki = make_pki(workdir)
     address = f"127.0.0.1:{free_port()}"
-    from tests.multiproc.conftest import clean_env
     env = clean_env(KVD_SERVER_ADMIN_LISTEN=address, KVD_SERVER_TLS_CERT=pki["cert"],
                     KVD_SERVER_TLS_KEY=pki["key"], KVD_SERVER_ADMIN_TOKEN_FILE=pki["token"],
                     KVD_MANAGER_HEARTBEAT_INTERVAL="200ms", KVD_MANAGER_LIVENESS_TIMEOUT="1s")
@@ -122,10 +124,12 @@ def test_cli_over_tls_resets_with_the_static_token(tls_daemon):
         out = daemon.kvd("reset", "--yes", *remote, "--admin-token-file", pki["token"],
                          socket=False)
         assert out.returncode == 0 and "dropped 4 block(s)" in out.stdout, out.stderr
-        # Without the CA the daemon's certificate is not trusted: unreachable, exit 2.
+        # Without the CA the daemon's certificate is not trusted: one line naming the fix.
         out = daemon.kvd("stats", "--address", address, "--admin-token-file", pki["token"],
                          "--timeout", "2", socket=False)
-        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert out.returncode == 2, out.stderr
+        assert out.stderr == (f"kvd: {address}: the daemon's certificate is not trusted: pass "
+                              "--tls-ca CA.pem, the CA that signed it\n")
         # The static token works on the Unix socket too.
         md = (("kvd-admin-token", TOKEN),)
         daemon.admin().Reset(kvd_pb2.AdminResetRequest(), metadata=md, timeout=5)
@@ -133,8 +137,40 @@ def test_cli_over_tls_resets_with_the_static_token(tls_daemon):
         engine.close()
 
 
+def _one_line(out: subprocess.CompletedProcess[str], fragment: str) -> None:
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("kvd: "), out.stderr
+    assert fragment in out.stderr and "kvd health" not in out.stderr, out.stderr
+
+
+def test_tls_mistakes_are_one_clear_line(workdir, start_daemon):
+    """The usual TLS mistakes, each told in one line with its fix, never gRPC's own words."""
+    pki = make_pki(workdir, ip_name=False)
+    address, metrics = f"127.0.0.1:{free_port()}", free_port()
+    daemon = start_daemon("--pool-size", "16MiB", "--extent-size", "4MiB", "--metrics-port",
+                          str(metrics), env=clean_env(
+                              KVD_SERVER_ADMIN_LISTEN=address, KVD_SERVER_TLS_CERT=pki["cert"],
+                              KVD_SERVER_TLS_KEY=pki["key"], KVD_SERVER_TLS_CLIENT_CA=pki["ca"],
+                              KVD_SERVER_ADMIN_TOKEN_FILE=pki["token"]))
+    token = ("--admin-token-file", pki["token"], "--timeout", "2")
+    port = address.rsplit(":", 1)[1]
+    # The certificate names localhost only.
+    _one_line(daemon.kvd("stats", "--address", address, "--tls-ca", pki["ca"], *token,
+                         socket=False), "certificate does not name this host")
+    # By its name, the daemon still wants a client certificate (server.tls_client_ca).
+    _one_line(daemon.kvd("stats", "--address", f"localhost:{port}", "--tls-ca", pki["ca"],
+                         *token, socket=False), "pass --tls-cert and --tls-key")
+    # The metrics port speaks plain HTTP.
+    _one_line(daemon.kvd("health", "--address", f"127.0.0.1:{metrics}", "--tls-ca", pki["ca"],
+                         *token, socket=False), "this port does not speak TLS")
+    # Nothing listens there.
+    _one_line(daemon.kvd("health", "--address", f"127.0.0.1:{free_port()}", "--tls-ca",
+                         pki["ca"], *token, socket=False),
+              "is the daemon's server.admin_listen on this address")
+
+
 def test_bad_tls_settings_stop_the_daemon_with_a_message(workdir, start_daemon):
-    from tests.multiproc.conftest import clean_env, spawn_daemon
+    from tests.multiproc.conftest import spawn_daemon
 
     pki = make_pki(workdir)
     (workdir / "not.pem").write_text("hello")

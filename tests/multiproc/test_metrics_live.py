@@ -62,6 +62,15 @@ def test_live_metrics_move_with_traffic_and_pass_promtool(start_daemon):
     assert _value(text, "kvd_loaded_bytes_total") == 4 * (64 << 10)
     assert _value(text, 'kvd_tenant_quota_bytes{tenant="default"}') == 0
     assert 'kvd_rpc_duration_seconds_count{method="PrepareStore"}' in text
+    # Dashboards name a namespace's lines by joining on its info series.
+    assert _value(text, f'kvd_namespace_info{{model="test-model",namespace="{ns}",'
+                        'tenant="default"}') == 1
+    # What an operator of a memory daemon looks for first, from the daemon's own process.
+    assert _value(text, "process_resident_memory_bytes") > 1 << 20
+    assert _value(text, "process_open_fds") > 0
+    assert "python_gc_collections_total{" in text and "python_info{" in text
+    assert "_created" not in text
+    assert daemon.log().count(f"127.0.0.1:{port}/metrics") == 1
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed (Debian: prometheus); CI installs it")
     proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,

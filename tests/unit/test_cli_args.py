@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from kvd_proto import kvd_pb2
 from kvd_server import cli
 from kvd_server.stats import StatsSnapshot
 
 SUBCOMMANDS = ("serve", "stats", "sessions", "reset", "drain", "health", "config")
+CLIENT_COMMANDS = SUBCOMMANDS[1:]
 
 
 def test_top_level_help_lists_every_subcommand(capsys):
@@ -26,11 +28,20 @@ def test_top_level_help_lists_every_subcommand(capsys):
     assert "Exit codes" in out
 
 
-@pytest.mark.parametrize("name", SUBCOMMANDS)
-def test_every_subcommand_takes_socket_and_timeout(capsys, name):
+@pytest.mark.parametrize("name", CLIENT_COMMANDS)
+def test_every_client_subcommand_takes_socket_and_timeout(capsys, name):
     assert cli.main([name, "--help"]) == 0
     out = capsys.readouterr().out
     assert "--socket" in out and "--timeout" in out
+
+
+def test_serve_offers_only_the_options_it_uses(capsys):
+    assert cli.main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--socket" in out and "--reflection" in out and "--log-format" in out
+    assert "--timeout" not in out
+    assert cli.main(["serve", "--timeout", "3"]) == 2
+    assert "unrecognized arguments: --timeout" in capsys.readouterr().err
 
 
 def test_version(capsys):
@@ -46,6 +57,33 @@ def test_version(capsys):
 def test_malformed_command_lines_exit_2(capsys, argv):
     assert cli.main(argv) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_zero_timeout_names_the_accepted_range(capsys):
+    assert cli.main(["health", "--timeout", "0"]) == 2
+    assert "must be more than 0 and at most 3600 seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [(["stat"], "(did you mean stats?)"), (["sesions"], "(did you mean sessions?)"),
+     (["helth"], "(did you mean health?)"), (["stats", "--jsno"], "(did you mean --json?)"),
+     (["sessions", "--wdie"], "(did you mean --wide?)"),
+     (["serve", "--pool-szie=8G"], "(did you mean --pool-size?)"),
+     (["health", "--socket", "/x", "--timout", "2"], "(did you mean --timeout?)")],
+)
+def test_typos_get_the_close_match(capsys, argv, hint):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert hint in err and "usage: kvd" in err, err
+
+
+def test_config_refuses_serve_flags_without_local(capsys, tmp_path):
+    assert cli.main(["config", "--pool-size", "8G", "--socket", str(tmp_path / "k")]) == 2
+    err = capsys.readouterr().err
+    assert "--pool-size needs --local" in err and err.count("\n") == 1
+    assert cli.main(["config", "--config", str(tmp_path / "kvd.toml")]) == 2
+    assert "--config needs --local" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["stats", "sessions", "drain", "health", "config"])
@@ -126,6 +164,22 @@ def test_bad_flag_value_names_the_flag(capsys):
     assert "pool.size" in err and "flag --pool-size" in err and "Traceback" not in err
 
 
+def test_file_backing_without_a_path_blames_the_flag(capsys):
+    assert cli.main(["config", "--local", "--pool-backing", "file"]) == 1
+    err = capsys.readouterr().err
+    assert "pool.backing" in err and "(from flag --pool-backing)" in err
+    assert "embedded defaults" not in err
+
+
+def test_serve_switches_and_log_format_reach_the_config(capsys, monkeypatch):
+    monkeypatch.delenv("KVD_CONFIG", raising=False)
+    assert cli.main(["config", "--local", "--json", "--reflection", "--log-format", "json",
+                     "--pool-size", "64Gi"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["server"]["reflection"] is True and doc["server"]["log_format"] == "json"
+    assert doc["pool"]["size"] == 64 << 30
+
+
 def test_serve_refuses_bad_config_before_starting(tmp_path, capsys):
     assert cli.main(["serve", "--socket", str(tmp_path / "k.sock"), "--policy", "fifo"]) == 1
     assert "manager.policy" in capsys.readouterr().err
@@ -170,6 +224,62 @@ def test_stats_rendering_is_grouped_and_fits_80_columns():
     assert "60 (60.0%)" in text
 
 
+def test_stats_rendering_says_what_pins_and_leases_count():
+    text = cli.render_stats(StatsSnapshot.from_dict(SAMPLE))
+    assert "pinned (load or lease)  2" in text
+    assert "load pins               2" in text and "lookup leases           1" in text
+    assert "pins / leases" not in text
+
+
+def _sessions() -> kvd_pb2.ListSessionsResponse:
+    model = "meta-llama/Llama-3.1-70B-Instruct@0123456789abcdef"
+    return kvd_pb2.ListSessionsResponse(total=1, sessions=[kvd_pb2.SessionInfo(
+        session_id="s1-0123456789abcdef", tenant="team-a", peer_pid=4242, peer_uid=1000,
+        model=model, pins=3, pending_stores=2**40, leases=7, idle_seconds=1.5)])
+
+
+def test_sessions_cut_to_80_columns_or_whole_with_wide():
+    text = cli.render_sessions(_sessions())
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "..." in text and "Llama-3.1-70B-Instruct@0123456789abcdef" not in text
+    wide = cli.render_sessions(_sessions(), wide=True)
+    assert "meta-llama/Llama-3.1-70B-Instruct@0123456789abcdef" in wide
+    assert "s1-0123456789abcdef" in wide and str(2**40) in wide
+
+
+def test_sessions_json_prints_64_bit_counts_as_numbers():
+    doc = json.loads(json.dumps(cli.message_json(_sessions())))
+    session = doc["sessions"][0]
+    assert session["pending_stores"] == 2**40 and session["pins"] == 3 and session["leases"] == 7
+    assert session["peer_pid"] == 4242 and doc["total"] == 1
+
+
 def test_stats_rendering_tolerates_an_empty_document():
     text = cli.render_stats(StatsSnapshot.from_dict({}))
     assert "# pool" in text
+
+
+# gRPC's error text for TLS failures, as recorded from grpcio 1.85 (the multi-process TLS tests
+# meet the common ones live).
+_FAILED = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:7443: "
+
+
+@pytest.mark.parametrize(
+    ("details", "client_cert", "expected"),
+    [
+        (_FAILED + "Ssl handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:"
+         "SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED", False,
+         "the daemon's certificate is not trusted: pass --tls-ca CA.pem, the CA that signed it"),
+        (_FAILED + "Ssl handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f0:"
+         "SSL routines:OPENSSL_internal:UNSUPPORTED_PROTOCOL", False,
+         "TLS handshake failed: UNSUPPORTED_PROTOCOL"),
+        ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:7443: "
+         "Socket closed", True,
+         "the daemon closed the connection: is your certificate signed by its "
+         "server.tls_client_ca?"),
+        ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:7443: "
+         "Connection refused", False, None),
+    ],
+)
+def test_tls_failures_read_as_one_line(details, client_cert, expected):
+    assert cli._tls_problem(details, client_cert) == expected

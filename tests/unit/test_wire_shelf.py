@@ -71,14 +71,33 @@ def test_attach_request_round_trip_and_refusals():
 
 def test_one_socket_rule(tmp_path):
     env = {"XDG_RUNTIME_DIR": "/run/user/7"}
-    assert paths.default_socket_path(env) == "/run/user/7/kvd/kvd.sock"
-    assert paths.default_socket_path({**env, "KVD_SOCKET": "/x/k.sock"}) == "/x/k.sock"
-    assert paths.default_socket_path({"KVD_SERVER_SOCKET": "/y/k.sock"}) == "/y/k.sock"
+    assert paths.daemon_socket_path(env) == "/run/user/7/kvd/kvd.sock"
+    assert paths.daemon_socket_path({**env, "KVD_SOCKET": "/x/k.sock"}) == "/x/k.sock"
+    assert paths.daemon_socket_path({"KVD_SERVER_SOCKET": "/y/k.sock"}) == "/y/k.sock"
     assert paths.attach_path("/x/k.sock") == "/x/k.sock.attach"
     assert paths.grpc_target("rel.sock") == f"unix://{pathlib.Path('rel.sock').resolve()}"
     assert paths.probe_socket(str(tmp_path / "none"))[0] is paths.SocketState.ABSENT
     (tmp_path / "file").write_text("")
     assert paths.probe_socket(str(tmp_path / "file"))[0] is paths.SocketState.NOT_SOCKET
+
+
+def test_clients_fall_back_to_the_system_socket_only_when_theirs_is_absent(tmp_path,
+                                                                            monkeypatch):
+    """On a systemd or Kubernetes node `kvd stats` needs no --socket; a daemon never binds the
+    system path by surprise."""
+    system = tmp_path / "run-kvd" / "kvd.sock"
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", str(system))
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "user")}
+    own = str(tmp_path / "user" / "kvd" / "kvd.sock")
+    assert paths.default_socket_path(env) == own           # neither exists: the user's own
+    system.parent.mkdir()
+    system.touch()
+    assert paths.default_socket_path(env) == str(system)   # only the system's exists
+    assert paths.daemon_socket_path(env) == own            # the daemon keeps its own rule
+    assert paths.default_socket_path({**env, "KVD_SOCKET": "/x/k.sock"}) == "/x/k.sock"
+    (tmp_path / "user" / "kvd").mkdir(parents=True)
+    pathlib.Path(own).touch()
+    assert paths.default_socket_path(env) == own           # the user's own exists: it wins
 
 
 def test_no_side_defines_a_shared_fact_again():
