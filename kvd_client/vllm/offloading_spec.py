@@ -14,10 +14,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvd_client.client import KvdClient
+from kvd_client.dataplane.options import CopyOptions
 from kvd_proto.paths import default_socket_path
 
 from .manager import KvdOffloadingManager
-from .namespace import layout_of, salt_of
+from .namespace import is_replicated, layout_of, salt_of
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ class KvdOffloadingSpec(OffloadingSpec):
 
     kv_connector_extra_config keys: `kvd_socket` (default: $KVD_SOCKET, else the daemon's
     default path), `kvd_deadline_ms` (per call, default 500), `kvd_lease_ms` (lookup lease;
-    default: the daemon's manager.default_lease), plus vLLM's own (`block_size` /
-    `blocks_per_chunk`, `offload_prompt_only`).
+    default: the daemon's manager.default_lease), the GPU data plane's `kvd_copy_backend`,
+    `kvd_copy_blocks`, `kvd_pin_chunk_mib` (dataplane/options.py), plus vLLM's own
+    (`block_size` / `blocks_per_chunk`, `offload_prompt_only`). All in docs/vllm.md.
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -38,6 +40,9 @@ class KvdOffloadingSpec(OffloadingSpec):
         self.deadline_s = float(extra.get("kvd_deadline_ms", 500)) / 1000.0
         lease = extra.get("kvd_lease_ms")
         self.lease_ms = None if lease is None else int(lease)
+        self.copy_options = CopyOptions.from_config(extra)
+        # vLLM gates stores to rank 0 when this is set (its worker connector reads it).
+        self.replicated_layout = is_replicated(config)
         self._manager: KvdOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -66,5 +71,6 @@ class KvdOffloadingSpec(OffloadingSpec):
                 self.socket_path, kv_caches, blocks_per_chunk=self.blocks_per_chunk,
                 rank=parallel.rank, world_size=parallel.world_size,
                 expected_shard_bytes=self.config.worker_kv_bytes_per_block
-                * self.blocks_per_chunk)
+                * self.blocks_per_chunk, replicated=self.replicated_layout,
+                options=self.copy_options, engine_id=self.config.engine_id)
         return self._worker
