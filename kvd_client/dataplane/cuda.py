@@ -104,7 +104,7 @@ class CudaBackend(CopyBackend):
         self.driver = driver = CudaDriver()
         with torch.cuda.device(self.device):
             torch.zeros(1, device=f"cuda:{self.device}")     # the primary context exists
-            context = driver.current_context()
+            self._context = context = driver.current_context()
         caps = DeviceCaps(
             kernel_compiler=_cupy_installed(),
             host_pointer_registered=driver.attribute(
@@ -113,9 +113,12 @@ class CudaBackend(CopyBackend):
         self.chain = process_chain(caps, self.options.method)
         self._broken: set[CopyMethod] = set()
         self.kernel: KernelLauncher | None = None
+        self._compiling: threading.Thread | None = None
         if CopyMethod.KERNEL in self.chain.methods:
             self.kernel = KernelLauncher(self.device)
-            threading.Thread(target=self._load_kernel, name="kvd-kernel", daemon=True).start()
+            self._compiling = threading.Thread(target=self._load_kernel, name="kvd-kernel",
+                                               daemon=True)
+            self._compiling.start()
         self.pinner = Pinner(self.options.pin_chunk_bytes, driver.register, driver.unregister,
                              thread_init=lambda: driver.set_context(context))
         self._queues: dict[str, deque[_Transfer]] = {"store": deque(), "load": deque(),
@@ -140,6 +143,15 @@ class CudaBackend(CopyBackend):
             log.warning("kvd GPU copies: %s disabled for this process (%s); using the next "
                         "method of the chain", method.value, exc)
 
+    def warm_up(self, timeout: float) -> bool:
+        """Wait until the kernel is loaded and every mapped chunk has been tried; False on
+        timeout. Benchmarks and tests call this to measure one method; copies never need
+        it (until then they take a slower method, with the same bytes)."""
+        deadline = time.monotonic() + timeout
+        if self._compiling is not None:
+            self._compiling.join(timeout)
+        return self.pinner.wait_settled(max(0.0, deadline - time.monotonic()))
+
     def add_region(self, base: int, size: int) -> None:
         self.pinner.add_region(base, size)
 
@@ -157,6 +169,7 @@ class CudaBackend(CopyBackend):
                expedited: bool = False) -> bool:
         started = time.perf_counter()
         torch = self.torch
+        self.driver.set_context(self._context)   # driver calls run in the device's context
         # Outside the mapped pool is a planning error: raised, so the worker fails the job.
         status = self.pinner.status(plan.dst if is_store else plan.src, plan.lengths)
         kind = "store" if is_store else ("expedited" if expedited else "load")

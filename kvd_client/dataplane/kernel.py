@@ -18,28 +18,29 @@ from .packing import THREADS
 SOURCE = r"""
 typedef unsigned long long u64;
 
+// Loads use ld.cv: a system-memory line is fetched again, never taken from L2 (another process
+// may have rewritten the pool since this GPU last read it). Stores use st.wt: written through
+// L2 to system memory. The data is touched once either way, so no reuse is lost.
 template <typename W>
 __device__ __forceinline__ void copy_words(const W* __restrict__ s, W* __restrict__ d,
                                            long long n) {
     // Four independent loads per thread before the stores keep enough bytes in flight to
-    // cover PCIe latency with few blocks; __ldcs/__stcs stream past the caches the model uses.
+    // cover PCIe latency with few blocks.
     long long i = threadIdx.x;
     const long long step = blockDim.x;
     for (; i + 3 * step < n; i += 4 * step) {
-        W a = __ldcs(s + i), b = __ldcs(s + i + step);
-        W c = __ldcs(s + i + 2 * step), e = __ldcs(s + i + 3 * step);
-        __stcs(d + i, a); __stcs(d + i + step, b);
-        __stcs(d + i + 2 * step, c); __stcs(d + i + 3 * step, e);
+        W a = __ldcv(s + i), b = __ldcv(s + i + step);
+        W c = __ldcv(s + i + 2 * step), e = __ldcv(s + i + 3 * step);
+        __stwt(d + i, a); __stwt(d + i + step, b);
+        __stwt(d + i + 2 * step, c); __stwt(d + i + 3 * step, e);
     }
-    for (; i < n; i += step) __stcs(d + i, __ldcs(s + i));
+    for (; i < n; i += step) __stwt(d + i, __ldcv(s + i));
 }
 
-__device__ __forceinline__ void copy_bytes(const unsigned char* s, unsigned char* d,
-                                           long long n) {
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
-}
-
-// table = [src x runs | dst x runs | len x runs]; blocks stride over runs.
+// table = [src x runs | dst x runs | len x runs]; blocks stride over runs. A run is a byte
+// head up to the first address where source and destination are both `w`-aligned, a body
+// of w-byte words (w = 16, 8, 4 or 1: the widest on which both addresses agree), and a
+// byte tail. packing.run_parts is the same arithmetic in numpy.
 extern "C" __global__ void kvd_copy_runs(const u64 table_addr, const long long runs) {
     const long long* table = (const long long*)table_addr;
     for (long long r = blockIdx.x; r < runs; r += gridDim.x) {
@@ -52,16 +53,17 @@ extern "C" __global__ void kvd_copy_runs(const u64 table_addr, const long long r
         if (head > len) head = len;
         const long long body = (len - head) / w;
         const long long tail = len - head - body * w;
-        const unsigned char* sb = (const unsigned char*)s;
-        unsigned char* db = (unsigned char*)d;
-        copy_bytes(sb, db, head);
-        const unsigned char* sw = sb + head;
-        unsigned char* dw = db + head;
+        typedef unsigned char u8;
+        const u8* sb = (const u8*)s;
+        u8* db = (u8*)d;
+        copy_words(sb, db, head);
+        const u8* sw = sb + head;
+        u8* dw = db + head;
         if (w == 16) copy_words((const uint4*)sw, (uint4*)dw, body);
         else if (w == 8) copy_words((const u64*)sw, (u64*)dw, body);
         else if (w == 4) copy_words((const unsigned int*)sw, (unsigned int*)dw, body);
-        else copy_bytes(sw, dw, body);
-        copy_bytes(sw + body * w, dw + body * w, tail);
+        else copy_words(sw, dw, body);
+        copy_words(sw + body * w, dw + body * w, tail);
     }
 }
 """

@@ -43,11 +43,11 @@ static long long misaligned = 0;      // word accesses a GPU would fault on
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ __restrict
-template <typename T> inline T __ldcs(const T* p) {
+template <typename T> inline T __ldcv(const T* p) {
     misaligned += reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0;
     T v; memcpy(&v, p, sizeof(T)); return v;
 }
-template <typename T> inline void __stcs(T* p, T v) {
+template <typename T> inline void __stwt(T* p, T v) {
     misaligned += reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0;
     memcpy(p, &v, sizeof(T));
 }
