@@ -32,7 +32,7 @@ from .chain import Chain, CopyMethod, DeviceCaps, choose_chain, route
 from .cudadrv import ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, CudaDriver
 from .kernel import KernelLauncher
 from .options import CopyOptions
-from .packing import grid_size, pack, table_capacity
+from .packing import grid_size, kernel_runs, table_capacity, write_table
 from .pinner import Pinner
 from .planner import CopyPlan
 
@@ -213,16 +213,15 @@ class CudaBackend(CopyBackend):
         handle = int(stream.cuda_stream)
         if method is CopyMethod.KERNEL:
             assert self.kernel is not None
-            packed = pack(plan)
-            pair = self._tables.acquire(packed.table.size)
+            src, dst, lengths = kernel_runs(plan)
+            pair = self._tables.acquire(3 * lengths.size)
             staging, table = pair
-            n = packed.table.size
-            staging.numpy()[:n] = packed.table
+            runs = write_table(src, dst, lengths, staging.numpy())
             with self.torch.cuda.stream(stream):
-                table[:n].copy_(staging[:n], non_blocking=True)
+                table[:3 * runs].copy_(staging[:3 * runs], non_blocking=True)
             try:
-                self.kernel.launch(table.data_ptr(), packed.runs,
-                                   grid_size(packed.runs, self.options.blocks), handle)
+                self.kernel.launch(table.data_ptr(), runs,
+                                   grid_size(runs, self.options.blocks), handle)
             except BaseException:
                 # The upload may be in flight: hold the buffers until the stream passes it.
                 stream.synchronize()

@@ -3,15 +3,14 @@
 Pure numpy, so the CPU tests cover everything the kernel is told and how it splits a run:
 - long runs are cut into pieces of at most `max_piece` bytes (a multiple of 16, so a piece
   keeps its run's alignment) and the grid-stride loop spreads pieces over the thread blocks;
-- the plan travels as one int64 table [src..., dst..., len...] (one upload per transfer);
+- the plan travels as one int64 table [src..., dst..., len...], written straight into a
+  pinned staging buffer (one upload per transfer);
 - each run is copied as a byte head up to the first aligned address, a body of `width`-byte
   words (16 when source and destination agree modulo 16, else 8, 4 or 1), and a byte tail.
   `run_parts` computes exactly what the kernel computes for a run.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,13 +20,6 @@ WIDTHS = (16, 8, 4, 1)        # the kernel's word sizes, widest first
 MAX_PIECE = 1 << 20           # bytes one block copies before the next piece goes to another
 THREADS = 256                 # threads per block
 MIN_TABLE = 3 * 1024          # smallest table buffer (int64s), so small plans reuse buffers
-
-
-@dataclass(frozen=True, slots=True)
-class PackedPlan:
-    table: np.ndarray      # int64: sources, then destinations, then lengths
-    runs: int
-    total_bytes: int
 
 
 def split_long_runs(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
@@ -45,10 +37,25 @@ def split_long_runs(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
     return src[run] + offset, dst[run] + offset, length
 
 
-def pack(plan: CopyPlan, max_piece: int = MAX_PIECE) -> PackedPlan:
-    src, dst, lengths = split_long_runs(plan.src, plan.dst, plan.lengths, max_piece)
-    table = np.concatenate((src, dst, lengths)).astype(np.int64, copy=False)
-    return PackedPlan(table, int(lengths.size), plan.total_bytes)
+def kernel_runs(plan: CopyPlan, max_piece: int = MAX_PIECE
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs the kernel gets: the plan's, with runs longer than `max_piece` split."""
+    if plan.lengths.size == 0 or int(plan.lengths.max()) <= max_piece:
+        return plan.src, plan.dst, plan.lengths
+    return split_long_runs(plan.src, plan.dst, plan.lengths, max_piece)
+
+
+def write_table(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+                out: np.ndarray) -> int:
+    """Lay the runs out as the kernel's int64 table [src..., dst..., len...] at the start of
+    `out` (the pinned staging buffer, so no intermediate copy); the number of runs."""
+    n = int(lengths.size)
+    if out.size < 3 * n:
+        raise ValueError(f"table needs {3 * n} entries, the buffer has {out.size}")
+    out[:n] = src
+    out[n:2 * n] = dst
+    out[2 * n:3 * n] = lengths
+    return n
 
 
 def grid_size(runs: int, max_blocks: int) -> int:

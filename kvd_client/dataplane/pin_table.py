@@ -139,6 +139,23 @@ class PinTable:
             parts.append(np.arange(a + 1, b, dtype=np.int64))   # a run over whole chunks
         return np.unique(np.concatenate(parts))
 
+    def span(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[int, int] | None:
+        """First and last chunk between the lowest and highest byte of the ranges, when one
+        live region holds them all (a superset of the chunks they touch: O(n) and no sort,
+        for the steady state where every chunk is DIRECT); None otherwise."""
+        if starts.size == 0:
+            return None
+        lo = int(starts.min())
+        hi = max(lo + 1, int((starts + lengths).max()))
+        for r in self._regions:
+            if r.base <= lo and hi <= r.base + r.size:
+                return (r.first + (lo - r.base) // self.chunk_bytes,
+                        r.first + (hi - 1 - r.base) // self.chunk_bytes)
+        return None
+
+    def span_direct(self, span: tuple[int, int]) -> bool:
+        return bool((self._state[span[0]:span[1] + 1] == PinState.DIRECT).all())
+
     def status(self, chunks: np.ndarray) -> PinStatus:
         states = self._state[chunks]
         direct = states == PinState.DIRECT

@@ -59,6 +59,9 @@ class Pinner:
         """Pin state of the host ranges a transfer touches; chunks not registered yet are
         moved to the front of the queue. ValueError for a range outside the mapped pool."""
         with self._cond:
+            span = self.table.span(starts, lengths)
+            if span is not None and self.table.span_direct(span):
+                return PinStatus(True, True)        # the steady state, without a sort
             chunks = self.table.chunks_for(starts, lengths)
             status = self.table.status(chunks)
             if not status.pinned and self.table.want(chunks):

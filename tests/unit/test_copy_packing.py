@@ -25,10 +25,11 @@ from kvd_client.dataplane.packing import (
     THREADS,
     WIDTHS,
     grid_size,
-    pack,
+    kernel_runs,
     run_parts,
     split_long_runs,
     table_capacity,
+    write_table,
 )
 from kvd_client.dataplane.planner import CopyPlan, coalesce
 
@@ -99,6 +100,13 @@ def random_plan(rng, base: int, span: int, n: int, max_len: int) -> CopyPlan:
     return CopyPlan(starts(base), starts(base + half), lengths, int(lengths.sum()))
 
 
+def make_table(plan: CopyPlan, max_piece: int = MAX_PIECE) -> tuple[np.ndarray, int]:
+    """What the backend uploads: the kernel's runs written into a (staging) buffer."""
+    src, dst, lengths = kernel_runs(plan, max_piece)
+    table = np.full(table_capacity(3 * lengths.size), -1, dtype=np.int64)
+    return table, write_table(src, dst, lengths, table)
+
+
 def reference(mem: np.ndarray, base: int, plan: CopyPlan) -> np.ndarray:
     out = mem.copy()
     for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist()):
@@ -115,9 +123,8 @@ def test_kernel_source_copies_exactly_what_the_plan_says(emulated, seed, blocks,
     base = mem.ctypes.data
     plan = random_plan(rng, base, mem.size, int(rng.integers(1, 40)), max_len)
     expect = reference(mem, base, plan)
-    packed = pack(plan, max_piece=16 * int(rng.integers(1, 300)))
-    table = np.ascontiguousarray(packed.table)
-    emulated(table, packed.runs, grid_size(packed.runs, blocks), 32)
+    table, runs = make_table(plan, max_piece=16 * int(rng.integers(1, 300)))
+    emulated(table, runs, grid_size(runs, blocks), 32)
     assert np.array_equal(mem, expect)
 
 
@@ -128,9 +135,9 @@ def test_kernel_source_with_the_real_block_size_and_a_big_run(emulated):
     plan = CopyPlan(np.array([base + 3 + 4096]), np.array([base + (4 << 20) + 3 + 4096]),
                     np.array([(3 << 20) + 5]), (3 << 20) + 5)
     expect = reference(mem, base, plan)
-    packed = pack(plan)
-    assert packed.runs == 4
-    emulated(packed.table, packed.runs, grid_size(packed.runs, 16), THREADS)
+    table, runs = make_table(plan)
+    assert runs == 4
+    emulated(table, runs, grid_size(runs, 16), THREADS)
     assert np.array_equal(mem, expect)
 
 
@@ -154,11 +161,16 @@ def test_split_keeps_alignment_and_rejects_odd_pieces():
         split_long_runs(np.array([0]), np.array([0]), np.array([1]), 24)
 
 
-def test_pack_lays_out_sources_destinations_lengths():
+def test_the_table_lays_out_sources_destinations_lengths():
     plan = CopyPlan(np.array([10, 20]), np.array([30, 40]), np.array([5, 6]), 11)
-    packed = pack(plan)
-    assert packed.table.dtype == np.int64 and packed.runs == 2 and packed.total_bytes == 11
-    assert packed.table.tolist() == [10, 20, 30, 40, 5, 6]
+    table, runs = make_table(plan)
+    assert runs == 2 and table[:6].tolist() == [10, 20, 30, 40, 5, 6]
+    with pytest.raises(ValueError, match="needs 6 entries"):
+        write_table(plan.src, plan.dst, plan.lengths, np.zeros(5, dtype=np.int64))
+    # short runs pass through untouched (no copy); long ones are split
+    assert kernel_runs(plan)[0] is plan.src
+    assert kernel_runs(CopyPlan(np.array([0]), np.array([0]), np.array([3 * MAX_PIECE]),
+                                3 * MAX_PIECE))[2].tolist() == [MAX_PIECE] * 3
 
 
 def test_grid_size_and_table_capacity():

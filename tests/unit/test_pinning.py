@@ -36,6 +36,19 @@ def test_chunks_a_plan_touches():
     assert t.job(2).size == 2 * MIB
 
 
+def test_span_is_a_superset_found_without_a_sort():
+    t = PinTable(4 * MIB)
+    t.add_region(BASE, 16 * MIB)
+    t.add_region(BASE + 64 * MIB, 4 * MIB)
+    assert t.span(*ranges((BASE + 5 * MIB, 10), (BASE + 13 * MIB, MIB))) == (1, 3)
+    assert t.span(*ranges((BASE, 4 * MIB))) == (0, 0)
+    assert t.span(*ranges((BASE, 1), (BASE + 64 * MIB, 1))) is None   # two regions
+    assert t.span(*ranges()) is None
+    for _ in range(3):
+        t.finish(t.next_job(), Registration(True, True))
+    assert t.span_direct((0, 2)) and not t.span_direct((1, 3))
+
+
 def test_regions_must_not_overlap_and_start_on_a_page():
     t = PinTable(4 * MIB)
     t.add_region(BASE, 8 * MIB)
@@ -135,10 +148,26 @@ def test_a_transfer_moves_its_chunks_to_the_front():
     drv.gate.clear()                                      # hold the thread at chunk 0
     p = Pinner(MIB, drv.register, drv.unregister)
     p.add_region(BASE, 32 * MIB)
+    deadline = time.monotonic() + 10
+    while p.table.count(PinState.BUSY) == 0:              # the thread holds chunk 0
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     p.status(*ranges((BASE + 20 * MIB, MIB)))             # wants chunk 20
     drv.gate.set()
     assert p.wait_settled(10)
     assert drv.registered[:2] == [BASE, BASE + 20 * MIB]
+    p.close()
+
+
+def test_status_fast_path_and_exact_path_agree():
+    drv = FakeDriver(fail={BASE + 2 * MIB})
+    p = Pinner(MIB, drv.register, drv.unregister)
+    p.add_region(BASE, 4 * MIB)
+    assert p.wait_settled(10)
+    # the span [0, 3] holds the failed chunk 2, but these ranges never touch it
+    status = p.status(*ranges((BASE + 10, 10), (BASE + 3 * MIB, 10)))
+    assert status.pinned and status.direct
+    assert not p.status(*ranges((BASE + 2 * MIB + 5, 1))).pinned
     p.close()
 
 
@@ -165,7 +194,8 @@ def test_remove_region_waits_for_the_chunk_in_flight():
     drv = FakeDriver(delay=0.2)
     p = Pinner(MIB, drv.register, drv.unregister)
     p.add_region(BASE, 2 * MIB)
-    time.sleep(0.05)                                      # chunk 0 is being registered
+    while p.table.count(PinState.BUSY) == 0:              # chunk 0 is being registered
+        time.sleep(0.001)
     p.remove_region(BASE)
     assert drv.unregistered == drv.registered == [BASE]
     with pytest.raises(ValueError):
