@@ -10,11 +10,11 @@ on the engine's threads; `set_context` on others).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import numpy as np
 
-ATTR_PAGEABLE_MEMORY_ACCESS = 88
+from .pin_table import Registration
+
 ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 REGISTER_PORTABLE = 0x01          # pinned for every context, not just the current one
 REGISTER_DEVICEMAP = 0x02         # mapped into the device's address space
@@ -39,12 +39,6 @@ class CudaError(RuntimeError):
         self.code = code
 
 
-@dataclass(frozen=True, slots=True)
-class Registration:
-    pinned: bool       # cuMemHostRegister succeeded
-    direct: bool       # and the device sees the range at its host address
-
-
 class CudaDriver:
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -52,7 +46,6 @@ class CudaDriver:
         sig = {
             "cuCtxGetCurrent": [ctypes.POINTER(_ptr)],
             "cuCtxSetCurrent": [_ptr],
-            "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
             "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
             "cuDriverGetVersion": [ctypes.POINTER(ctypes.c_int)],
             "cuMemHostRegister_v2": [_ptr, ctypes.c_size_t, ctypes.c_uint],
@@ -87,11 +80,6 @@ class CudaDriver:
 
     def set_context(self, ctx: int) -> None:
         self._check(self._lib.cuCtxSetCurrent(_ptr(ctx)), "cuCtxSetCurrent")
-
-    def current_device(self) -> int:
-        dev = ctypes.c_int()
-        self._check(self._lib.cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
-        return dev.value
 
     def attribute(self, attr: int, device: int) -> int:
         value = ctypes.c_int()
