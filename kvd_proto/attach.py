@@ -3,8 +3,9 @@
 One exchange per connection on the plain Unix socket `<socket>.attach` (docs/attach.md):
 
 - the client sends one line of UTF-8 JSON ending in `\\n`, at most MAX_REQUEST_BYTES:
-  `{"version": 1, "role": "engine" | "dataplane" | "admin", "engine_id": "..."}`
-  (`pid` may be sent by older clients and is ignored: the daemon asks the kernel);
+  `{"version": 1, "role": "engine" | "dataplane" | "admin" | "report", "engine_id": "..."}`
+  (`pid` may be sent by older clients and is ignored: the daemon asks the kernel; a `report`
+  request also carries `"report": {...}`, a worker's transfer sizes and times);
 - the daemon answers with a 4-byte big-endian length N and N bytes of UTF-8 JSON, with
   `"ok": true` and the role's fields (the pool's descriptor rides on the first bytes via
   SCM_RIGHTS for engines and data-plane workers), or `"ok": false` with a gRPC status name in
@@ -18,6 +19,7 @@ client library and the `kvd` CLI run `exchange` to attach or to ask for an admin
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import struct
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .paths import attach_path
+from .wire import MAX_TRANSFER_SAMPLES
 
 PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 4096
@@ -35,7 +38,11 @@ ROLE_ENGINE = "engine"       # open a session: token + pool descriptor
 ROLE_DATAPLANE = "dataplane"  # an engine's worker: the pool descriptor only
 ROLE_ADMIN = "admin"         # an operator tool: an admin token, no descriptor
 ROLE_INDEX = "index"         # a registered session: its namespace's index + its marks file
-ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX)
+ROLE_REPORT = "report"       # a worker's transfer sizes and times: no descriptor, no session
+ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT)
+REPORT_COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds")
+REPORT_SAMPLES = ("load_sizes", "store_sizes")
+MAX_COUNT = 1 << 63          # report integers are below this (int64 on the daemon's side)
 _HEADER = struct.Struct(">I")
 
 
@@ -49,18 +56,40 @@ class AttachError(Exception):
 
 
 @dataclass(slots=True, frozen=True)
+class TransferReport:
+    """What a data-plane worker moved since its last report (role `report`).
+
+    The worker has no session, so this rides on the attach socket instead of the gRPC
+    TransferReport; the daemon adds it to the same `kvd_transfer_*` totals and histogram.
+    """
+
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    load_sizes: tuple[int, ...] = ()     # bytes per transfer, at most MAX_TRANSFER_SAMPLES
+    store_sizes: tuple[int, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
 class AttachRequest:
     role: str
     engine_id: str = ""
+    report: TransferReport | None = None   # role `report` only
     token: str = ""              # role "index": the session whose namespace is mapped
 
 
 def encode_request(request: AttachRequest) -> bytes:
-    doc = {"version": PROTOCOL_VERSION, "pid": os.getpid(), "engine_id": request.engine_id,
-           "role": request.role}
+    doc: dict[str, Any] = {"version": PROTOCOL_VERSION, "pid": os.getpid(),
+                           "engine_id": request.engine_id, "role": request.role}
     if request.token:
         doc["token"] = request.token
-    return json.dumps(doc).encode() + b"\n"
+    if request.report is not None:
+        r = request.report
+        doc["report"] = {"load_bytes": r.load_bytes, "load_seconds": r.load_seconds,
+                         "store_bytes": r.store_bytes, "store_seconds": r.store_seconds,
+                         "load_sizes": list(r.load_sizes), "store_sizes": list(r.store_sizes)}
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
 def parse_request(line: bytes) -> AttachRequest:
@@ -97,7 +126,52 @@ def parse_request(line: bytes) -> AttachRequest:
         raise AttachError("INVALID_ARGUMENT", "token must be a string of at most 128 characters")
     if role == ROLE_INDEX and not token:
         raise AttachError("INVALID_ARGUMENT", "role \"index\" needs the session's token")
-    return AttachRequest(role, engine_id, token)
+    report = doc.get("report")
+    if (role == ROLE_REPORT) != (report is not None):
+        raise AttachError("INVALID_ARGUMENT", "a `report` object comes with role `report`, "
+                          "and only with it")
+    return AttachRequest(role, engine_id, None if report is None else _parse_report(report),
+                         token=token)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+
+
+def _is_seconds(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value >= 0
+
+
+def _parse_report(doc: Any) -> TransferReport:
+    if not isinstance(doc, dict):
+        raise AttachError("INVALID_ARGUMENT", "report must be a JSON object")
+    unknown = set(doc) - set(REPORT_COUNTERS) - set(REPORT_SAMPLES)
+    if unknown:
+        raise AttachError("INVALID_ARGUMENT", f"unknown report fields: {sorted(unknown)}")
+    counters: dict[str, int | float] = {}
+    for name in REPORT_COUNTERS:
+        value = doc.get(name, 0)
+        integral = name.endswith("_bytes")
+        if not _is_count(value) and (integral or not _is_seconds(value)):
+            kind = "integer" if integral else "number"
+            raise AttachError("INVALID_ARGUMENT",
+                              f"report.{name} must be a non-negative finite {kind}")
+        counters[name] = value
+    samples: dict[str, tuple[int, ...]] = {}
+    for name in REPORT_SAMPLES:
+        value = doc.get(name, [])
+        if not isinstance(value, list) or len(value) > MAX_TRANSFER_SAMPLES:
+            raise AttachError("INVALID_ARGUMENT", f"report.{name} must be a list of at most "
+                              f"{MAX_TRANSFER_SAMPLES} sizes")
+        if not all(_is_count(v) for v in value):
+            raise AttachError("INVALID_ARGUMENT",
+                              f"report.{name} must hold non-negative integers")
+        samples[name] = tuple(value)
+    return TransferReport(load_bytes=int(counters["load_bytes"]),
+                          load_seconds=float(counters["load_seconds"]),
+                          store_bytes=int(counters["store_bytes"]),
+                          store_seconds=float(counters["store_seconds"]),
+                          load_sizes=samples["load_sizes"], store_sizes=samples["store_sizes"])
 
 
 def encode_reply(fields: dict[str, Any]) -> bytes:
@@ -182,6 +256,44 @@ def request_admin_token(socket_path: str, timeout: float) -> str:
         raise AttachError("UNIMPLEMENTED", "this daemon does not issue admin tokens; upgrade it "
                           "or use --admin-token-file")
     return token
+
+
+def split_report(report: TransferReport, engine_id: str = "") -> list[AttachRequest]:
+    """`report` as report requests that each fit MAX_REQUEST_BYTES: the counters ride on the
+    first one, the size samples on as many as it takes (at most MAX_TRANSFER_SAMPLES each)."""
+    out: list[AttachRequest] = []
+    head = TransferReport(report.load_bytes, report.load_seconds, report.store_bytes,
+                          report.store_seconds)
+    pending = {"load_sizes": list(report.load_sizes), "store_sizes": list(report.store_sizes)}
+    while True:
+        base = len(encode_request(AttachRequest(ROLE_REPORT, engine_id, head)))
+        taken: dict[str, list[int]] = {"load_sizes": [], "store_sizes": []}
+        room = MAX_REQUEST_BYTES - base
+        for name, values in pending.items():
+            n = 0
+            while n < len(values) and n < MAX_TRANSFER_SAMPLES:
+                cost = len(str(values[n])) + 1      # the number and a comma
+                if cost > room:
+                    break
+                room -= cost
+                n += 1
+            taken[name], pending[name] = values[:n], values[n:]
+        out.append(AttachRequest(ROLE_REPORT, engine_id, TransferReport(
+            head.load_bytes, head.load_seconds, head.store_bytes, head.store_seconds,
+            tuple(taken["load_sizes"]), tuple(taken["store_sizes"]))))
+        if not pending["load_sizes"] and not pending["store_sizes"]:
+            return out
+        head = TransferReport()
+
+
+def send_report(socket_path: str, report: TransferReport, timeout: float,
+                engine_id: str = "") -> None:
+    """Hand a worker's transfer report to the daemon serving `socket_path` (one exchange per
+    request of `split_report`); AttachError when the daemon refuses or cannot be reached."""
+    for request in split_report(report, engine_id):
+        _, fds = exchange(socket_path, request, timeout)
+        for fd in fds:
+            os.close(fd)
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes:

@@ -657,7 +657,8 @@ class KvdCore:
         dropped = sum(self._reset(ns) for ns in targets)
         return AdminResetAnswer(dropped, len(targets))
 
-    def transfer_report(self, s: Session, report: TransferStats) -> None:
+    def transfer_report(self, s: Session | None, report: TransferStats) -> None:
+        """Add a client's transfer totals; `s` is None for a data-plane worker's report."""
         t = self.transfers
         t.load_bytes += report.load_bytes
         t.load_seconds += max(0.0, report.load_seconds)

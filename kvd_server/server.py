@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from kvd_proto.attach import ROLE_ADMIN, ROLE_INDEX, AttachRequest
+from kvd_proto.attach import ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT, AttachRequest
 from kvd_proto.index_layout import VERSION as INDEX_VERSION
 from kvd_proto.paths import SocketState, attach_path, grpc_target, probe_socket
 from kvd_proto.wire import SLOT_ALIGNMENT, TRANSPORT_MESSAGE_BYTES, channel_options
@@ -32,7 +32,7 @@ from kvd_server import __version__, notify
 from kvd_server.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileError, read_token_file
 from kvd_server.attach import AttachReply, AttachServer, PeerCred
 from kvd_server.config import Config
-from kvd_server.core import KvdCore
+from kvd_server.core import KvdCore, TransferStats
 from kvd_server.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvd_server.extents import ExtentAllocator
 from kvd_server.front_door import FrontDoor
@@ -328,7 +328,8 @@ class Daemon:
 
     def _on_attach(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
         """Attach handler (runs on the loop): a session for an engine, just the pool for a
-        data-plane worker; the core decides who may attach."""
+        data-plane worker, a worker's transfer report taken in; the core decides who may
+        attach."""
         assert self.core is not None and self.pools is not None
         if request.role == ROLE_ADMIN:
             if not self.core.sessions.is_admin(peer):
@@ -341,6 +342,15 @@ class Daemon:
                                        "daemon_version": __version__})
         if request.role == ROLE_INDEX:
             return self._attach_index(peer, request)
+        if request.role == ROLE_REPORT and request.report is not None:
+            # A data-plane worker has no session: its transfer totals come this way.
+            self.core.sessions.check_peer(peer)
+            r = request.report
+            self.core.transfer_report(None, TransferStats(
+                load_bytes=r.load_bytes, load_seconds=r.load_seconds,
+                store_bytes=r.store_bytes, store_seconds=r.store_seconds))
+            self._rpc.observe_transfer(r.load_sizes, r.store_sizes)
+            return AttachReply(fields={"instance_id": self.core.instance_id})
         tenant = self.core.sessions.tenant_of(peer)
         try:
             pool = self.pools.for_tenant(tenant)   # only ever the peer's own tenant's file

@@ -30,5 +30,12 @@ class CopyBackend(ABC):
     @abstractmethod
     def wait(self, job_ids: set[int]) -> None: ...
 
+    def add_region(self, base: int, size: int) -> None:  # noqa: B027
+        """A pool mapping plans may address from now on (the GPU backend registers it for
+        DMA in the background); host memory needs nothing."""
+
+    def remove_region(self, base: int) -> None:  # noqa: B027
+        """The mapping at `base` goes away: finish what touches it and release it."""
+
     def shutdown(self) -> None:  # noqa: B027
         """Release streams/threads."""

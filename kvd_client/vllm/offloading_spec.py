@@ -14,11 +14,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvd_client.client import KvdClient
+from kvd_client.dataplane.options import CopyOptions
 from kvd_client.offload_session import DEFAULT_RESERVE, OffloadSession
 from kvd_proto.paths import default_socket_path
 
 from .manager import KvdOffloadingManager
-from .namespace import DEFAULT_KEY_BYTES, layout_of, salt_of
+from .namespace import DEFAULT_KEY_BYTES, is_replicated, layout_of, salt_of
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ class KvdOffloadingSpec(OffloadingSpec):
     kv_connector_extra_config keys: `kvd_socket` (default: $KVD_SOCKET, else the daemon's
     default path), `kvd_deadline_ms` (per background call, default 500), `kvd_reserve` (slots
     granted in advance for stores, default 256), `kvd_key_bytes` (longest offload key, default
-    40: a 32-byte block hash and its group), plus vLLM's own (`block_size` /
-    `blocks_per_chunk`, `offload_prompt_only`).
+    40: a 32-byte block hash and its group), the GPU data plane's `kvd_copy_backend`,
+    `kvd_copy_blocks`, `kvd_pin_chunk_mib` (dataplane/options.py), plus vLLM's own
+    (`block_size` / `blocks_per_chunk`, `offload_prompt_only`). All in docs/vllm.md.
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -40,6 +42,9 @@ class KvdOffloadingSpec(OffloadingSpec):
         self.deadline_s = float(extra.get("kvd_deadline_ms", 500)) / 1000.0
         self.reserve = int(extra.get("kvd_reserve", DEFAULT_RESERVE))
         self.key_bytes = int(extra.get("kvd_key_bytes", DEFAULT_KEY_BYTES))
+        self.copy_options = CopyOptions.from_config(extra)
+        # vLLM gates stores to rank 0 when this is set (its worker connector reads it).
+        self.replicated_layout = is_replicated(config)
         self._manager: KvdOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -67,5 +72,6 @@ class KvdOffloadingSpec(OffloadingSpec):
                 self.socket_path, kv_caches, blocks_per_chunk=self.blocks_per_chunk,
                 rank=parallel.rank, world_size=parallel.world_size,
                 expected_shard_bytes=self.config.worker_kv_bytes_per_block
-                * self.blocks_per_chunk)
+                * self.blocks_per_chunk, replicated=self.replicated_layout,
+                options=self.copy_options, engine_id=self.config.engine_id)
         return self._worker

@@ -1,8 +1,11 @@
 """The worker side: vLLM's OffloadingWorker over kvd's data plane, in every worker process.
 
 Each worker maps the daemon's pool (a data-plane attach: the fd, no session) and copies its
-own rank's shard of each slot. Specs name the pool they refer to; after a daemon restart the
-worker attaches again and keeps the previous mapping for transfers already planned against it.
+own rank's shard of each slot, or, when every rank holds the same KV (MLA; `replicated`), the
+slot's one copy: rank 0 writes it (vLLM does not hand stores to the other ranks), every rank
+reads it. Specs name the pool they refer to; after a daemon restart the worker attaches again
+and keeps the previous mapping for transfers already planned against it. Transfer sizes and
+times go to the daemon in the background (transfer_report.py), so `kvd_transfer_*` move.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from kvd_client.client import attach_dataplane
 from kvd_client.dataplane import EngineTensor, GroupRef, SlotLayout, make_layout, plan_transfer
 from kvd_client.dataplane.backend import CopyBackend
 from kvd_client.dataplane.cpu import CpuBackend
+from kvd_client.dataplane.options import CopyOptions
 from kvd_client.pool_map import PoolMapping
+from kvd_client.transfer_report import TransferReporter
 
 from .transfer_spec import KvdSlotsSpec
 
@@ -35,9 +40,11 @@ MAX_MAPPINGS = 2   # the current pool and the one before a daemon restart
 class KvdOffloadingWorker(OffloadingWorker):
     def __init__(self, socket_path: str, kv_caches: CanonicalKVCaches, *,
                  blocks_per_chunk: int, rank: int, world_size: int,
-                 expected_shard_bytes: int) -> None:
+                 expected_shard_bytes: int, replicated: bool = False,
+                 options: CopyOptions | None = None, engine_id: str = "") -> None:
         self.socket_path = socket_path
-        self.rank = rank
+        self.rank = 0 if replicated else rank      # whose shard of a slot this worker copies
+        self.replicated = replicated
         self.tensors = [
             EngineTensor(base=t.tensor.data_ptr(),
                          row_stride=t.tensor.stride(0) * t.tensor.element_size(),
@@ -49,7 +56,7 @@ class KvdOffloadingWorker(OffloadingWorker):
         refs = [tuple(GroupRef(r.tensor_idx, r.page_size_bytes) for r in group)
                 for group in kv_caches.group_data_refs]
         self.layout: SlotLayout = make_layout(self.tensors, refs, blocks_per_chunk,
-                                              max(1, world_size))
+                                              1 if replicated else max(1, world_size))
         # The scheduler sized slots from vLLM's worker_kv_bytes_per_block. If this worker's
         # pages do not fit, ranks would overwrite each other's shards, and skipping the copies
         # is no way out either: vLLM 0.33's offloading API has no failed load, so a skipped load
@@ -60,11 +67,17 @@ class KvdOffloadingWorker(OffloadingWorker):
                 f"needs {self.layout.shard_bytes} bytes per rank, but vLLM sized slots for "
                 f"{expected_shard_bytes} (worker_kv_bytes_per_block x blocks_per_chunk). "
                 "Start the engine without kvd's kv_transfer_config and report the model.")
-        on_gpu = any(t.tensor.is_cuda for t in kv_caches.tensors)
-        self._on_gpu = on_gpu
+        self._backend: CopyBackend
+        gpu = next((t.tensor.device for t in kv_caches.tensors if t.tensor.is_cuda), None)
+        if gpu is None:
+            self._backend = CpuBackend()
+        else:
+            from kvd_client.dataplane.cuda import CudaBackend
+
+            self._backend = CudaBackend(options, device=gpu.index)
         self._mappings: dict[str, tuple[PoolMapping, np.ndarray]] = {}
-        self._backend: CopyBackend | None = None if on_gpu else CpuBackend()
         self._skipped: list[TransferResult] = []   # jobs answered without a copy
+        self.reporter = TransferReporter(socket_path, engine_id=engine_id)
         self._attach()
 
     # ----------------------------------------------------------- pool mapping
@@ -79,14 +92,12 @@ class KvdOffloadingWorker(OffloadingWorker):
             return info.pool_id
         while len(self._mappings) >= MAX_MAPPINGS:
             old_id = next(iter(self._mappings))
-            old, _ = self._mappings.pop(old_id)
+            old, old_array = self._mappings.pop(old_id)
+            self._backend.remove_region(int(old_array.ctypes.data))
             old.close()
         array = mapping.numpy(0, mapping.size)
         self._mappings[info.pool_id] = (mapping, array)
-        if self._on_gpu and self._backend is None:
-            from kvd_client.dataplane.cuda import CudaBackend
-
-            self._backend = CudaBackend(array.ctypes.data, mapping.size)
+        self._backend.add_region(int(array.ctypes.data), mapping.size)
         return info.pool_id
 
     def _pool_base(self, pool_id: str) -> int | None:
@@ -104,7 +115,7 @@ class KvdOffloadingWorker(OffloadingWorker):
             self._skipped.append(TransferResult(job_id, False, 0, 0.0))
             return True
         base = self._pool_base(host.pool_id)
-        if base is None or self._backend is None or not (host.offsets >= 0).any():
+        if base is None or not (host.offsets >= 0).any():
             if not to_pool and (host.offsets >= 0).any():
                 log.error("kvd worker: load job %d names pool %s which is not mapped; "
                           "its blocks are not loaded", job_id, host.pool_id)
@@ -134,18 +145,19 @@ class KvdOffloadingWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         out, self._skipped = self._skipped, []
-        if self._backend is not None:
-            out += [TransferResult(d.job_id, d.success, d.transfer_size, d.transfer_time)
-                    for d in self._backend.get_finished()]
+        for d in self._backend.get_finished():
+            out.append(TransferResult(d.job_id, d.success, d.transfer_size, d.transfer_time))
+            if d.success and d.transfer_size:
+                self.reporter.record(is_store=d.is_store, size=d.transfer_size,
+                                     seconds=d.transfer_time)
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        if self._backend is not None:
-            self._backend.wait(job_ids)
+        self._backend.wait(job_ids)
 
     def shutdown(self) -> None:
-        if self._backend is not None:
-            self._backend.shutdown()
+        self._backend.shutdown()
+        self.reporter.close()
         for mapping, _ in self._mappings.values():
             mapping.close()
         self._mappings.clear()

@@ -19,7 +19,7 @@ def test_constructing_without_gpu_is_a_clear_error():
     from kvd_client.dataplane.cuda import CudaBackend
 
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        CudaBackend(0, 4096)
+        CudaBackend()
 
 
 def test_cuda_and_cpu_share_the_planner():

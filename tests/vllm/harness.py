@@ -8,8 +8,13 @@ into every KV block it computes so tests can check the bytes that come back from
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 from vllm import SamplingParams
@@ -18,6 +23,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
     set_current_vllm_config,
@@ -42,6 +48,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -50,6 +57,28 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 MODEL = "facebook/opt-125m"
 EOS = 50256
+
+
+@contextlib.contextmanager
+def mla_model(on: bool) -> Iterator[None]:
+    """Make the (OPT) model look like an MLA model to vLLM while the connectors are built:
+    that, with TP > 1 over "mp" workers, is when vLLM declares the KV replicated."""
+    if not on:
+        yield
+        return
+    with mock.patch.object(ModelConfig, "use_mla", new_callable=mock.PropertyMock,
+                           return_value=True):
+        yield
+
+
+@dataclass
+class Rank:
+    """One tensor-parallel worker: its connector and its own KV tensors."""
+
+    rank: int
+    worker: OffloadingConnector
+    kv: torch.Tensor
+    kv_window: torch.Tensor | None
 
 
 @dataclass
@@ -65,10 +94,15 @@ class Engine:
     def __init__(self, socket_path: str, *, block_size: int = 16, num_gpu_blocks: int = 64,
                  blocks_per_chunk: int = 1, head_size: int = 8,
                  extra: dict[str, Any] | None = None,
-                 sliding_window: int | None = None, compute: bool = True) -> None:
+                 sliding_window: int | None = None, mla: bool = False,
+                 world_size: int = 1, compute: bool = True) -> None:
         """`sliding_window` (tokens) adds a second KV group, a sliding-window layer, as hybrid
-        models (Gemma, gpt-oss) have. `compute=False` skips the pattern writes (benchmarks that
-        time only the scheduler side)."""
+        models (Gemma, gpt-oss) have. `mla` makes the layer an MLA latent cache (one vector
+        per token, no V). `world_size` > 1 runs that many tensor-parallel workers in this
+        process, each with its own KV tensors; the scheduler completes a job when all of
+        them reported it, as vLLM's executor does. Sharded ranks hold different bytes (the
+        pattern depends on the rank); MLA ranks hold the same. `compute=False` skips the
+        pattern writes (benchmarks that time only the scheduler side)."""
         self.compute = compute
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -84,6 +118,8 @@ class Engine:
         model_config = ModelConfig(model=MODEL, dtype="float16", seed=42)
         config = VllmConfig(
             model_config=model_config,
+            parallel_config=ParallelConfig(tensor_parallel_size=world_size,
+                                           distributed_executor_backend="mp"),
             scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512,
                                              max_model_len=4096, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
@@ -95,8 +131,9 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         config.cache_config.num_gpu_blocks = num_gpu_blocks
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size,
-                                 dtype=torch.float32)
+        kind = MLAAttentionSpec if mla else FullAttentionSpec
+        spec = kind(block_size=block_size, num_kv_heads=1, head_size=head_size,
+                    dtype=torch.float32)
         groups = [KVCacheGroupSpec(["layer0"], spec)]
         if sliding_window is not None:
             config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -112,21 +149,38 @@ class Engine:
                                             block_stride=g.kv_cache_spec.page_size_bytes)
                               for g in groups],
             kv_cache_groups=groups)
+        if mla:
+            kv_cache_config.kv_tp_replicas = world_size   # every rank holds the whole latent
         sched_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, config)
         self.config = config
-        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
-                                   log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(config),
-                                   block_size=sched_block, hash_block_size=hash_block)
-        self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_cache_config)
-        self.kv = torch.zeros(num_gpu_blocks, 2, block_size, 1, head_size, dtype=torch.float32)
-        caches = {"layer0": self.kv}
-        self.kv_window: torch.Tensor | None = None
-        if sliding_window is not None:
-            self.kv_window = torch.zeros_like(self.kv)
-            caches["layer1"] = self.kv_window
-        with set_current_vllm_config(config):
-            self.worker.register_kv_caches(caches)
+        self.replicated = mla and world_size > 1
+        shape = ((num_gpu_blocks, block_size, head_size) if mla
+                 else (num_gpu_blocks, 2, block_size, 1, head_size))
+        self.ranks: list[Rank] = []
+        with mla_model(mla):
+            self.scheduler = Scheduler(
+                vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=sched_block, hash_block_size=hash_block)
+            for rank in range(world_size):
+                rank_config = config
+                if rank:
+                    rank_config = copy.deepcopy(config)
+                    rank_config.parallel_config.rank = rank
+                worker = OffloadingConnector(rank_config, KVConnectorRole.WORKER,
+                                             kv_cache_config)
+                kv = torch.zeros(shape, dtype=torch.float32)
+                caches = {"layer0": kv}
+                kv_window = None
+                if sliding_window is not None:
+                    kv_window = caches["layer1"] = torch.zeros_like(kv)
+                with set_current_vllm_config(rank_config):
+                    worker.register_kv_caches(caches)
+                self.ranks.append(Rank(rank, worker, kv, kv_window))
+        self.worker = self.ranks[0].worker
+        self.kv = self.ranks[0].kv
+        self.kv_window = self.ranks[0].kv_window
+        self._recv_counts: Counter[str] = Counter()   # finished loads, reported per rank
         self.connector = self.scheduler.connector
         self.manager = self.connector.connector_scheduler.manager
         init_none_hash(sha256)
@@ -149,16 +203,21 @@ class Engine:
     def block_ids(self, req_id: str, group: int = 0) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
 
-    def expected_block(self, tokens: list[int], i: int) -> torch.Tensor:
+    def expected_block(self, tokens: list[int], i: int, rank: int = 0) -> torch.Tensor:
         """The bytes the 'model' would have written into logical block i of a prompt."""
-        return self.pattern(tokens[: (i + 1) * self.block_size], i, self.kv[0].shape)
+        return self.pattern(tokens[: (i + 1) * self.block_size], i, self.kv[0].shape,
+                            rank=self.shard_of(rank))
+
+    def shard_of(self, rank: int) -> int:
+        """Whose bytes a rank holds: its own, or (replicated KV) everyone's the same."""
+        return 0 if self.replicated else rank
 
     @staticmethod
     def pattern(token_ids: list[int], block_index: int, shape: torch.Size,
-                group: int = 0) -> torch.Tensor:
+                group: int = 0, rank: int = 0) -> torch.Tensor:
         """What the 'model' writes into a block: a function of its tokens' prefix (and of the
-        KV group, so a group's slot can never pass for another's)."""
-        seed = hash((tuple(token_ids), block_index, group)) & 0x7FFFFFFF
+        KV group and the rank's shard, so no slot can pass for another's)."""
+        seed = hash((tuple(token_ids), block_index, group, rank)) & 0x7FFFFFFF
         g = torch.Generator().manual_seed(seed)
         return torch.rand(shape, generator=g)
 
@@ -177,15 +236,16 @@ class Engine:
                     continue  # computed earlier (or loaded): leave it alone
                 start = i * self.block_size
                 tokens = req.all_token_ids[: start + self.block_size]
-                if self.poison:
-                    self.kv[ids[i]] = -1.0
-                else:
-                    self.kv[ids[i]] = self.pattern(tokens, i, self.kv[ids[i]].shape)
-                if self.kv_window is not None:
-                    window_ids = self.block_ids(req_id, 1)
-                    if i < len(window_ids) and window_ids[i] != 0:   # 0: outside the window
-                        self.kv_window[window_ids[i]] = -1.0 if self.poison else self.pattern(
-                            tokens, i, self.kv_window[0].shape, group=1)
+                for r in self.ranks:
+                    shard = self.shard_of(r.rank)
+                    r.kv[ids[i]] = -1.0 if self.poison else self.pattern(
+                        tokens, i, r.kv[0].shape, rank=shard)
+                    if r.kv_window is not None:
+                        window_ids = self.block_ids(req_id, 1)
+                        if i < len(window_ids) and window_ids[i] != 0:  # 0: outside window
+                            r.kv_window[window_ids[i]] = -1.0 if self.poison else \
+                                self.pattern(tokens, i, r.kv_window[0].shape, group=1,
+                                             rank=shard)
 
     # -------------------------------------------------------------------- steps
     def step(self) -> Any:
@@ -193,15 +253,27 @@ class Engine:
         trips = client.round_trips if client is not None else 0
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        self.worker.handle_preemptions(meta)
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(self._ctx)
+        for r in self.ranks:
+            r.worker.handle_preemptions(meta)
+            r.worker.bind_connector_metadata(meta)
+            r.worker.start_load_kv(self._ctx)
         if self.compute:
             self._compute(out)
-        self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(out.finished_req_ids)
-        worker_meta = self.worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
-        self.worker.clear_connector_metadata()
+        sending: set[str] = set()
+        worker_meta = OffloadingWorkerMetadata()
+        for r in self.ranks:
+            r.worker.wait_for_save()
+            rank_sending, rank_recving = r.worker.get_finished(out.finished_req_ids)
+            sending |= rank_sending
+            self._recv_counts.update(rank_recving)
+            rank_meta = r.worker.build_connector_worker_meta()
+            if rank_meta is not None:
+                worker_meta = worker_meta.aggregate(rank_meta)
+            r.worker.clear_connector_metadata()
+        # A load is finished for the scheduler once every rank finished it.
+        recving = {rid for rid, n in self._recv_counts.items() if n == len(self.ranks)}
+        for rid in recving:
+            del self._recv_counts[rid]
         running = self.scheduler.running
         ids = [r.request_id for r in running]
         for new in out.scheduled_new_reqs:
@@ -240,6 +312,11 @@ class Engine:
     def close(self) -> None:
         if hasattr(self.manager, "client"):
             self.manager.shutdown()
-        worker = self.worker.connector_worker
-        if worker is not None and getattr(worker, "worker", None) is not None:
-            worker.worker.shutdown()
+        for r in self.ranks:
+            worker = r.worker.connector_worker
+            if worker is not None and getattr(worker, "worker", None) is not None:
+                worker.worker.shutdown()
+
+    def offload_worker(self, rank: int = 0) -> Any:
+        """The OffloadingWorker (kvd's KvdOffloadingWorker) of a rank."""
+        return self.ranks[rank].worker.connector_worker.worker

@@ -208,3 +208,80 @@ def test_worker_refuses_a_layout_its_slots_cannot_hold(daemon):
     with pytest.raises(ValueError, match="cannot offload this model's KV cache"):
         KvdOffloadingWorker(daemon.socket, caches, blocks_per_chunk=1, rank=0, world_size=1,
                             expected_shard_bytes=1024)
+
+
+def assert_ranks_loaded(reader, tokens, hit_blocks: int) -> None:
+    ids = reader.blocks_seen["r"]
+    for r in reader.ranks:
+        for i in range(hit_blocks):
+            assert torch.equal(r.kv[ids[i]], reader.expected_block(tokens, i, r.rank)), \
+                f"rank {r.rank} block {i}"
+
+
+def test_sharded_ranks_each_get_their_own_shard_back(engines):
+    """Tensor parallelism over 2 workers: a slot holds both ranks' shards; each rank loads
+    exactly its own."""
+    reader, tokens, hit_blocks = write_then_read(engines, 41, 6 * BS, world_size=2)
+    assert hit_blocks >= 5
+    assert reader.offload_worker(1).layout.num_ranks == 2
+    assert_ranks_loaded(reader, tokens, hit_blocks)
+
+
+def test_mla_kv_is_stored_once_by_rank_0_and_read_by_every_rank(engines, daemon):
+    """MLA under TP 2: every rank holds the same latent KV. A slot holds one copy, only rank 0
+    writes it (vLLM hands no store to rank 1), both ranks load it, and the namespace says
+    'replicated', so such an engine never shares slots with a sharded one."""
+    writer = engines(mla=True, world_size=2)
+    stores = [0, 0]
+    for rank in (0, 1):
+        worker = writer.offload_worker(rank)
+        original = worker.submit_store
+
+        def spy(*args, _rank=rank, _original=original, **kwargs):
+            stores[_rank] += 1
+            return _original(*args, **kwargs)
+
+        worker.submit_store = spy
+    tokens = prompt(42, 6 * BS)
+    writer.add("w", tokens)
+    writer.run()
+    assert stores[0] > 0 and stores[1] == 0, stores
+
+    reader = engines(mla=True, world_size=2)
+    reader.poison = True
+    reader.add("r", tokens + [9])
+    reader.run()
+    hit_blocks = reader.stats.hit_tokens["r"] // BS
+    assert hit_blocks >= 5
+    assert_ranks_loaded(reader, tokens, hit_blocks)
+
+    page = BS * 8 * 4                      # block_size x head_size x float32, no V
+    layout = writer.manager.client.layout
+    assert (layout.num_ranks, layout.shard_bytes, layout.block_bytes) == (1, page, page)
+    assert writer.manager.client.salt.endswith(";replicated")
+    for rank in (0, 1):
+        assert writer.offload_worker(rank).layout.slot_bytes == page
+    single = engines(mla=True)             # TP 1: the same bytes, but not replicated
+    assert single.manager.client.layout.block_bytes == page
+    assert single.manager.client.namespace_id != writer.manager.client.namespace_id
+    assert len({ns["id"] for ns in daemon.stats()["namespaces"]}) == 2
+
+
+def test_workers_report_their_transfers_to_the_daemon(engines, daemon):
+    """The workers have no session; their transfer sizes and times reach the daemon through
+    the attach socket's report role, so kvd_transfer_* move with vLLM."""
+    writer = engines()
+    tokens = prompt(43, 4 * BS)
+    writer.add("w", tokens)
+    writer.run()
+    reader = engines()
+    reader.add("r", tokens + [9])
+    reader.run()
+    hit_blocks = reader.stats.hit_tokens["r"] // BS
+    assert hit_blocks >= 3
+    for engine in (writer, reader):
+        engine.offload_worker().reporter.flush()   # what its thread does once a second
+    page = BS * 8 * 4 * 2                          # K and V of one block
+    t = daemon.stats()["transfers"]
+    assert t["store_bytes_total"] >= 4 * page and t["load_bytes_total"] >= hit_blocks * page
+    assert t["store_seconds_total"] > 0 and t["load_seconds_total"] > 0
