@@ -343,6 +343,12 @@ class KvdClient:
             log.warning("kvd daemon unavailable at %s (%s); offload disabled until it is up",
                         self.socket_path, reason)
 
+    def restart(self, reason: str) -> None:
+        """End this session now and reconnect in the background (a caller that can no longer
+        keep its promises to the daemon, e.g. messages it could not deliver). Never blocks on
+        the daemon."""
+        self._degrade(reason)
+
     def _degrade(self, reason: str) -> None:
         with self._lock:
             if not self.available:

@@ -99,6 +99,27 @@ class IndexReader:
             b = (b + 1) & mask
         return None
 
+    def expect_ready(self, key: bytes, offset: int) -> None:
+        """This engine finished storing `key` into the slot at `offset`: remember the word the
+        slot will hold once the daemon marks it READY (same generation), so the engine's own
+        later lookup of it is one read. Nothing is remembered unless the slot holds `key`,
+        being stored, right now (the daemon has published the store)."""
+        extent, within = divmod(offset, self._extent_bytes)
+        i, rest = divmod(within, self._stride)
+        slot = extent * self._per_extent + i
+        if rest or i >= self._per_extent or slot >= self.header.capacity:
+            return
+        word = self._meta[slot]
+        n = len(key)
+        if word & 3 != STATE_STORING or (word >> 2) & 0xFF != n:
+            return
+        start = self._keys_offset + slot * self._width
+        if self._map[start:start + n] != key or self._meta[slot] != word:
+            return
+        if len(self._memo) >= self._memo_limit:
+            self._memo.clear()
+        self._memo[key] = (slot, word & ~3 | STATE_READY, offset)
+
     def close(self) -> None:
         self._memo.clear()
         for view in (self._buckets, self._meta, self._epochs):

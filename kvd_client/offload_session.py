@@ -39,7 +39,11 @@ from .index_reader import STATE_READY, IndexReader, Marks
 log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE = 256           # slots granted in advance (what one step may store at once)
-MAX_BATCHES_IN_FLIGHT = 64      # steps whose messages wait for the sender; past it: degraded
+MAX_BATCHES_IN_FLIGHT = 64      # steps handed to the sender and not answered; past it, later
+                                # steps' messages wait in the session and ride together
+MAX_CARRIED_OPS = 1 << 16       # messages waiting so; past it the session restarts (the daemon
+                                # cannot keep up: its stores and pins are released for us)
+MAX_COALESCED = 64              # step batches the sender puts into one request
 MAX_LOCAL_STORES = 1 << 16
 UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
 
@@ -397,6 +401,7 @@ class OffloadSession:
                        success: bool = True) -> None:
         """Stores of `keys` finished (every worker wrote its share)."""
         by_reset: dict[int, list[bytes]] = {}
+        index = self._index
         for key in keys:
             store = self._stores.get(key)
             if store is None:
@@ -404,6 +409,8 @@ class OffloadSession:
                 continue
             if success:
                 store.completed = True
+                if index is not None:
+                    index.expect_ready(key, store.offset)
             else:
                 del self._stores[key]
             if store.reset_epoch == UNKNOWN_EPOCH:
@@ -470,21 +477,27 @@ class OffloadSession:
         if not self.available:
             self._ops.clear()
             return
-        essential = any(op[0] != "grant" for op in self._ops)
         want = self.reserve_target - len(self._reserve) - self._granting
         if want > 0:
             self._ask_grant(want)
-        if self.enable_events and essential:
-            self._ops.append(("take_events",))
         if not self._ops:
             return
+        if self._in_flight >= MAX_BATCHES_IN_FLIGHT:
+            # The sender is behind: nothing is dropped (a lost completion would leave a
+            # block storing for ever); the messages ride with a later step's batch, under the
+            # same batch number the stores recorded.
+            if len(self._ops) > MAX_CARRIED_OPS:
+                log.error("kvd daemon is %d steps behind with %d messages waiting; "
+                          "restarting the session", self._in_flight, len(self._ops))
+                self._ops.clear()
+                self.client.restart("the daemon does not keep up with this engine's messages")
+            return
+        essential = any(op[0] != "grant" for op in self._ops)
+        if self.enable_events and essential:
+            self._ops.append(("take_events",))
         batch = _Batch(self._seq, self._generation, self._ops, essential)
         self._ops = []
         self._seq += 1
-        if self._in_flight >= MAX_BATCHES_IN_FLIGHT:
-            log.warning("kvd daemon is %d steps behind; dropping this step's messages",
-                        self._in_flight)
-            return
         self._in_flight += 1
         self._in_flight_essential += essential
         self._outbox.put(batch)
@@ -566,40 +579,73 @@ class OffloadSession:
 
     # ---------------------------------------------------------- the sender
     def _send_loop(self) -> None:
-        while True:
+        """Send what the steps handed over; batches waiting together go as one request, so
+        the sender keeps up however fast the engine steps."""
+        stop = False
+        while not stop:
             batch = self._outbox.get()
             if batch is None:
                 return
-            results: list[tuple] | None = None
+            batches = [batch]
+            while len(batches) < MAX_COALESCED:
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batches.append(more)
+            answers: list[list[tuple] | None] = [None] * len(batches)
             try:
-                results = self._send(batch)
-            except Exception:  # the sender must outlive any bug: the batch is just lost
+                answers = self._send(batches)
+            except Exception:  # the sender must outlive any bug: a reconnect follows
                 log.exception("kvd sender failed on a step's messages")
-            self._inbox.put((batch, results))
+                self.client.restart("the sender failed on a step's messages")
+            for sent, answer in zip(batches, answers, strict=True):
+                self._inbox.put((sent, answer))
             try:
                 self._publish_idle()
             except Exception:
                 log.exception("kvd sender could not publish its idle epoch")
 
-    def _send(self, batch: _Batch) -> list[tuple] | None:
-        """Send a batch; digest the results the session applies: (kind, value, items)."""
-        if batch.generation != self.client.generation or not self.client.available:
-            return None
-        wire = [step_op for op in batch.ops for step_op in _wire(op)]
-        answers: list[tuple] = []
+    def _send(self, batches: list[_Batch]) -> list[list[tuple] | None]:
+        """Send batches in order, as few requests as the op bound allows; per batch, the
+        digest of the results the session applies ((kind, value, items)), or None for a
+        batch the daemon did not take (another generation, or the connection failed)."""
+        answers: list[list[tuple] | None] = [None] * len(batches)
+        wire: list[kvd_pb2.StepOp] = []
+        owner: list[int] = []
+        generation = self.client.generation
+        for n, batch in enumerate(batches):
+            if batch.generation != generation:
+                continue
+            answers[n] = []
+            for op in batch.ops:
+                step_ops = _wire(op)
+                wire.extend(step_ops)
+                owner.extend([n] * len(step_ops))
+        if not self.client.available:
+            return [None] * len(batches)
         for i in range(0, len(wire), MAX_OPS_PER_STEP):
             part_ops = wire[i:i + MAX_OPS_PER_STEP]
             part = self.client.step(part_ops)
             if part is None:
-                return None
-            for op, result in zip(part_ops, part, strict=False):
+                for n in set(owner[i:]):
+                    answers[n] = None
+                return answers
+            for op, result, n in zip(part_ops, part, owner[i:i + MAX_OPS_PER_STEP],
+                                     strict=False):
                 kind = op.WhichOneof("op")
+                digest = answers[n]
+                if digest is None:
+                    continue
                 if kind == "grant":
-                    answers.append(("grant", op.grant.count, list(result.grant.slot_offsets)))
+                    digest.append(("grant", op.grant.count, list(result.grant.slot_offsets)))
                 elif kind == "reset":
-                    answers.append(("reset", result.reset.epoch, None))
+                    digest.append(("reset", result.reset.epoch, None))
                 elif kind == "take_events":
-                    answers.append(("take_events", 0, [
+                    digest.append(("take_events", 0, [
                         Event(tuple(e.keys), e.removed, e.metadata_only)
                         for e in result.take_events.events]))
         return answers
