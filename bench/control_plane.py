@@ -7,7 +7,8 @@ capacity and eviction policy. Every OffloadingManager method the scheduler calls
 step's manager time is the sum over the calls it made. Per-step figures are over the steps
 that scheduled tokens; steps with nothing to schedule (an engine waiting for transfers or
 messages) are counted apart, and the total over all steps is reported too. Requests run concurrently (up to
-16 at once), as a serving engine's do.
+16 at once), as a serving engine's do, and each step that schedules work waits MODEL_STEP_S for
+the "model" (the GPU forward pass a real engine's scheduler thread waits for), untimed.
 
 Also counted: blocking waits, i.e. calls to the daemon made on the scheduler thread (the
 target is none: kvd's answers are local and its messages go out on a background thread).
@@ -39,6 +40,12 @@ from traces import Request, chat  # noqa: E402
 MAX_TOKENS = 4000
 SLOT = 4096            # the harness's chunk (1 KiB), rounded up to the daemon's alignment
 IN_FLIGHT = 16         # requests running at once
+# The model's forward pass per step, during which the scheduler thread waits for the GPU (not
+# timed as manager time). 5 ms is a fast decode step of a small model on an H100; without it
+# the CPU harness steps far faster than any real engine, and the daemon (doing, on its own
+# core, the policy work vLLM's manager does in-process) is measured against an engine no GPU
+# could drive.
+MODEL_STEP_S = 0.005
 RESERVE = 512          # slots kvd grants the engine ahead (on top of the cache's capacity)
 MANAGER_METHODS = ("lookup", "prepare_load", "touch", "complete_load", "prepare_store",
                    "complete_store", "on_new_request", "on_request_finished", "take_events",
@@ -99,6 +106,8 @@ def _replay(engine, requests: list[Request]) -> dict:
         clock.take()
         out = engine.step()
         spent = clock.take()
+        if out.total_num_scheduled_tokens:
+            time.sleep(MODEL_STEP_S)
         total += spent
         if out.total_num_scheduled_tokens:
             per_step.append(spent)
@@ -164,6 +173,7 @@ def run(sessions: int = 1000, turns: int = 8, capacity: int = 65536,
     return {
         "trace": f"chat, {sessions} sessions x up to {turns} turns", "requests": len(requests),
         "capacity_chunks": capacity, "policy": policy, "in_flight": IN_FLIGHT,
+        "model_step_seconds": MODEL_STEP_S,
         "manager_us_per_step": {"kvd": {k: kvd[k] for k in ("mean", "median", "p99")},
                                 "vllm": {k: vllm[k] for k in ("mean", "median", "p99")}},
         "ratio": {"mean": kvd["mean"] / vllm["mean"], "p99": kvd["p99"] / vllm["p99"]},

@@ -50,15 +50,16 @@ class IndexReader:
             raise ValueError(f"index file of {size} bytes is smaller than its layout says")
         view = memoryview(self._map)
         self._buckets = view[h.buckets_offset:h.buckets_offset + 4 * h.buckets].cast("I")
-        self._meta = view[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
+        self.meta = view[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
         self._epochs = view[RESET_EPOCH_OFFSET:RECLAIM_EPOCH_OFFSET + 8].cast("Q")
         self._keys_offset = h.keys_offset
         self._mask = h.buckets - 1
         self._width = h.key_width
         self._per_extent, self._extent_bytes, self._stride = \
             h.per_extent, h.extent_bytes, h.stride
-        self._memo: dict[bytes, tuple[int, int, int]] = {}   # key -> (slot, word, offset)
-        self._memo_limit = memo_limit
+        # key -> (slot, meta word, offset): valid while meta[slot] still reads that word
+        self.memo: dict[bytes, tuple[int, int, int]] = {}
+        self.memo_limit = memo_limit
 
     @property
     def reset_epoch(self) -> int:
@@ -71,15 +72,15 @@ class IndexReader:
     def find(self, key: bytes) -> tuple[int, int] | None:
         """(state, pool offset) of the key's slot if it is stored (STATE_READY) or being
         stored (STATE_STORING), else None."""
-        memo = self._memo.get(key)
+        memo = self.memo.get(key)
         if memo is not None:
             slot, word, offset = memo
-            if self._meta[slot] == word:
+            if self.meta[slot] == word:
                 return word & 3, offset
         n = len(key)
         if n > self._width:
             return None
-        buckets, meta, mask = self._buckets, self._meta, self._mask
+        buckets, meta, mask = self._buckets, self.meta, self._mask
         b = key_hash(key) & mask
         for _ in range(MAX_PROBE):
             v = buckets[b]
@@ -92,9 +93,9 @@ class IndexReader:
                 if self._map[start:start + n] == key and meta[slot] == word:
                     offset = (slot // self._per_extent * self._extent_bytes
                               + slot % self._per_extent * self._stride)
-                    if len(self._memo) >= self._memo_limit:
-                        self._memo.clear()
-                    self._memo[key] = (slot, word, offset)
+                    if len(self.memo) >= self.memo_limit:
+                        self.memo.clear()
+                    self.memo[key] = (slot, word, offset)
                     return word & 3, offset
             b = (b + 1) & mask
         return None
@@ -109,20 +110,20 @@ class IndexReader:
         slot = extent * self._per_extent + i
         if rest or i >= self._per_extent or slot >= self.header.capacity:
             return
-        word = self._meta[slot]
+        word = self.meta[slot]
         n = len(key)
         if word & 3 != STATE_STORING or (word >> 2) & 0xFF != n:
             return
         start = self._keys_offset + slot * self._width
-        if self._map[start:start + n] != key or self._meta[slot] != word:
+        if self._map[start:start + n] != key or self.meta[slot] != word:
             return
-        if len(self._memo) >= self._memo_limit:
-            self._memo.clear()
-        self._memo[key] = (slot, word & ~3 | STATE_READY, offset)
+        if len(self.memo) >= self.memo_limit:
+            self.memo.clear()
+        self.memo[key] = (slot, word & ~3 | STATE_READY, offset)
 
     def close(self) -> None:
-        self._memo.clear()
-        for view in (self._buckets, self._meta, self._epochs):
+        self.memo.clear()
+        for view in (self._buckets, self.meta, self._epochs):
             view.release()
         with contextlib.suppress(BufferError):   # a view alive elsewhere: the GC unmaps it
             self._map.close()

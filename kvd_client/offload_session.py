@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import MAX_KEYS_PER_CALL, MAX_OPS_PER_STEP
@@ -137,8 +138,14 @@ class OffloadSession:
     """One engine's offload session over a `KvdClient` (see the module doc)."""
 
     def __init__(self, client: KvdClient, *, reserve: int = DEFAULT_RESERVE,
-                 enable_events: bool = False) -> None:
+                 enable_events: bool = False,
+                 answers: tuple[Any, Any, Any] = (Lookup.MISS, Lookup.HIT, Lookup.PENDING)
+                 ) -> None:
+        """`answers`: what `lookup` returns for a miss, a hit and a pending store; an engine
+        may pass its own values, so that its scheduler can call `lookup` directly (it is the
+        hottest call: once per chunk of every waiting request, every step)."""
         self.client = client
+        self._miss, self._hit, self._pending = answers
         self.reserve_target = max(1, reserve)
         self.enable_events = enable_events
         self._generation = -1
@@ -277,32 +284,38 @@ class OffloadSession:
                 self._marks.publish(min(floor, self._step_epoch))
 
     # --------------------------------------------------------------- lookups
-    def lookup(self, key: bytes) -> Lookup:
-        """Whether `key` is cached: HIT (loadable now), PENDING (being stored) or MISS."""
+    def lookup(self, key: bytes, _context: object = None) -> Any:
+        """Whether `key` is cached: HIT (loadable now), PENDING (being stored) or MISS (as
+        the `answers` given at construction). `_context` is ignored (an engine's per-request
+        argument, so the engine can call this method directly)."""
         if not self._in_step:
             self._begin()
         index = self._index
         if index is None or self._reset_pending or not self.client.available:
-            return Lookup.MISS
+            return self._miss
+        memo = index.memo.get(key)        # a repeated lookup: one read (IndexReader.find)
+        if memo is not None and index.meta[memo[0]] == memo[1] and memo[1] & 3 == STATE_READY:
+            self._hits[key] = memo[2]
+            return self._hit
         found = index.find(key)
         if found is not None:
             state, offset = found
             if state == STATE_READY:
                 self._hits[key] = offset
-                return Lookup.HIT
+                return self._hit
             store = self._stores.get(key)
             if store is not None and store.completed and store.offset == offset:
                 self._hits[key] = offset              # ours, completed: the daemon catches up
-                return Lookup.HIT
-            return Lookup.PENDING
+                return self._hit
+            return self._pending
         store = self._stores.get(key)
         if store is not None and store.batch > self._acked:
             # The daemon has not heard of this store yet: the slot is still ours alone.
             if store.completed:
                 self._hits[key] = store.offset
-                return Lookup.HIT
-            return Lookup.PENDING
-        return Lookup.MISS
+                return self._hit
+            return self._pending
+        return self._miss
 
     def hit_offset(self, key: bytes) -> int | None:
         """The pool offset a HIT of this step found (None: `key` was no HIT this step)."""

@@ -27,19 +27,22 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvd_client.dataplane.planner import SKIP
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload_session import OffloadSession
 
 from .transfer_spec import KvdSlotsSpec
 
 log = logging.getLogger(__name__)
 
-_RESULT = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS,
-           Lookup.PENDING: LookupResult.HIT_PENDING}
+# What OffloadSession.lookup answers, in vLLM's terms: miss, hit, pending.
+ANSWERS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
 class KvdOffloadingManager(OffloadingManager):
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
+        # vLLM's scheduler calls lookup(key, req_context) once per chunk: straight into the
+        # session, which answers in vLLM's LookupResult (see OffloadSession's `answers`).
+        self.lookup = session.lookup  # type: ignore[method-assign]
 
     @property
     def client(self):  # noqa: ANN201 - the KvdClient, for tests and benchmarks
@@ -53,7 +56,7 @@ class KvdOffloadingManager(OffloadingManager):
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _RESULT[self.session.lookup(key)]
+        return self.session.lookup(key)       # replaced per instance by the session's own
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext

@@ -18,7 +18,7 @@ from kvd_client.dataplane.options import CopyOptions
 from kvd_client.offload_session import DEFAULT_RESERVE, OffloadSession
 from kvd_proto.paths import default_socket_path
 
-from .manager import KvdOffloadingManager
+from .manager import ANSWERS, KvdOffloadingManager
 from .namespace import DEFAULT_KEY_BYTES, is_replicated, layout_of, salt_of
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class KvdOffloadingSpec(OffloadingSpec):
                 engine_version=getattr(vllm, "__version__", ""), deadline_s=self.deadline_s)
             session = OffloadSession(
                 client, reserve=self.reserve,
-                enable_events=self.kv_events_config.enable_kv_cache_events)
+                enable_events=self.kv_events_config.enable_kv_cache_events, answers=ANSWERS)
             self._manager = KvdOffloadingManager(session)
         return self._manager
 

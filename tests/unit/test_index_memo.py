@@ -54,10 +54,10 @@ def test_expect_ready_remembers_only_the_store_it_saw(pair) -> None:
     index, reader = pair
     a, b = _key(3), _key(4)
     reader.expect_ready(a, _offset(5))           # not published yet: nothing remembered
-    assert a not in reader._memo
+    assert a not in reader.memo
     index.insert(5, a)
     reader.expect_ready(b, _offset(5))           # another key's slot: nothing
-    assert b not in reader._memo
+    assert b not in reader.memo
     reader.expect_ready(a, _offset(5) + 1)       # not a slot's offset: nothing
     reader.expect_ready(a, _offset(5))
     assert reader.find(a) == (STATE_STORING, _offset(5))   # the memo waits for READY
@@ -77,6 +77,6 @@ def test_memo_is_bounded(pair) -> None:
             index.insert(i, _key(i))
             index.set_ready(i)
             assert reader.find(_key(i)) == (STATE_READY, _offset(i))
-            assert len(reader._memo) <= 8
+            assert len(reader.memo) <= 8
     finally:
         reader.close()
