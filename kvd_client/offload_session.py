@@ -199,8 +199,8 @@ class OffloadSession:
         mapped = self.client.map_index()
         if mapped is None:
             return
+        # Its marks stay 0 ("nothing read") until the first step publishes an epoch.
         index, marks = IndexReader(mapped[0]), Marks(mapped[1])
-        marks.publish(index.reclaim_epoch)
         offsets: list[int] = []
         results = self.client.step([kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(
             count=self.reserve_target))])
@@ -374,6 +374,8 @@ class OffloadSession:
             load_epochs[reclaim] -= n
             if load_epochs[reclaim] <= 0:
                 del load_epochs[reclaim]
+        if not load_epochs:
+            self._publish_idle()
         for reset, group in by_reset.items():
             self._queue(("complete_load", group, req_id, reset))
 
@@ -487,6 +489,7 @@ class OffloadSession:
         with self._lock:
             self._in_step = False
             self._hits.clear()
+        self._publish_idle()
         if not self.available:
             self._ops.clear()
             return
@@ -664,13 +667,15 @@ class OffloadSession:
         return answers
 
     def _publish_idle(self) -> None:
-        """Between steps with no load in flight, nothing holds back reuse: say so, so an idle
-        engine does not keep its namespace's freed slots from coming back."""
+        """Between steps with no load in flight this session acts on no index entry: publish
+        0 ("nothing"), so an idle engine holds back no freed slot however long it stays idle
+        (an epoch published now would hold every slot freed after it until its next step).
+        Safe: the next step publishes its epoch, then fences, before its first lookup."""
         with self._lock:
-            if self._in_step or self._load_epochs or self._index is None or \
-                    self._marks is None or self._generation != self.client.generation:
+            if self._in_step or self._load_epochs or self._marks is None or \
+                    self._generation != self.client.generation:
                 return
-            self._marks.publish(self._index.reclaim_epoch)
+            self._marks.publish(0)
 
     def close(self) -> None:
         if not self._closed:

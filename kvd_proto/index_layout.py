@@ -46,7 +46,9 @@ RESET_EPOCH_OFFSET = 48     # u64, the namespace's epoch (+1 per reset)
 RECLAIM_EPOCH_OFFSET = 56   # u64, raised by the daemon after freeing slots
 
 # A session's marks file (read/write for the session, read by the daemon): u64 at offset 0,
-# the oldest reclaim epoch the session may still act on; 0 means none published yet.
+# the oldest reclaim epoch the session may still act on; 0 means none published yet. The
+# reclaim epoch starts at FIRST_RECLAIM_EPOCH, so every epoch a reader publishes is nonzero.
+FIRST_RECLAIM_EPOCH = 1
 MARKS_BYTES = 4096
 MARKS_LAYOUT = "u64 published_epoch at offset 0 (little-endian); the rest reserved, zero"
 
@@ -103,6 +105,8 @@ class Header:
 
     @classmethod
     def unpack(cls, data: bytes) -> Header:
+        if len(data) < _HEADER.size:
+            raise ValueError(f"not a kvd index: {len(data)} bytes, shorter than its header")
         (magic, version, header_bytes, capacity, buckets, key_width, per_extent, stride,
          extent_bytes, _, _) = _HEADER.unpack_from(data)
         if magic != MAGIC or version != VERSION or header_bytes != HEADER_BYTES:

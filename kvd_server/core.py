@@ -566,13 +566,15 @@ class KvdCore:
         epoch = mgr.epoch
         offered = set(keys)
         bound: list[tuple[bytes, int]] = []
+        taken: set[int] = set()           # a slot named twice in one call holds one key
         refused = 0
         for key, offset in zip(granted_keys, granted_offsets, strict=True):
             slot = ns.slots.slot_at(offset)
-            if slot is None or slot not in s.granted or key not in offered or \
-                    (epoch, key) in s.pending:
+            if slot is None or slot not in s.granted or slot in taken or key not in offered \
+                    or (epoch, key) in s.pending:
                 refused += 1
                 continue
+            taken.add(slot)
             bound.append((key, slot))
         if len(s.pending) + len(bound) > MAX_PENDING_STORES_PER_SESSION:
             return StoreGrantedAnswer(0, 0, len(bound) + refused, [], epoch)

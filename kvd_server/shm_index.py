@@ -23,6 +23,7 @@ from collections import deque
 import numpy as np
 
 from kvd_proto.index_layout import (
+    FIRST_RECLAIM_EPOCH,
     MARKS_BYTES,
     MAX_PROBE,
     RECLAIM_EPOCH_OFFSET,
@@ -79,6 +80,10 @@ class ShmIndex:
         self._keys = view[h.keys_offset:h.keys_offset + h.key_width * h.capacity]
         self._epochs = view[RESET_EPOCH_OFFSET:RECLAIM_EPOCH_OFFSET + 8].cast("Q")
         self._home = array.array("I", bytes(0))   # slot -> its key's first bucket
+        # The reclaim epoch starts at 1: a reader publishes the epoch it sees before its first
+        # lookup, and a published 0 means "nothing read yet" (Reclamation.floor skips it), so
+        # an epoch of 0 would leave a fresh namespace's first readers holding nothing.
+        self.reclaim_epoch = FIRST_RECLAIM_EPOCH
         self._mask = h.buckets - 1
         self.overflows_total = 0
 

@@ -1,0 +1,344 @@
+"""An engine on the fast path (OffloadSession over KvdClient) for the multi-process and fault
+tests: helpers a test process drives its own engine with, and, run as a module, an engine in a
+separate process that a test drives command by command (so it can be stopped or killed at an
+exact point: after a pin, before its copy).
+
+Protocol of the engine process: `python -m tests.multiproc.offload_engine SOCKET MODEL
+RESERVE`; it prints one JSON line once connected, then answers each JSON command read from
+stdin with one JSON line (see `EngineProcess` for the commands).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvd_client.client import KvdClient
+from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_proto import kvd_pb2
+from kvd_proto.wire import KvLayout
+from tests.multiproc.conftest import (
+    BLOCK,
+    PY,
+    ROOT,
+    Engine,
+    block_bytes_of,
+    clean_env,
+    keys_for,
+    wait_until,
+)
+
+LAYOUT = KvLayout(BLOCK, 1, BLOCK, 16, "bfloat16")
+SETTLE_S = 20.0           # bound on waiting for the daemon's answers (a loaded 2-core machine)
+
+
+# --- an engine in this process ---------------------------------------------------------------
+
+
+def open_session(socket: str, model: str, *, reserve: int = 16, deadline_s: float = 0.5,
+                 connect_timeout: float = 10.0) -> OffloadSession:
+    """An engine's OffloadSession, connected (its first step adopts the index)."""
+    client = KvdClient(socket, model=model, layout=LAYOUT, deadline_s=deadline_s,
+                       engine_id=f"test-{os.getpid()}", engine_kind="pytest")
+    session = OffloadSession(client, reserve=reserve)
+    if not client.wait_available(connect_timeout):
+        close_session(session)
+        raise AssertionError(f"engine did not connect to {socket} in {connect_timeout}s")
+    return session
+
+
+def close_session(session: OffloadSession) -> None:
+    session.close()
+    session.client.close()
+
+
+def count_blocking_calls(client: KvdClient) -> list[int]:
+    """Calls to the daemon made on this (the scheduler's) thread from now on, as
+    bench/control_plane.py counts them: [n], updated in place."""
+    main = threading.get_ident()
+    count = [0]
+    for name in ("step", "flush"):
+        fn = getattr(client, name)
+
+        def wrapped(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+            if threading.get_ident() == main:
+                count[0] += 1
+            return _fn(*args, **kwargs)
+
+        setattr(client, name, wrapped)
+    return count
+
+
+def settle(session: OffloadSession, timeout: float = SETTLE_S) -> None:
+    """End the step and keep stepping until the daemon answered everything sent."""
+    session.end_step()
+    deadline = time.monotonic() + timeout
+    while session.has_pending_work():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the daemon did not answer an engine's messages in {timeout}s")
+        time.sleep(0.005)
+        session.end_step()
+
+
+def write_block(session: OffloadSession, offset: int, key: bytes) -> None:
+    pool = session.client.pool
+    assert pool is not None, "no pool mapping"
+    view = pool.view(offset, BLOCK)
+    try:
+        view[:] = block_bytes_of(key)
+    finally:
+        view.release()
+
+
+def read_block(pool: Any, offset: int) -> bytes:
+    view = pool.view(offset, BLOCK)
+    try:
+        return bytes(view)
+    finally:
+        view.release()
+
+
+def store(session: OffloadSession, keys: Sequence[bytes], *, timeout: float = SETTLE_S,
+          stall_s: float | None = None, wait: bool = True) -> list[tuple[bytes, int]] | None:
+    """Store `keys` as an engine does: reserve slots, write each block's bytes, complete, end
+    the step (and, with `wait`, step until the daemon answered). The (key, offset) pairs
+    granted; None when the reserve stayed short for `stall_s` seconds (None: fail after
+    `timeout`)."""
+    keys = list(keys)
+    started = time.monotonic()
+    while True:
+        granted = session.reserve(keys)
+        if granted is not None:
+            break
+        session.end_step()                  # asks for more grants in the background
+        waited = time.monotonic() - started
+        if stall_s is not None and waited > stall_s:
+            return None
+        if waited > timeout:
+            raise AssertionError(f"the reserve stayed short of {len(keys)} slots for {timeout}s")
+        time.sleep(0.01)
+    for key, offset in granted:
+        write_block(session, offset, key)
+    session.complete_store([key for key, _ in granted])
+    if wait:
+        settle(session, timeout)
+    else:
+        session.end_step()
+    return granted
+
+
+def load(session: OffloadSession, keys: Sequence[bytes]) -> tuple[list[Lookup], list[bytes]]:
+    """Look `keys` up in one step, load the HITs (pin, copy, unpin): (states, keys whose bytes
+    were not their own)."""
+    states = [session.lookup(key) for key in keys]
+    hits = [key for key, state in zip(keys, states) if state is Lookup.HIT]
+    pool = session.client.pool
+    offsets = session.pin(hits)
+    assert None not in offsets, "a HIT of this step could not be pinned"
+    bad = [key for key, offset in zip(hits, offsets)
+           if read_block(pool, offset) != block_bytes_of(key)]
+    session.unpin(hits)
+    session.end_step()
+    return states, bad
+
+
+# --- what the daemon says --------------------------------------------------------------------
+
+
+def namespace(doc: dict[str, Any], model: str) -> dict[str, Any]:
+    return next(ns for ns in doc["namespaces"] if ns["model"] == model)
+
+
+def wait_idle(daemon: Any, timeout: float = SETTLE_S) -> dict[str, Any]:
+    """Wait until no session is left and nothing is held, pinned or being stored; the stats."""
+
+    def idle() -> dict[str, Any] | None:
+        doc = daemon.stats()
+        pool, blocks = doc["pool"], doc["blocks"]
+        if doc["sessions"] or pool["quarantined_slots"] or pool["quarantined_pins"] \
+                or blocks["pinned"] or blocks["storing"] or blocks["zombie"]:
+            return None
+        return doc
+
+    return wait_until(idle, timeout, "every session to end and nothing to stay held")
+
+
+def assert_no_slot_leaked(daemon: Any, model: str) -> None:
+    """With no session left, a store of as many new keys as the whole pool holds must be
+    granted, each in its own slot (by evicting every block): a slot leaked by a session, a
+    grant or limbo would make it `cannot_store` or short."""
+    doc = wait_idle(daemon)
+    pool = doc["pool"]
+    assert pool["free_bytes"] + pool["used_bytes"] == pool["total_bytes"], pool
+    capacity = pool["extents_total"] * (pool["extent_bytes"] // namespace(doc, model)["slot_bytes"])
+    probe = Engine(daemon.socket, model, engine_id="leak-probe")
+    try:
+        keys = keys_for("whole-pool-probe", capacity)
+        grant = probe.call("PrepareStore", kvd_pb2.PrepareStoreRequest(keys=keys, req_id="p"))
+        assert not grant.cannot_store, "a slot is still held though every session ended"
+        assert len(grant.keys_to_store) == capacity, (len(grant.keys_to_store), capacity)
+        assert len(set(grant.slot_offsets)) == capacity, "one slot handed out twice"
+        probe.call("CompleteStore", kvd_pb2.CompleteStoreRequest(
+            keys=list(grant.keys_to_store), success=False, req_id="p", epoch=grant.epoch))
+    finally:
+        probe.close()
+
+
+# --- an engine in another process ------------------------------------------------------------
+
+
+def readline_within(proc: subprocess.Popen[str], timeout: float, stderr: Any = None) -> str:
+    """One line of the child's stdout, or fail (with its stderr) after `timeout` seconds."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        what = "said nothing" if not ready else "exited"
+        raise AssertionError(f"engine process {proc.pid} {what} within {timeout}s: "
+                             f"{_tail(stderr)}")
+    return line
+
+
+def _tail(stderr: Any) -> str:
+    if stderr is None:
+        return ""
+    with contextlib.suppress(OSError, ValueError):
+        stderr.seek(0)
+        return stderr.read().decode(errors="replace")[-3000:]
+    return ""
+
+
+class EngineProcess:
+    """An engine process driven by commands: `lookup`, `pin`, `read`, `unpin`, `end_step`,
+    `settle`, `reserve` (and write), `complete`, `store`, `load`, `close` (see `_serve`)."""
+
+    def __init__(self, socket: str, model: str, reserve: int = 4) -> None:
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in kill()
+        self.proc = subprocess.Popen(
+            [PY, "-m", "tests.multiproc.offload_engine", socket, model, str(reserve)],
+            env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, text=True, cwd=ROOT)
+        try:
+            self.hello = json.loads(readline_within(self.proc, 30, self._stderr))
+        except BaseException:
+            self.kill()
+            raise
+        self.pid = self.proc.pid
+
+    def ask(self, op: str, keys: Sequence[bytes] = (), timeout: float = 30.0,
+            **fields: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, "keys": [k.hex() for k in keys],
+                                          **fields}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(readline_within(self.proc, timeout, self._stderr))
+        if "error" in answer:
+            raise AssertionError(f"engine process failed on {op}: {answer['error']}")
+        return answer
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        """Close its session and let it exit (killed if it does not)."""
+        if self.proc.poll() is None:
+            try:
+                self.ask("close")
+                self.proc.wait(15)
+            finally:
+                self.kill()
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL (a stopped process dies too) and reap; never leaves a child behind."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+        self.proc.wait(15)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        self._stderr.close()
+
+
+def _serve(socket: str, model: str, reserve: int) -> int:
+    session = open_session(socket, model, reserve=reserve)
+    pinned: dict[bytes, tuple[Any, int]] = {}     # key -> (the mapping it was pinned in, offset)
+    reserved: list[bytes] = []
+    print(json.dumps({"pid": os.getpid(), "session": session.client.session_id}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        keys = [bytes.fromhex(k) for k in cmd.get("keys", [])]
+        try:
+            if op == "lookup":
+                answer: dict[str, Any] = {"states": [session.lookup(k).value for k in keys]}
+            elif op == "pin":
+                pool = session.client.pool
+                offsets = session.pin(keys)
+                for key, offset in zip(keys, offsets):
+                    if offset is not None:
+                        pinned[key] = (pool, offset)
+                answer = {"offsets": offsets}
+            elif op == "read":
+                answer = {"match": [read_block(*pinned[k]) == block_bytes_of(k) for k in keys]}
+            elif op == "unpin":
+                session.unpin(keys)
+                for key in keys:
+                    pinned.pop(key, None)
+                answer = {}
+            elif op == "end_step":
+                session.end_step()
+                answer = {}
+            elif op == "settle":
+                settle(session)
+                answer = {}
+            elif op == "reserve":
+                granted = session.reserve(keys)
+                for key, offset in granted or ():
+                    write_block(session, offset, key)
+                reserved = [key for key, _ in granted or ()]
+                answer = {"granted": None if granted is None
+                          else [[k.hex(), o] for k, o in granted]}
+            elif op == "complete":
+                session.complete_store(keys or reserved)
+                answer = {}
+            elif op == "store":
+                granted = store(session, keys)
+                answer = {"granted": [[k.hex(), o] for k, o in granted or ()]}
+            elif op == "load":
+                states, bad = load(session, keys)
+                answer = {"states": [s.value for s in states], "bad": [k.hex() for k in bad]}
+            elif op == "close":
+                close_session(session)
+                print(json.dumps({}), flush=True)
+                return 0
+            else:
+                answer = {"error": f"unknown command {op!r}"}
+        except Exception as exc:  # the test reads what went wrong
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+    close_session(session)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.argv[1], sys.argv[2], int(sys.argv[3])))
