@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import os
 import queue
 import threading
 import time
@@ -162,6 +163,9 @@ class OffloadSession:
         # copies in flight
         self._loads: dict[bytes, list[tuple[int, int]]] = {}    # key -> [(reclaim, reset)]
         self._load_epochs: collections.Counter[int] = collections.Counter()
+        # epochs of loads that were in flight at a reset: they still copy (vLLM finishes
+        # them) and stay protected until reset_flushed
+        self._stale_epochs: collections.Counter[int] = collections.Counter()
         self._stores: dict[bytes, _Store] = {}
         self._reserve: collections.deque[int] = collections.deque()
         self._granting = 0                                       # slots asked, not answered
@@ -200,7 +204,15 @@ class OffloadSession:
         if mapped is None:
             return
         # Its marks stay 0 ("nothing read") until the first step publishes an epoch.
-        index, marks = IndexReader(mapped[0]), Marks(mapped[1])
+        try:
+            index = IndexReader(mapped[0])
+        except (OSError, ValueError) as exc:
+            for fd in mapped:
+                os.close(fd)
+            log.error("kvd daemon handed over an index this client cannot read (%s); "
+                      "offload stays off for this session", exc)
+            return
+        marks = Marks(mapped[1])
         offsets: list[int] = []
         results = self.client.step([kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(
             count=self.reserve_target))])
@@ -237,6 +249,7 @@ class OffloadSession:
         self._hits.clear()
         self._loads.clear()
         self._load_epochs.clear()
+        self._stale_epochs.clear()
         self._stores.clear()
         self._reserve.clear()
         self._granting = 0
@@ -280,8 +293,8 @@ class OffloadSession:
                 self._step_epoch = self._index.reclaim_epoch
                 if not self._reset_pending:
                     self._reset_epoch = self._index.reset_epoch
-                floor = min(self._load_epochs) if self._load_epochs else self._step_epoch
-                self._marks.publish(min(floor, self._step_epoch))
+                held = list(self._load_epochs) + list(self._stale_epochs)
+                self._marks.publish(min([self._step_epoch, *held]))
 
     # --------------------------------------------------------------- lookups
     def lookup(self, key: bytes, _context: object = None) -> Any:
@@ -462,6 +475,7 @@ class OffloadSession:
                 self._stale_loads.setdefault(reset, []).append(key)
         self._stores.clear()
         self._loads.clear()
+        self._stale_epochs.update(self._load_epochs)
         self._load_epochs.clear()
         self._hits.clear()
 
@@ -475,6 +489,7 @@ class OffloadSession:
                 self._queue(("complete_load", [key], "", reset))
         self._stale_stores.clear()
         self._stale_loads.clear()
+        self._stale_epochs.clear()
 
     # ------------------------------------------------------------------ events
     def take_events(self) -> list[Event]:
@@ -672,7 +687,7 @@ class OffloadSession:
         (an epoch published now would hold every slot freed after it until its next step).
         Safe: the next step publishes its epoch, then fences, before its first lookup."""
         with self._lock:
-            if self._in_step or self._load_epochs or self._marks is None or \
+            if self._in_step or self._load_epochs or self._stale_epochs or self._marks is None or \
                     self._generation != self.client.generation:
                 return
             self._marks.publish(0)

@@ -378,3 +378,33 @@ def test_a_killed_daemon_costs_the_scheduler_thread_no_call(start_daemon):
         assert calls[0] == 0, f"{calls[0]} calls to the daemon on the scheduler thread"
     finally:
         close_session(a)
+
+
+def test_a_load_in_flight_at_a_reset_stays_protected_until_the_reset_is_flushed(daemon):
+    """vLLM never completes loads from before a reset (it flushes them): their slots must stay
+    out of reuse by the session's published epoch until on_reset_flushed, whether or not the
+    daemon's pin took."""
+    a = open_session(daemon.socket, MODEL, reserve=32)
+    keys = keys_for("reset-in-flight", 8)
+    try:
+        assert store(a, keys) is not None
+        assert store(a, keys_for("reset-frees", 8)) is not None   # the reset frees these
+        states = [a.lookup(key) for key in keys]
+        assert states == [Lookup.HIT] * len(keys)
+        a.pin(keys)                                   # the copy is in flight; never unpinned
+        epoch = a._marks.published
+        assert epoch > 0
+        a.reset()
+        settle(a)
+        store(a, keys_for("after-reset", 4))          # frees and grants move the epochs on
+        a.lookup(keys[0])                             # a new step publishes its floor
+        assert a._index.reclaim_epoch > epoch, "the test needs the reclaim epoch to move"
+        assert a._marks.published == epoch, "a load from before the reset lost its protection"
+        a.end_step()
+        a.reset_flushed()                             # vLLM: every pre-reset copy is done
+        settle(a)
+        a.lookup(keys[0])
+        assert a._marks.published == a._index.reclaim_epoch
+        a.end_step()
+    finally:
+        close_session(a)
