@@ -1,6 +1,10 @@
 """Replay a trace through vLLM 0.33's real scheduler with (a) vLLM's in-process CPU offload
 manager and (b) KvdOffloadingSpec against a real daemon, at the same capacity, and compare hits
-and time per scheduler step."""
+and time per scheduler step.
+
+Same capacity means the same number of cached blocks: kvd's pool also holds the engine's
+reserve (`kvd_reserve` free slots granted ahead of its stores, so prepare_store needs no round
+trip), as docs/vllm.md tells operators to size it."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from traces import generate  # noqa: E402
 
 MAX_TOKENS = 4000
 SLOT = 4096          # harness page (1 KiB) rounded up to the daemon's slot alignment
+RESERVE = 256        # the engine's reserve (kvd_reserve's default), on top of the capacity
 
 
 def _engine(socket_path: str, extra: dict | None):
@@ -84,10 +89,10 @@ def run(shape: str = "chat", size: str = "small", capacity_chunks: int = 600) ->
                                     "baseline_num_chunks": capacity_chunks})
     baseline = _replay(base, requests)
     with tempfile.TemporaryDirectory(prefix="kvd-r-", dir="/tmp") as work:
-        pool = capacity_chunks * SLOT
+        pool = (capacity_chunks + RESERVE) * SLOT
         proc, sock = start_daemon(work, str(pool), "--extent-size", str(pool))
         try:
-            eng = _engine(sock, None)
+            eng = _engine(sock, {"kvd_reserve": RESERVE})
             assert eng.manager.client.wait_available(10)
             kvd = _replay(eng, requests)
             trips = eng.stats.round_trips
@@ -99,7 +104,7 @@ def run(shape: str = "chat", size: str = "small", capacity_chunks: int = 600) ->
             proc.wait(30)
     return {
         "trace": f"{shape}/{size}", "requests": len(requests), "capacity_chunks": capacity_chunks,
-        "hits_kvd_tokens": kvd["hit_tokens"], "hits_vllm_tokens": baseline["hit_tokens"],
+        "kvd_reserve": RESERVE, "hits_kvd_tokens": kvd["hit_tokens"], "hits_vllm_tokens": baseline["hit_tokens"],
         "kvd_step_seconds_median": kvd["scheduler_seconds_median"],
         "baseline_step_seconds_median": baseline["scheduler_seconds_median"],
         "added_step_seconds": kvd["scheduler_seconds_median"]

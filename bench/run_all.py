@@ -127,7 +127,6 @@ def main() -> int:
         "lookup_p99_growth_le_1.2x": p99_growth <= 1.2,
         "lookup_p99_growth": p99_growth,
         "dataplane_cpu_ge_70pct_memcpy": dp["fraction_of_memcpy"] >= 0.7,
-        "memory_le_200_bytes_per_block": d["memory"]["bytes_per_block"] <= 200,
     }
     latest["elapsed_seconds"] = time.time() - t0
     RESULTS.mkdir(exist_ok=True)
