@@ -57,12 +57,15 @@ class ManagerClock:
 
     def __init__(self, manager: object) -> None:
         self.spent = 0.0
+        self.by_method: dict[str, list[float]] = {}     # name -> [seconds, calls]
         for name in MANAGER_METHODS:
             method = getattr(manager, name, None)
             if method is not None:
-                setattr(manager, name, self._timed(method))
+                setattr(manager, name, self._timed(name, method))
 
-    def _timed(self, fn):  # noqa: ANN001, ANN202
+    def _timed(self, name: str, fn):  # noqa: ANN001, ANN202
+        tally = self.by_method.setdefault(name, [0.0, 0])
+
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             t0 = time.perf_counter()
             try:
@@ -71,7 +74,10 @@ class ManagerClock:
                     result = list(result)
                 return result
             finally:
-                self.spent += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                self.spent += took
+                tally[0] += took
+                tally[1] += 1
         return wrapper
 
     def take(self) -> float:
@@ -123,7 +129,9 @@ def _replay(engine, requests: list[Request]) -> dict:
             "mean": statistics.fmean(per_step_us),
             "median": per_step_us[len(per_step_us) // 2],
             "p99": per_step_us[min(len(per_step_us) - 1, int(len(per_step_us) * 0.99))],
-            "total_seconds": total}
+            "total_seconds": total,
+            "by_method": {name: {"seconds": t, "calls": c, "us_per_call": t / c * 1e6}
+                          for name, (t, c) in sorted(clock.by_method.items()) if c}}
 
 
 def _count_blocking_calls(client) -> list[int]:
@@ -183,6 +191,7 @@ def run(sessions: int = 1000, turns: int = 8, capacity: int = 65536,
         "steps": {"kvd": kvd["steps"], "vllm": vllm["steps"]},
         "idle_steps": {"kvd": kvd["idle_steps"], "vllm": vllm["idle_steps"]},
         "manager_seconds_total": {"kvd": kvd["total_seconds"], "vllm": vllm["total_seconds"]},
+        "by_method": {"kvd": kvd["by_method"], "vllm": vllm["by_method"]},
         "evictions_kvd": evictions,
     }
 

@@ -319,6 +319,7 @@ class OffloadSession:
             store = self._stores.get(key)
             if store is not None and store.completed and store.offset == offset:
                 self._hits[key] = offset              # ours, completed: the daemon catches up
+                index.expect_ready(key, offset)       # so the next lookup is one read
                 return self._hit
             return self._pending
         store = self._stores.get(key)
@@ -368,20 +369,28 @@ class OffloadSession:
     def unpin(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Loads of `keys` finished (every worker copied)."""
         by_reset: dict[int, list[bytes]] = {}
-        released: collections.Counter[int] = collections.Counter()
+        released: dict[int, int] = {}
         loads = self._loads
+        # The keys of one call were nearly always pinned in one step: their epochs repeat,
+        # so the per-key work is a comparison and an append.
+        last: tuple[int, int] | None = None
+        group: list[bytes] = []
+        run = 0
         for key in keys:
             held = loads.get(key)
             if not held:
                 self._finished_old_copy()
                 continue
-            reclaim, reset = held.pop(0) if len(held) > 1 else loads.pop(key)[0]
-            released[reclaim] += 1
-            group = by_reset.get(reset)
-            if group is None:
-                by_reset[reset] = [key]
-            else:
-                group.append(key)
+            epochs = held.pop(0) if len(held) > 1 else loads.pop(key)[0]
+            if epochs != last:
+                if last is not None:
+                    released[last[0]] = released.get(last[0], 0) + run
+                last, run = epochs, 0
+                group = by_reset.setdefault(epochs[1], [])
+            run += 1
+            group.append(key)
+        if last is not None:
+            released[last[0]] = released.get(last[0], 0) + run
         load_epochs = self._load_epochs
         for reclaim, n in released.items():
             load_epochs[reclaim] -= n
@@ -429,16 +438,13 @@ class OffloadSession:
                        success: bool = True) -> None:
         """Stores of `keys` finished (every worker wrote its share)."""
         by_reset: dict[int, list[bytes]] = {}
-        index = self._index
         for key in keys:
             store = self._stores.get(key)
             if store is None:
                 self._finished_old_copy()
                 continue
             if success:
-                store.completed = True
-                if index is not None:
-                    index.expect_ready(key, store.offset)
+                store.completed = True       # lookups see it (and prime the memo: lookup)
             else:
                 del self._stores[key]
             if store.reset_epoch == UNKNOWN_EPOCH:

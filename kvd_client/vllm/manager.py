@@ -50,8 +50,11 @@ class KvdOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _positions(keys: Sequence[bytes], ctx: ReqContext) -> list[int] | None:
-        position = ctx.get_offload_key_position
-        positions = [position(k) for k in keys]
+        # ReqContext.get_offload_key_position(k) is a dict lookup behind a method call; read
+        # the dict itself where this vLLM has it (a third of the call's cost per key).
+        table = getattr(ctx, "_offload_key_positions", None)
+        position = table.get if isinstance(table, dict) else ctx.get_offload_key_position
+        positions = list(map(position, keys))
         return None if None in positions else positions  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- lookups
