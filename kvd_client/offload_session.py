@@ -410,26 +410,24 @@ class OffloadSession:
         index = self._index
         if index is None or not self.client.available:
             return []
-        new = []
-        for key in keys:
-            # Until the daemon has done a reset this session asked for, the index still shows
-            # what the reset drops: only this session's own later stores count as present.
-            if key in self._stores or (not self._reset_pending and index.find(key) is not None):
-                continue
-            new.append(key)
-        if len(new) > len(self._reserve):
+        stores = self._stores
+        # Until the daemon has done a reset this session asked for, the index still shows
+        # what the reset drops: only this session's own later stores count as present.
+        find = None if self._reset_pending else index.find
+        new = [key for key in keys
+               if key not in stores and (find is None or find(key) is None)]
+        reserve = self._reserve
+        if len(new) > len(reserve):
             self.reserve_target = max(self.reserve_target, 2 * len(new))
             return None
         batch = self._seq
-        granted = []
-        for key in new:
-            offset = self._reserve.popleft()
-            granted.append((key, offset))
-            if len(self._stores) < MAX_LOCAL_STORES:
-                # During a reset this session asked for, the stores' epoch is the reset's
-                # answer: UNKNOWN_EPOCH until it arrives.
-                epoch = UNKNOWN_EPOCH if self._reset_pending else self._reset_epoch
-                self._stores[key] = _Store(offset, epoch, batch)
+        # During a reset this session asked for, the stores' epoch is the reset's answer:
+        # UNKNOWN_EPOCH until it arrives.
+        epoch = UNKNOWN_EPOCH if self._reset_pending else self._reset_epoch
+        granted = [(key, reserve.popleft()) for key in new]
+        room = MAX_LOCAL_STORES - len(stores)
+        for key, offset in granted[:max(0, room)]:
+            stores[key] = _Store(offset, epoch, batch)
         pos = list(positions) if positions and len(positions) == len(keys) else []
         self._ops.append(("store_granted", list(keys), req_id, pos, granted))
         return granted
