@@ -90,9 +90,45 @@ def summary(d: dict) -> str:
             f"Machine: {m['cpu']}, {m['cores']} cores; commit `{d['commit']}`.\n")
 
 
-def _fill(path: Path, text: str) -> None:
+def gpu_table(g: dict) -> str:
+    """bench/README.md's GPU section, from results/gpu.json (dataplane_cuda.py's output):
+    per page size, the chosen method (auto) and each forced one, against the pinned copy."""
+    m, ref = g["machine"], g["pinned_copy"]
+    lines = [f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}, cupy {m['cupy']}; "
+             f"one pinned copy of the same 2 GiB: store {ref['store_gbps']:.1f} GB/s, "
+             f"load {ref['load_gbps']:.1f} GB/s.", "",
+             "| page | method | store GB/s (of pinned) | load GB/s (of pinned) "
+             "| CPU submit ms / 4 GiB (store, load) | plan ms / 4 GiB |",
+             "|---|---|---|---|---|---|"]
+    for r in g["pages"]:
+        if "store" not in r:
+            lines.append(f"| {r['page_bytes'] >> 10} KiB | {r['method']} | unavailable: "
+                         f"{r.get('unavailable', '')} | | | |")
+            continue
+        st, ld = r["store"], r["load"]
+        lines.append(
+            f"| {r['page_bytes'] >> 10} KiB | {r['method']} "
+            f"| {st['gbps']:.1f} ({st['fraction_of_pinned_copy']:.0%}) "
+            f"| {ld['gbps']:.1f} ({ld['fraction_of_pinned_copy']:.0%}) "
+            f"| {st['submit_ms_per_4gib']:.1f}, {ld['submit_ms_per_4gib']:.1f} "
+            f"| {st['plan_ms_per_4gib']:.1f}, {ld['plan_ms_per_4gib']:.1f} |")
+    ready = g.get("ready")
+    if ready:
+        lines += ["", f"A worker on a {ready['pool_gib']} GiB pool: ready to copy after "
+                  f"{ready['ready_seconds'] * 1e3:.1f} ms; its first transfer (before "
+                  f"registration, method {', '.join(ready['first_transfer_methods'])}) done "
+                  f"after {ready['first_transfer_done_seconds'] * 1e3:.0f} ms; registration "
+                  f"in the background {ready['registration_seconds_per_gib'] * 1e3:.0f} ms/GiB "
+                  f"({ready['registered_gib']:.0f} GiB in {ready['registration_seconds']:.1f} s)."]
+    lines += ["", "| target | |", "|---|---|"]
+    lines += [f"| {name} | {'met' if ok else '**missed**'} |"
+              for name, ok in g["targets"].items() if ok is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _fill(path: Path, text: str, marker: str = "results") -> None:
     old = path.read_text()
-    new = re.sub(r"(<!-- results -->\n).*?(<!-- /results -->)",
+    new = re.sub(rf"(<!-- {marker} -->\n).*?(<!-- /{marker} -->)",
                  lambda mm: mm.group(1) + text + mm.group(2), old, flags=re.S)
     path.write_text(new)
 
@@ -103,6 +139,9 @@ def main() -> None:
     short = summary(d)
     if short:
         _fill(HERE.parent / "README.md", short)
+    gpu = HERE / "results" / "gpu.json"
+    if gpu.exists():
+        _fill(HERE / "README.md", gpu_table(json.loads(gpu.read_text())), "gpu-results")
 
 
 if __name__ == "__main__":
