@@ -65,6 +65,14 @@ class Event:
     metadata_only: bool = False
 
 
+_Held = tuple[int, int] | list[tuple[int, int]]
+
+
+def _held(value: _Held) -> list[tuple[int, int]]:
+    """The (reclaim, reset) epochs of a key's loads in flight, as a list."""
+    return [value] if type(value) is tuple else value
+
+
 @dataclass(slots=True)
 class _Store:
     offset: int
@@ -161,7 +169,10 @@ class OffloadSession:
         self._ops: list[_Op] = []
         self._seq = 0
         # copies in flight
-        self._loads: dict[bytes, list[tuple[int, int]]] = {}    # key -> [(reclaim, reset)]
+        # key -> (reclaim, reset) epochs of its load in flight, or a list of them when several
+        # loads of the key are in flight (rare): one shared tuple per key keeps pin and unpin
+        # free of per-key Python in the common case.
+        self._loads: dict[bytes, _Held] = {}
         self._load_epochs: collections.Counter[int] = collections.Counter()
         # epochs of loads that were in flight at a reset: they still copy (vLLM finishes
         # them) and stay protected until reset_flushed
@@ -239,7 +250,7 @@ class OffloadSession:
         if generation == self._generation:
             return
         old_session = self.client.previous_session_id
-        copies = sum(len(v) for v in self._loads.values()) + len(self._stores)
+        copies = sum(len(_held(v)) for v in self._loads.values()) + len(self._stores)
         if old_session and copies:
             self._old_sessions.append(old_session)
             self._old_copies += copies
@@ -342,8 +353,7 @@ class OffloadSession:
         that was not). The slots stay readable until `unpin`."""
         if not self._in_step:
             self._begin()
-        hits = self._hits
-        offsets: list[int | None] = [hits.get(k) for k in keys]
+        offsets: list[int | None] = list(map(self._hits.get, keys))
         if None in offsets:
             loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
             loaded_offsets = [o for o in offsets if o is not None]
@@ -353,12 +363,18 @@ class OffloadSession:
             return offsets
         epochs = (self._step_epoch, self._reset_epoch)
         loads = self._loads
-        for key in loaded:
-            held = loads.get(key)
-            if held is None:
-                loads[key] = [epochs]
-            else:
-                held.append(epochs)
+        fresh = dict.fromkeys(loaded, epochs)
+        if len(fresh) == len(loaded) and loads.keys().isdisjoint(fresh):
+            loads.update(fresh)                 # the common case: no key loading already
+        else:
+            for key in loaded:
+                held = loads.get(key)
+                if held is None:
+                    loads[key] = epochs
+                elif type(held) is tuple:
+                    loads[key] = [held, epochs]
+                else:
+                    held.append(epochs)
         self._load_epochs[self._step_epoch] += len(loaded)
         pos = list(positions) if positions and len(positions) == len(keys) else []
         if pos and len(loaded) != len(keys):
@@ -368,29 +384,19 @@ class OffloadSession:
 
     def unpin(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Loads of `keys` finished (every worker copied)."""
-        by_reset: dict[int, list[bytes]] = {}
-        released: dict[int, int] = {}
         loads = self._loads
-        # The keys of one call were nearly always pinned in one step: their epochs repeat,
-        # so the per-key work is a comparison and an append.
-        last: tuple[int, int] | None = None
-        group: list[bytes] = []
-        run = 0
-        for key in keys:
-            held = loads.get(key)
-            if not held:
-                self._finished_old_copy()
-                continue
-            epochs = held.pop(0) if len(held) > 1 else loads.pop(key)[0]
-            if epochs != last:
-                if last is not None:
-                    released[last[0]] = released.get(last[0], 0) + run
-                last, run = epochs, 0
-                group = by_reset.setdefault(epochs[1], [])
-            run += 1
-            group.append(key)
-        if last is not None:
-            released[last[0]] = released.get(last[0], 0) + run
+        held = list(map(loads.get, keys))
+        first = held[0] if held else None
+        released: dict[int, int]
+        by_reset: dict[int, list[bytes]]
+        if type(first) is tuple and held.count(first) == len(held) \
+                and len(set(keys)) == len(held):
+            # The common case: one load of each key in flight, all pinned in one step.
+            collections.deque(map(loads.pop, keys), maxlen=0)
+            released = {first[0]: len(held)}
+            by_reset = {first[1]: list(keys)}
+        else:
+            released, by_reset = self._unpin_each(keys)
         load_epochs = self._load_epochs
         for reclaim, n in released.items():
             load_epochs[reclaim] -= n
@@ -400,6 +406,28 @@ class OffloadSession:
             self._publish_idle()
         for reset, group in by_reset.items():
             self._queue(("complete_load", group, req_id, reset))
+
+    def _unpin_each(self, keys: Sequence[bytes]
+                    ) -> tuple[dict[int, int], dict[int, list[bytes]]]:
+        """unpin, key by key: (loads released per reclaim epoch, keys per reset epoch)."""
+        by_reset: dict[int, list[bytes]] = {}
+        released: dict[int, int] = {}
+        loads = self._loads
+        for key in keys:
+            held = loads.get(key)
+            if held is None:
+                self._finished_old_copy()
+                continue
+            if type(held) is tuple:
+                epochs = held
+                del loads[key]
+            else:
+                epochs = held.pop(0)
+                if len(held) == 1:
+                    loads[key] = held[0]
+            released[epochs[0]] = released.get(epochs[0], 0) + 1
+            by_reset.setdefault(epochs[1], []).append(key)
+        return released, by_reset
 
     # ----------------------------------------------------------------- stores
     def reserve(self, keys: Sequence[bytes], req_id: str = "",
@@ -475,7 +503,7 @@ class OffloadSession:
         for key, store in self._stores.items():
             self._stale_stores.setdefault(store.reset_epoch, []).append(key)
         for key, held in self._loads.items():
-            for _, reset in held:
+            for _, reset in _held(held):
                 self._stale_loads.setdefault(reset, []).append(key)
         self._stores.clear()
         self._loads.clear()

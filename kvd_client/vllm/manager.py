@@ -69,7 +69,8 @@ class KvdOffloadingManager(OffloadingManager):
         if None in offsets:
             # vLLM loads only keys answered HIT in this step; keep going safely.
             log.error("prepare_load of a key kvd did not answer HIT this step; it is skipped")
-        return KvdSlotsSpec([SKIP if o is None else o for o in offsets], self.session.pool_id)
+            offsets = [SKIP if o is None else o for o in offsets]
+        return KvdSlotsSpec(offsets, self.session.pool_id)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if keys:

@@ -408,3 +408,48 @@ def test_a_load_in_flight_at_a_reset_stays_protected_until_the_reset_is_flushed(
         a.end_step()
     finally:
         close_session(a)
+
+
+def test_overlapping_loads_of_one_key_each_hold_it_until_done(daemon):
+    """Requests load the same blocks in different steps: the session's floor stays at the
+    oldest load's epoch until that load completes, each load holds its blocks at the daemon
+    until it completes, and nothing stays held."""
+    a = open_session(daemon.socket, MODEL, reserve=32)
+    keys = keys_for("overlap", 6)
+
+    def pinned_blocks(n: int) -> None:
+        settle(a)
+        wait_until(lambda: daemon.stats()["blocks"]["pinned"] == n or None, 10,
+                   f"{n} blocks pinned at the daemon")
+
+    try:
+        assert store(a, keys) is not None
+        assert [a.lookup(k) for k in keys] == [Lookup.HIT] * len(keys)
+        first = a.pin(keys)                                  # request 1, step 1
+        floor = a._marks.published
+        a.end_step()
+        store(a, keys_for("overlap-moves-epochs", 8))        # frees/grants move epochs on
+        assert [a.lookup(k) for k in keys[:3]] == [Lookup.HIT] * 3
+        assert a.pin(keys[:3]) == first[:3]                  # request 2
+        a.end_step()
+        assert a.lookup(keys[0]) is Lookup.HIT
+        a.pin(keys[:1])                                      # request 3
+        a.end_step()
+        pinned_blocks(6)
+        a.unpin(keys[:3])                                    # one load of each of [:3]
+        a.lookup(keys[5])
+        assert a._marks.published == floor, "a load in flight lost its protection"
+        a.end_step()
+        a.unpin(keys[3:])                                    # request 1 is done
+        pinned_blocks(3)
+        a.unpin(keys[:3])
+        assert a._load_epochs, "keys[0] has a third load in flight"
+        pinned_blocks(1)
+        a.unpin(keys[:1])
+        assert not a._loads and not a._load_epochs
+        pinned_blocks(0)
+        a.lookup(keys[5])
+        assert a._marks.published == a._index.reclaim_epoch
+        a.end_step()
+    finally:
+        close_session(a)
