@@ -65,11 +65,12 @@ class Event:
     metadata_only: bool = False
 
 
-_Held = tuple[int, int] | list[tuple[int, int]]
+_Load = tuple[int, int, str]                 # a load in flight: (reclaim, reset, req_id)
+_Held = _Load | list[_Load]
 
 
-def _held(value: _Held) -> list[tuple[int, int]]:
-    """The (reclaim, reset) epochs of a key's loads in flight, as a list."""
+def _held(value: _Held) -> list[_Load]:
+    """A key's loads in flight, as a list."""
     return [value] if type(value) is tuple else value
 
 
@@ -169,9 +170,9 @@ class OffloadSession:
         self._ops: list[_Op] = []
         self._seq = 0
         # copies in flight
-        # key -> (reclaim, reset) epochs of its load in flight, or a list of them when several
-        # loads of the key are in flight (rare): one shared tuple per key keeps pin and unpin
-        # free of per-key Python in the common case.
+        # key -> its load in flight (reclaim epoch, reset epoch, request), or a list of them
+        # while several requests load it: one tuple shared by the keys of one pin keeps pin
+        # and unpin free of per-key Python in the common case.
         self._loads: dict[bytes, _Held] = {}
         self._load_epochs: collections.Counter[int] = collections.Counter()
         # epochs of loads that were in flight at a reset: they still copy (vLLM finishes
@@ -361,7 +362,7 @@ class OffloadSession:
             loaded, loaded_offsets = list(keys), offsets
         if not loaded:
             return offsets
-        epochs = (self._step_epoch, self._reset_epoch)
+        epochs = (self._step_epoch, self._reset_epoch, req_id)
         loads = self._loads
         fresh = dict.fromkeys(loaded, epochs)
         if len(fresh) == len(loaded) and loads.keys().isdisjoint(fresh):
@@ -389,14 +390,14 @@ class OffloadSession:
         first = held[0] if held else None
         released: dict[int, int]
         by_reset: dict[int, list[bytes]]
-        if type(first) is tuple and held.count(first) == len(held) \
+        if type(first) is tuple and first[2] == req_id and held.count(first) == len(held) \
                 and len(set(keys)) == len(held):
-            # The common case: one load of each key in flight, all pinned in one step.
+            # The common case: one load of each key in flight, all pinned by this request.
             collections.deque(map(loads.pop, keys), maxlen=0)
             released = {first[0]: len(held)}
             by_reset = {first[1]: list(keys)}
         else:
-            released, by_reset = self._unpin_each(keys)
+            released, by_reset = self._unpin_each(keys, req_id)
         load_epochs = self._load_epochs
         for reclaim, n in released.items():
             load_epochs[reclaim] -= n
@@ -407,9 +408,14 @@ class OffloadSession:
         for reset, group in by_reset.items():
             self._queue(("complete_load", group, req_id, reset))
 
-    def _unpin_each(self, keys: Sequence[bytes]
+    def _unpin_each(self, keys: Sequence[bytes], req_id: str
                     ) -> tuple[dict[int, int], dict[int, list[bytes]]]:
-        """unpin, key by key: (loads released per reclaim epoch, keys per reset epoch)."""
+        """unpin, key by key: (loads released per reclaim epoch, keys per reset epoch).
+
+        A key several requests load ends the load of `req_id`; failing that (an engine that
+        names no requests) the newest, so the loads left hold the older epochs: a floor too
+        low holds freed slots back a little longer, one too high could hand a slot still
+        being read to a new store."""
         by_reset: dict[int, list[bytes]] = {}
         released: dict[int, int] = {}
         loads = self._loads
@@ -422,7 +428,8 @@ class OffloadSession:
                 epochs = held
                 del loads[key]
             else:
-                epochs = held.pop(0)
+                epochs = next((e for e in held if e[2] == req_id), None) or max(held)
+                held.remove(epochs)
                 if len(held) == 1:
                     loads[key] = held[0]
             released[epochs[0]] = released.get(epochs[0], 0) + 1
@@ -503,7 +510,7 @@ class OffloadSession:
         for key, store in self._stores.items():
             self._stale_stores.setdefault(store.reset_epoch, []).append(key)
         for key, held in self._loads.items():
-            for _, reset in _held(held):
+            for _, reset, _ in _held(held):
                 self._stale_loads.setdefault(reset, []).append(key)
         self._stores.clear()
         self._loads.clear()

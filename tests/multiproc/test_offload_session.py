@@ -453,3 +453,38 @@ def test_overlapping_loads_of_one_key_each_hold_it_until_done(daemon):
         a.end_step()
     finally:
         close_session(a)
+
+
+def test_a_later_request_finishing_first_leaves_the_earlier_loads_protected(start_daemon):
+    """Two requests load the same blocks in different steps and the later one finishes
+    first: the session must keep publishing the earlier load's epoch (releasing the oldest
+    load of a key instead would let a slot the earlier request still reads be reused)."""
+    daemon = start_daemon(*SMALL_POOL)
+    a = open_session(daemon.socket, MODEL, reserve=16)
+    keys = keys_for("attribution", 4)
+    try:
+        assert store(a, keys) is not None
+        assert [a.lookup(k) for k in keys] == [Lookup.HIT] * len(keys)
+        a.pin(keys, "r1")
+        floor = a._marks.published
+        a.end_step()
+        for n in range(12):        # through 128 slots: evictions, until the freed slots
+            # wait in limbo behind r1's epoch (as they must) and the reserve runs dry
+            if store(a, keys_for(f"attribution-evicts-{n}", 16), stall_s=2.0) is None:
+                break
+        assert [a.lookup(k) for k in keys] == [Lookup.HIT] * len(keys)
+        assert a._index.reclaim_epoch > floor, "the test needs the epoch to move between loads"
+        a.pin(keys, "r2")
+        a.end_step()
+        a.unpin(keys, "r2")                                  # the later request is done
+        a.lookup(keys[0])
+        assert a._marks.published == floor, "r1's loads lost their protection"
+        a.end_step()
+        a.unpin(keys, "r1")
+        assert not a._loads and not a._load_epochs
+        settle(a)
+        a.lookup(keys[0])
+        assert a._marks.published == a._index.reclaim_epoch
+        a.end_step()
+    finally:
+        close_session(a)
