@@ -419,6 +419,9 @@ class OffloadSession:
         by_reset: dict[int, list[bytes]] = {}
         released: dict[int, int] = {}
         loads = self._loads
+        last: _Load | None = None        # keys pinned together share one tuple: count runs
+        group: list[bytes] = []
+        run = 0
         for key in keys:
             held = loads.get(key)
             if held is None:
@@ -432,8 +435,15 @@ class OffloadSession:
                 held.remove(epochs)
                 if len(held) == 1:
                     loads[key] = held[0]
-            released[epochs[0]] = released.get(epochs[0], 0) + 1
-            by_reset.setdefault(epochs[1], []).append(key)
+            if epochs is not last:
+                if last is not None:
+                    released[last[0]] = released.get(last[0], 0) + run
+                last, run = epochs, 0
+                group = by_reset.setdefault(epochs[1], [])
+            run += 1
+            group.append(key)
+        if last is not None:
+            released[last[0]] = released.get(last[0], 0) + run
         return released, by_reset
 
     # ----------------------------------------------------------------- stores
