@@ -21,6 +21,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 RESULTS = HERE / "results"
+LRU_RUNS = 3
 # control_plane.run(sessions, turns, capacity chunks): issue 12 asks for >= 1,000 sessions with
 # evictions at 65,536 chunks
 CONTROL_PLANE_FULL = (1000, 8, 65536)
@@ -70,8 +71,15 @@ def main() -> int:
     print("control plane: scheduler-thread manager time, kvd vs vLLM in-process, LRU and ARC "
           "...", flush=True)
     size = CONTROL_PLANE_QUICK if quick else CONTROL_PLANE_FULL
-    cp = {policy: control_plane.run(*size, policy=policy) for policy in ("lru", "arc")}
+    # vLLM's in-process manager's time moves by +-15% from run to run on this VM (kvd's much
+    # less): the LRU pair runs LRU_RUNS times and the run with the median mean ratio is
+    # reported, every run's ratios beside it.
+    lru_runs = [control_plane.run(*size, policy="lru") for _ in range(1 if quick else LRU_RUNS)]
+    lru_runs.sort(key=lambda r: r["ratio"]["mean"])
+    cp = {"lru": lru_runs[len(lru_runs) // 2],
+          "arc": control_plane.run(*size, policy="arc")}
     lru = cp["lru"]
+    lru["runs"] = [{"mean": r["ratio"]["mean"], "p99": r["ratio"]["p99"]} for r in lru_runs]
     rtt = d["stream_rtt_seconds"]
     tput8 = next(t for t in d["throughput"] if t["clients"] == 8)
     latest = {
