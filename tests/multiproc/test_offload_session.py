@@ -380,6 +380,13 @@ def test_a_killed_daemon_costs_the_scheduler_thread_no_call(start_daemon):
         close_session(a)
 
 
+def assert_floor_follows_the_index(session, key: bytes) -> None:
+    """With no load in flight, a new step publishes the index's current reclaim epoch."""
+    session.lookup(key)
+    assert session._marks.published == session._index.reclaim_epoch
+    session.end_step()
+
+
 def test_a_load_in_flight_at_a_reset_stays_protected_until_the_reset_is_flushed(daemon):
     """vLLM never completes loads from before a reset (it flushes them): their slots must stay
     out of reuse by the session's published epoch until on_reset_flushed, whether or not the
@@ -403,9 +410,7 @@ def test_a_load_in_flight_at_a_reset_stays_protected_until_the_reset_is_flushed(
         a.end_step()
         a.reset_flushed()                             # vLLM: every pre-reset copy is done
         settle(a)
-        a.lookup(keys[0])
-        assert a._marks.published == a._index.reclaim_epoch
-        a.end_step()
+        assert_floor_follows_the_index(a, keys[0])
     finally:
         close_session(a)
 
@@ -448,9 +453,7 @@ def test_overlapping_loads_of_one_key_each_hold_it_until_done(daemon):
         a.unpin(keys[:1])
         assert not a._loads and not a._load_epochs
         pinned_blocks(0)
-        a.lookup(keys[5])
-        assert a._marks.published == a._index.reclaim_epoch
-        a.end_step()
+        assert_floor_follows_the_index(a, keys[5])
     finally:
         close_session(a)
 
@@ -483,8 +486,6 @@ def test_a_later_request_finishing_first_leaves_the_earlier_loads_protected(star
         a.unpin(keys, "r1")
         assert not a._loads and not a._load_epochs
         settle(a)
-        a.lookup(keys[0])
-        assert a._marks.published == a._index.reclaim_epoch
-        a.end_step()
+        assert_floor_follows_the_index(a, keys[0])
     finally:
         close_session(a)
