@@ -25,9 +25,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from daemon import start_daemon  # noqa: E402
 from traces import generate  # noqa: E402
 
+from kvd_client.offload_session import DEFAULT_RESERVE  # noqa: E402
+
 MAX_TOKENS = 4000
 SLOT = 4096          # harness page (1 KiB) rounded up to the daemon's slot alignment
-RESERVE = 256        # the engine's reserve (kvd_reserve's default), on top of the capacity
+RESERVE = DEFAULT_RESERVE     # the engine's reserve (kvd_reserve's default), on top of capacity
 
 
 def _engine(socket_path: str, extra: dict | None):

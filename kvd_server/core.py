@@ -426,14 +426,18 @@ class KvdCore:
             self._lease_timers.add(s.token, key, expiry)
         return ns.mgr.slot_of(key)
 
+    @staticmethod
+    def _check_pin_room(s: Session, more: int) -> None:
+        if len(s.pins) + more > MAX_PINS_PER_SESSION:
+            raise ResourceExhausted(f"session holds {len(s.pins)} pins already (at most "
+                                    f"{MAX_PINS_PER_SESSION}); complete loads first")
+
     def prepare_load(self, s: Session, keys: Sequence[bytes], req_id: str,
                      positions: Sequence[int] | None) -> LoadAnswer:
         """Pin ready (or leased) blocks for a load; all or nothing (NotReady names the first
         key that is not readable)."""
         ns = self._ns(s)
-        if len(s.pins) + len(keys) > MAX_PINS_PER_SESSION:
-            raise ResourceExhausted(f"session holds {len(s.pins)} pins already (at most "
-                                    f"{MAX_PINS_PER_SESSION}); complete loads first")
+        self._check_pin_room(s, len(keys))
         mgr = ns.mgr
         epoch = mgr.epoch
         slots = mgr.prepare_load(keys, self._req(s, req_id), positions or None)
@@ -606,9 +610,7 @@ class KvdCore:
                   req_id: str, positions: Sequence[int] | None) -> tuple[int, int]:
         """Loads the session started from its own lookups: (pinned, epoch)."""
         ns = self._ns(s)
-        if len(s.pins) + len(keys) > MAX_PINS_PER_SESSION:
-            raise ResourceExhausted(f"session holds {len(s.pins)} pins already (at most "
-                                    f"{MAX_PINS_PER_SESSION}); complete loads first")
+        self._check_pin_room(s, len(keys))
         mgr = ns.mgr
         epoch = mgr.epoch
         slots = [ns.slots.slot_at(o) for o in offsets]
