@@ -12,7 +12,6 @@ never reads a reused slot.
 
 from __future__ import annotations
 
-import array
 import fcntl
 import logging
 import mmap
@@ -56,36 +55,47 @@ class ShmIndex:
     """The namespace's index in a memory file; `fd` is handed to its engines (read-only)."""
 
     def __init__(self, capacity: int, key_width: int, per_extent: int, stride: int,
-                 extent_bytes: int, name: str = "kvd-index") -> None:
+                 extent_bytes: int, name: str = "kvd-index", *, private: bool = False) -> None:
         self.header = Header(capacity=capacity, buckets=buckets_for(capacity),
                              key_width=key_width, per_extent=per_extent, stride=stride,
                              extent_bytes=extent_bytes)
         h = self.header
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, h.file_bytes)
-            self._map = mmap.mmap(self.fd, h.file_bytes, mmap.MAP_SHARED,
-                                  mmap.PROT_READ | mmap.PROT_WRITE)
-            # Engines map it read-only: no write through their descriptor or a new mapping,
-            # no size change, no further seal. The daemon's own mapping stays writable.
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK
-                        | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        except OSError:
-            os.close(self.fd)
-            raise
+        if private:
+            # Nobody else reads it (a manager without engines: tests, benchmarks): anonymous
+            # memory, no descriptor to hand out or to leak.
+            self.fd = -1
+            self._map = mmap.mmap(-1, h.file_bytes)
+        else:
+            self.fd, self._map = self._shared_file(name, h.file_bytes)
         self._map[:len(h.pack())] = h.pack()
         view = memoryview(self._map)
         self._buckets = view[h.buckets_offset:h.buckets_offset + 4 * h.buckets].cast("I")
         self._meta = view[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
         self._keys = view[h.keys_offset:h.keys_offset + h.key_width * h.capacity]
         self._epochs = view[RESET_EPOCH_OFFSET:RECLAIM_EPOCH_OFFSET + 8].cast("Q")
-        self._home = array.array("I", bytes(0))   # slot -> its key's first bucket
         # The reclaim epoch starts at 1: a reader publishes the epoch it sees before its first
         # lookup, and a published 0 means "nothing read yet" (Reclamation.floor skips it), so
         # an epoch of 0 would leave a fresh namespace's first readers holding nothing.
         self.reclaim_epoch = FIRST_RECLAIM_EPOCH
         self._mask = h.buckets - 1
+        self._width = h.key_width
+        self._keys_base = h.keys_offset
         self.overflows_total = 0
+
+    @staticmethod
+    def _shared_file(name: str, size: int) -> tuple[int, mmap.mmap]:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # Engines map it read-only: no write through their descriptor or a new mapping,
+            # no size change, no further seal. The daemon's own mapping stays writable.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK
+                        | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd, mapping
 
     # -- epochs
     @property
@@ -106,7 +116,7 @@ class ShmIndex:
 
     # -- slots
     def fits(self, key: bytes) -> bool:
-        return len(key) <= self.header.key_width
+        return len(key) <= self._width
 
     def insert(self, slot: int, key: bytes) -> bool:
         """Publish `key` as being stored in `slot`; False when it cannot be indexed (too long,
@@ -122,7 +132,6 @@ class ShmIndex:
                 self._keys[slot * width:slot * width + len(key)] = key
                 generation = meta_generation(self._meta[slot]) + 1
                 self._meta[slot] = meta_word(STATE_STORING, len(key), generation)
-                self._set_home(slot, home)
                 buckets[b] = slot + 1
                 return True
         self.overflows_total += 1
@@ -138,8 +147,8 @@ class ShmIndex:
         word = self._meta[slot]
         if word & 3 == STATE_FREE:
             return
+        home = self._home(slot, meta_key_len(word))
         self._meta[slot] = meta_word(STATE_FREE, 0, meta_generation(word) + 1)
-        home = self._home[slot]
         buckets = self._buckets
         for probe in range(MAX_PROBE):
             b = (home + probe) & self._mask
@@ -152,7 +161,7 @@ class ShmIndex:
 
     def clear(self) -> None:
         """Unpublish every slot (a reset): meta words first, then the buckets."""
-        meta = np.frombuffer(self._meta, dtype="<u8", count=len(self._home))
+        meta = np.frombuffer(self._meta, dtype="<u8", count=self.header.capacity)
         used = (meta & 3) != STATE_FREE
         meta[used] = ((meta[used] >> 10) + 1) << 10
         start = self.header.buckets_offset
@@ -173,22 +182,50 @@ class ShmIndex:
     def state(self, slot: int) -> int:
         return self._meta[slot] & 3
 
-    def _set_home(self, slot: int, home: int) -> None:
-        homes = self._home
-        if slot >= len(homes):
-            homes.extend([0] * (slot + 1 - len(homes)))
-        homes[slot] = home
+    def find(self, key: bytes) -> int:
+        """The slot `key` is published in (storing or ready), or -1: the daemon's own key ->
+        slot lookup (the index is its only key store)."""
+        n = len(key)
+        if n > self._width:
+            return -1
+        mask, buckets, meta, data = self._mask, self._buckets, self._meta, self._map
+        width, base = self._width, self._keys_base
+        b = key_hash(key) & mask
+        for _ in range(MAX_PROBE):
+            v = buckets[b]
+            if v == 0:
+                return -1
+            off = base + (v - 1) * width
+            # Slicing the mmap itself (a bytes copy, compared with memcmp) is about twice as
+            # fast as slicing a memoryview of it.
+            if data[off:off + n] == key and (meta[v - 1] >> 2) & 0xFF == n:
+                return v - 1
+            b = (b + 1) & mask
+        return -1
+
+    def key_of(self, slot: int) -> bytes:
+        """The key published in `slot` (empty when none is)."""
+        word = self._meta[slot]
+        if word & 3 == STATE_FREE:
+            return b""
+        off = self._keys_base + slot * self._width
+        return self._map[off:off + ((word >> 2) & 0xFF)]
+
+    def _home(self, slot: int, key_len: int) -> int:
+        """The first bucket of the key stored in `slot` (recomputed: no per-slot array)."""
+        off = slot * self._width
+        return key_hash(self._keys[off:off + key_len]) & self._mask
 
     def _delete_bucket(self, hole: int) -> None:
         """Backward-shift deletion: later entries of the run move up, no tombstones."""
-        buckets, mask, homes = self._buckets, self._mask, self._home
+        buckets, mask, meta = self._buckets, self._mask, self._meta
         j = hole
         while True:
             j = (j + 1) & mask
             v = buckets[j]
             if v == 0:
                 break
-            home = homes[v - 1]
+            home = self._home(v - 1, meta_key_len(meta[v - 1]))
             # The entry at j may fill the hole unless its home lies cyclically in (hole, j].
             if (hole < j and hole < home <= j) or (hole > j and (home > hole or home <= j)):
                 continue
@@ -200,7 +237,8 @@ class ShmIndex:
         for view in (self._buckets, self._meta, self._keys, self._epochs):
             view.release()
         self._map.close()
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
 
 
 class ReaderMarks:

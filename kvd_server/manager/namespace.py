@@ -1,8 +1,8 @@
 """One namespace's offload index: vLLM 0.33 CPUOffloadingManager semantics plus what a shared
 daemon needs (lease pins, epochs, zombies).
 
-Block states: storing (ref -1, invisible to lookups as HIT) -> ready (ref 0, evictable) ->
-pinned (ref > 0, being loaded or leased). Eviction is all-or-nothing and never touches
+Block states: storing (invisible to lookups as HIT) -> ready (unpinned, evictable) -> pinned
+(being loaded or leased); kept per slot in a `BlockTable`, keys in the shared index. Eviction is all-or-nothing and never touches
 storing, pinned or offered blocks. `reset()` drops every block at once; a block still being
 copied (pinned or storing) keeps its slot as a *zombie* of the old epoch until the copy's
 completion with that epoch arrives, so no new store can overwrite memory an engine still
@@ -15,13 +15,15 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvd_proto.wire import DEFAULT_INDEX_KEY_BYTES
 from kvd_server.errors import NotReady
+from kvd_server.shm_index import ShmIndex
 
-from .policies import Block, RequestState, make_policy
+from .blocks import ABSENT, READY, STORING, BlockTable
+from .policies import RequestState, make_policy
 from .policies.base import group_of
 from .types import (
     BlockCounts,
-    BlockIndex,
     Lookup,
     OfferResult,
     OffloadEvent,
@@ -63,6 +65,16 @@ def event_bytes(event: OffloadEvent) -> int:
     return sum(len(k) + 3 for k in event.keys) + 8
 
 
+class Zombie:
+    """A block dropped by a reset while being copied: its slot waits for that copy."""
+
+    __slots__ = ("slot", "ref")
+
+    def __init__(self, slot: int, ref: int) -> None:
+        self.slot = slot
+        self.ref = ref          # -1: a store in flight; n > 0: n loads in flight
+
+
 @dataclass(slots=True)
 class ManagerCounters:
     evictions_total: int = 0
@@ -80,20 +92,25 @@ class NamespaceManager:
 
     def __init__(self, slots: SlotSource, policy: str = "lru", *, enable_events: bool = True,
                  store_threshold: int = 0, max_tracker_size: int = 64_000,
-                 budget: RecencyBudget | None = None, index: BlockIndex | None = None) -> None:
+                 budget: RecencyBudget | None = None, index: ShmIndex | None = None) -> None:
         self.slots = slots
-        self.policy = make_policy(policy, slots.capacity())
+        if index is None:   # no engine reads it (tests, benchmarks): a private one
+            cap = max(1, slots.capacity())
+            index = ShmIndex(cap, DEFAULT_INDEX_KEY_BYTES, cap, 1, cap, private=True)
+        # The shared index engines read is the only key store: every change of what is
+        # stored where is published there as it happens.
+        self.index = index
+        self.table = BlockTable(index, index.header.capacity)
+        self.policy = make_policy(policy, slots.capacity(), self.table)
         self.epoch = 0
         self.counters = ManagerCounters()
         self._events: deque[OffloadEvent] | None = deque() if enable_events else None
         self._storing = 0
         self._evictable = 0
-        self._zombies: dict[tuple[int, bytes], Block] = {}
+        self._zombies: dict[tuple[int, bytes], Zombie] = {}
         self._requests: dict[Hashable, RequestState] = {}
-        self._slot_keys: dict[int, bytes] = {}    # slot -> key of each resident block
-        # The shared index engines read (None: gRPC-only, tests): every change of what is
-        # stored where is published there as it happens.
-        self.index = index
+        if hasattr(self.policy, "open_requests"):
+            self.policy.open_requests = self._requests.values()
         self._tracked = 0                     # keys recorded by the open requests
         self._budget = budget
         self._generation = 0
@@ -105,20 +122,20 @@ class NamespaceManager:
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
-        return len(self.policy)
+        return len(self.table)
 
     def lookup(self, key: bytes) -> Lookup:
-        block = self.policy.get(key)
-        if block is None:
+        slot = self.table.find(key)
+        if slot < 0:
             return Lookup.MISS
-        return Lookup.HIT if block.ref >= 0 else Lookup.HIT_PENDING
+        return Lookup.HIT_PENDING if self.table.state[slot] == STORING else Lookup.HIT
 
     def slot_of(self, key: bytes) -> int | None:
-        block = self.policy.get(key)
-        return None if block is None else block.slot
+        slot = self.table.find(key)
+        return None if slot < 0 else slot
 
     def counts(self) -> BlockCounts:
-        resident = len(self.policy)
+        resident = len(self.table)
         return BlockCounts(
             storing=self._storing,
             ready=self._evictable,
@@ -127,7 +144,7 @@ class NamespaceManager:
         )
 
     def is_empty(self) -> bool:
-        return not len(self.policy) and not self._zombies
+        return not len(self.table) and not self._zombies
 
     # --------------------------------------------------------- request scope
     def _request(self, req: Hashable | None) -> RequestState:
@@ -180,7 +197,9 @@ class NamespaceManager:
         known.update(pairs)
 
     def _record(self, keys: Sequence[bytes], state: RequestState,
-                reused: Sequence[bytes] = ()) -> None:
+                reused: Sequence[bytes] = (), slot_of: dict[bytes, int] | None = None) -> None:
+        """A request's accesses; `slot_of` (key -> slot, -1 when not resident), when the
+        caller found them already, spares the policy looking them up again."""
         seen = state.seen
         fresh = [k for k in dict.fromkeys(keys) if k not in seen]
         fresh = fresh[:self._room(len(seen), len(fresh))]
@@ -188,7 +207,8 @@ class NamespaceManager:
             state.key_groups.setdefault(group_of(key), []).append(key)
         seen.update(fresh)
         if fresh:
-            self.policy.on_request_access(fresh, state)
+            slots = None if slot_of is None else [slot_of[k] for k in fresh]
+            self.policy.on_request_access(fresh, state, slots)
         # Re-reading a block this request inserted is not a second use.
         state.reused.update(k for k in reused if k in seen and k not in state.inserted)
 
@@ -215,31 +235,32 @@ class NamespaceManager:
     def prepare_load(self, keys: Sequence[bytes], req: Hashable | None = None,
                      positions: Sequence[int] | None = None) -> list[int]:
         """Pin ready blocks until complete_load; their slots in key order. All or nothing."""
-        blocks = []
+        find, blocks = self.table.find, self.table.state
+        slots = []
         for i, key in enumerate(keys):
-            block = self.policy.get(key)
-            if block is None or block.ref < 0:
+            slot = find(key)
+            if slot < 0 or blocks[slot] == STORING:
                 raise NotReady(key, i)
-            blocks.append(block)
+            slots.append(slot)
         state = self._request(req)
         self._set_positions(state, keys, positions)
-        for key, block in zip(keys, blocks, strict=True):
-            self._pin(key, block)
-        self._record(keys, state, reused=keys)
-        return [b.slot for b in blocks]
+        for slot in slots:
+            self._pin(slot)
+        self._record(keys, state, reused=keys, slot_of=dict(zip(keys, slots, strict=True)))
+        return slots
 
-    def _pin(self, key: bytes, block: Block) -> None:
-        if block.ref == 0:
-            self.policy.mark_non_evictable(key)
-            self._evictable -= 1
-        block.ref += 1
+    def _pin(self, slot: int) -> None:
+        blocks = self.table.state
+        if blocks[slot] == READY:
+            self._evictable -= 1      # the policy sees it is no longer READY
+        blocks[slot] += 1
 
     def pin(self, key: bytes) -> bool:
         """A lease: one more ref on a ready block, without recency effects."""
-        block = self.policy.get(key)
-        if block is None or block.ref < 0:
+        slot = self.table.find(key)
+        if slot < 0 or self.table.state[slot] == STORING:
             return False
-        self._pin(key, block)
+        self._pin(slot)
         return True
 
     def complete_load(self, keys: Sequence[bytes], req: Hashable | None = None,
@@ -250,13 +271,14 @@ class NamespaceManager:
                 for key in keys:
                     self._release_zombie(epoch, key, loading=True)
             return
+        find, blocks = self.table.find, self.table.state
         for key in keys:
-            block = self.policy.get(key)
-            if block is not None and block.ref > 0:
-                block.ref -= 1
-                if block.ref == 0:
+            slot = find(key)
+            if slot >= 0 and blocks[slot] > READY:
+                blocks[slot] -= 1
+                if blocks[slot] == READY:
                     self._evictable += 1
-                    self.policy.mark_evictable(key)
+                    self.policy.mark_evictable(slot)
 
     def unpin(self, key: bytes, epoch: int | None = None) -> None:
         """Release a lease taken with pin()."""
@@ -318,11 +340,13 @@ class NamespaceManager:
             self._count_offers(keys)
         new: list[bytes] = []
         ready_existing: list[bytes] = []
+        find, blocks = self.table.find, self.table.state
+        slot_of = {}
         for key in keys:
-            block = self.policy.get(key)
-            if block is None:
+            slot_of[key] = slot = find(key)
+            if slot < 0:
                 new.append(key)
-            elif block.ref >= 0:
+            elif blocks[slot] != STORING:
                 ready_existing.append(key)
         if self._offers is not None:
             offered = len(new)
@@ -335,7 +359,8 @@ class NamespaceManager:
                 state.store_misses.update(misses)
         recorded = set(new)
         recorded.update(ready_existing)
-        self._record([k for k in keys if k in recorded], state, reused=ready_existing)
+        self._record([k for k in keys if k in recorded], state, reused=ready_existing,
+                     slot_of=slot_of)
         return state, new
 
     def _evict_for(self, n: int, protected: Sequence[bytes],
@@ -358,24 +383,17 @@ class NamespaceManager:
             return None
         self._evictable -= len(victims)
         evicted = []
-        for key, block in victims:
-            self._unpublish(block.slot)
-            self.slots.free(block.slot)
-            del self._slot_keys[block.slot]
+        for key, slot in victims:
+            self.table.drop(slot)
+            self.slots.free(slot)
             evicted.append(key)
         self.counters.evictions_total += len(victims)
         self._emit(OffloadEvent(tuple(evicted), removed=True))
         return evicted
 
     def _insert(self, key: bytes, slot: int, state: RequestState) -> None:
-        self.policy.insert(key, Block(slot, -1), state)
-        self._slot_keys[slot] = key
-        if self.index is not None:
-            self.index.insert(slot, key)
-
-    def _unpublish(self, slot: int) -> None:
-        if self.index is not None:
-            self.index.remove(slot)
+        self.table.add(key, slot)
+        self.policy.insert(key, slot, state)
 
     def prepare_store(self, keys: Sequence[bytes], req: Hashable | None = None,
                       positions: Sequence[int] | None = None, slack: int = 0
@@ -438,28 +456,27 @@ class NamespaceManager:
                     self._release_zombie(epoch, key, loading=False, hold=hold)
             return 0
         changed: list[bytes] = []
+        table, blocks = self.table, self.table.state
         for i, key in enumerate(keys):
-            block = self.policy.get(key)
-            if slots is not None and (block is None or block.slot != slots[i]):
-                if success and block is not None and block.ref < 0:
-                    self._move(key, block, slots[i])      # the first completed copy wins
+            slot = table.find(key)
+            if slots is not None and slot != slots[i]:
+                if success and slot >= 0 and blocks[slot] == STORING:
+                    self._move(key, slot, slots[i])      # the first completed copy wins
+                    slot = slots[i]
                 else:
                     self._free_or_hold(slots[i], hold)   # a later one loses its slot
                     continue
-            if block is None or block.ref >= 0:
+            if slot < 0 or blocks[slot] != STORING:
                 continue
             self._storing -= 1
             if success:
-                block.ref = 0
+                table.set_ready(slot)
                 self._evictable += 1
-                self.policy.mark_evictable(key)
-                if self.index is not None:
-                    self.index.set_ready(block.slot)
+                self.policy.mark_evictable(slot)
             else:
-                self.policy.remove(key)
-                del self._slot_keys[block.slot]
-                self._unpublish(block.slot)
-                self._free_or_hold(block.slot, hold)
+                self.policy.remove(slot)
+                table.drop(slot)
+                self._free_or_hold(slot, hold)
             changed.append(key)
         if changed:
             if success:
@@ -470,16 +487,11 @@ class NamespaceManager:
                 self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))
         return len(changed)
 
-    def _move(self, key: bytes, block: Block, slot: int) -> None:
+    def _move(self, key: bytes, old: int, slot: int) -> None:
         """A duplicate store completed first: the block takes its slot. The old slot stays in
         use until its own (losing) store completes."""
-        old = block.slot
-        del self._slot_keys[old]
-        self._unpublish(old)
-        block.slot = slot
-        self._slot_keys[slot] = key
-        if self.index is not None:
-            self.index.insert(slot, key)
+        self.table.move(key, old, slot)
+        self.policy.moved(old, slot)
 
     def _settle_lost(self, key: bytes, slot: int, hold: list[int] | None) -> bool:
         """A completion from before a reset for a slot that is no zombie of the key (a losing
@@ -487,7 +499,7 @@ class NamespaceManager:
         for (_, zkey), block in self._zombies.items():
             if zkey == key and block.slot == slot:
                 return False
-        if slot in self._slot_keys:
+        if self.table.state[slot] != ABSENT:
             return False
         self._free_or_hold(slot, hold)
         return True
@@ -499,9 +511,9 @@ class NamespaceManager:
         still sits in the slot it read (prepare_load's bookkeeping for those); skip the rest."""
         pinned: list[bytes] = []
         kept_positions: list[int] = []
+        find, blocks = self.table.find, self.table.state
         for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-            block = self.policy.get(key)
-            if block is None or block.ref < 0 or block.slot != slot:
+            if find(key) != slot or blocks[slot] == STORING:
                 continue
             pinned.append(key)
             if positions:
@@ -512,29 +524,25 @@ class NamespaceManager:
 
     def resident_slots(self, slots: Iterable[int]) -> list[int]:
         """Which of `slots` hold a block of this namespace's index (not zombies or held)."""
-        keys = self._slot_keys
-        return [slot for slot in slots if slot in keys]
+        blocks = self.table.state
+        return [slot for slot in slots if blocks[slot] != ABSENT]
 
     def evict_slots(self, slots: Sequence[int]) -> bool:
         """Evict the blocks in exactly these slots, if every one is ready and unpinned (a
         whole extent taken by another namespace); change nothing otherwise."""
-        victims: list[tuple[bytes, Block]] = []
-        for slot in slots:
-            key = self._slot_keys.get(slot)
-            block = None if key is None else self.policy.get(key)
-            if block is None or block.ref != 0 or block.slot != slot:
-                return False
-            victims.append((key, block))
-        if not victims:
+        blocks = self.table.state
+        if any(blocks[slot] != READY for slot in slots):
+            return False
+        if not slots:
             return True
-        for key, block in victims:
-            self.policy.remove(key)
-            del self._slot_keys[block.slot]
-            self._unpublish(block.slot)
-            self.slots.free(block.slot)
-        self._evictable -= len(victims)
-        self.counters.evictions_total += len(victims)
-        self._emit(OffloadEvent(tuple(k for k, _ in victims), removed=True))
+        keys = tuple(self.table.key_of(slot) for slot in slots)
+        for slot in slots:
+            self.policy.remove(slot)
+            self.table.drop(slot)
+            self.slots.free(slot)
+        self._evictable -= len(slots)
+        self.counters.evictions_total += len(slots)
+        self._emit(OffloadEvent(keys, removed=True))
         return True
 
     # ----------------------------------------------------------------- events
@@ -561,7 +569,7 @@ class NamespaceManager:
             event = events[0]
             if event.metadata_only:
                 # A retry may already own the key again: then the clean-up is moot.
-                keys = tuple(k for k in event.keys if self.policy.get(k) is None)
+                keys = tuple(k for k in event.keys if self.table.find(k) < 0)
                 if not keys:
                     events.popleft()
                     continue
@@ -578,18 +586,18 @@ class NamespaceManager:
     # ------------------------------------------------------------------ reset
     def reset(self) -> int:
         """Drop every block; blocks still being copied become zombies. Returns blocks dropped."""
-        dropped = len(self.policy)
+        table = self.table
+        dropped = len(table)
         old = self.epoch
-        freed = []
-        for key, block in self.policy.items():
-            if block.ref != 0:
-                self._zombies[(old, key)] = block
-            else:
-                freed.append(block.slot)
+        resident = table.resident()
+        states = table.state_array[resident]
+        for slot, state in zip(resident[states != READY].tolist(),
+                               states[states != READY].tolist(), strict=True):
+            ref = -1 if state == STORING else state - READY
+            self._zombies[(old, table.key_of(slot))] = Zombie(slot, ref)
+        freed = resident[states == READY].tolist()
         self.policy.clear()
-        self._slot_keys.clear()
-        if self.index is not None:
-            self.index.clear()
+        table.clear()
         if not self._zombies and self.slots.reset():
             pass  # back to vLLM's fresh allocation order
         else:
@@ -601,7 +609,6 @@ class NamespaceManager:
             self._drop(req)
         self._generation += 1
         self.epoch += 1
-        if self.index is not None:
-            self.index.reset_epoch = self.epoch
+        self.index.reset_epoch = self.epoch
         self.counters.resets_total += 1
         return dropped

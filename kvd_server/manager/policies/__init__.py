@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from ..blocks import BlockTable
 from .arc import ARCPolicy
-from .base import Block, Policy, RequestState
+from .base import Policy, RequestState
 from .lru import LRUPolicy
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
-def make_policy(name: str, capacity: int) -> Policy:
+def make_policy(name: str, capacity: int, table: BlockTable) -> Policy:
     """Instantiate the policy called `name` ("lru" or "arc")."""
     try:
         cls = POLICIES[name.lower()]
@@ -17,7 +18,7 @@ def make_policy(name: str, capacity: int) -> Policy:
         raise ValueError(
             f"unknown eviction policy {name!r}; choose one of: {', '.join(POLICIES)}"
         ) from None
-    return cls(capacity)
+    return cls(capacity, table)
 
 
-__all__ = ["ARCPolicy", "Block", "LRUPolicy", "POLICIES", "Policy", "RequestState", "make_policy"]
+__all__ = ["ARCPolicy", "LRUPolicy", "POLICIES", "Policy", "RequestState", "make_policy"]

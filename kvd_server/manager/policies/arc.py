@@ -1,9 +1,14 @@
-"""ARC: adaptive replacement between recency (T1) and frequency (T2), vLLM 0.33 semantics.
+"""ARC: adaptive replacement between recency (T1) and frequency (T2), vLLM 0.33 semantics,
+over slot-indexed arrays.
 
 T1 holds blocks used once, T2 blocks reused by a request; B1/B2 remember recently evicted keys.
 A store miss on a B1 ghost grows the T1 target, on a B2 ghost shrinks it. Eviction takes T1's
 oldest evictable block while |T1| >= target, else T2's, falling back to the other list, and is
 all-or-nothing.
+
+T1 and T2 are doubly linked lists threaded through two int32 arrays indexed by slot (a node
+per slot, two sentinels after the last slot), so moving a block costs a few array writes and
+no object. The ghost lists hold keys of blocks no longer resident (bounded by the capacity).
 """
 
 from __future__ import annotations
@@ -11,39 +16,92 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-from .base import Block, Policy, RequestState, order_request_keys
+import numpy as np
+
+from ..blocks import READY, STORING, BlockTable
+from .base import Policy, RequestState, order_request_keys
+
+_NONE, _T1, _T2 = 0, 1, 2
 
 
 class ARCPolicy(Policy):
     name = "arc"
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int, table: BlockTable) -> None:
+        super().__init__(capacity, table)
         self.target_t1_size = 0.0
-        self.t1: OrderedDict[bytes, Block] = OrderedDict()
-        self.t2: OrderedDict[bytes, Block] = OrderedDict()
+        n = table.capacity
+        self._head = (0, n, n + 1)              # sentinel node of T1 and of T2
+        self._prev_array = np.zeros(n + 2, dtype=np.int32)
+        self._next_array = np.zeros(n + 2, dtype=np.int32)
+        self._list_array = np.zeros(n, dtype=np.int8)
+        self._prev, self._next = memoryview(self._prev_array), memoryview(self._next_array)
+        self._list = memoryview(self._list_array)
+        self._size = [0, 0, 0]
+        for head in self._head[1:]:
+            self._prev[head] = self._next[head] = head
         self.b1: OrderedDict[bytes, None] = OrderedDict()
         self.b2: OrderedDict[bytes, None] = OrderedDict()
 
-    def get(self, key: bytes) -> Block | None:
-        block = self.t1.get(key)
-        return block if block is not None else self.t2.get(key)
+    # -- the two lists --
+    def _append(self, which: int, slot: int) -> None:
+        head = self._head[which]
+        last = self._prev[head]
+        self._next[last] = slot
+        self._prev[slot] = last
+        self._next[slot] = head
+        self._prev[head] = slot
+        self._list[slot] = which
+        self._size[which] += 1
 
-    def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
+    def _unlink(self, slot: int) -> int:
+        which = self._list[slot]
+        if which:
+            prev, nxt = self._prev[slot], self._next[slot]
+            self._next[prev] = nxt
+            self._prev[nxt] = prev
+            self._list[slot] = _NONE
+            self._size[which] -= 1
+        return which
 
-    def items(self) -> Iterable[tuple[bytes, Block]]:
-        yield from self.t1.items()
-        yield from self.t2.items()
+    def _slots(self, which: int) -> Iterator[int]:
+        head = self._head[which]
+        slot = self._next[head]
+        while slot != head:
+            nxt = self._next[slot]      # read first: the caller may move `slot`
+            yield slot
+            slot = nxt
 
-    def insert(self, key: bytes, block: Block, req: RequestState) -> None:
-        self.t1[key] = block
+    @property
+    def t1(self) -> list[bytes]:
+        """T1's keys, oldest first."""
+        return [self.table.key_of(s) for s in self._slots(_T1)]
+
+    @property
+    def t2(self) -> list[bytes]:
+        """T2's keys, oldest first."""
+        return [self.table.key_of(s) for s in self._slots(_T2)]
+
+    # -- hooks --
+    def insert(self, key: bytes, slot: int, req: RequestState) -> None:
+        self._append(_T1, slot)
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
-    def remove(self, key: bytes) -> None:
-        if self.t1.pop(key, None) is None:
-            self.t2.pop(key, None)
+    def remove(self, slot: int) -> None:
+        self._unlink(slot)
+
+    def moved(self, old: int, new: int) -> None:
+        """The block in `old` now lives in `new`: `new` takes its place in its list."""
+        which = self._list[old]
+        if not which:
+            return
+        prev, nxt = self._prev[old], self._next[old]
+        self._next[prev] = new
+        self._prev[nxt] = new
+        self._prev[new], self._next[new] = prev, nxt
+        self._list[new] = which
+        self._list[old] = _NONE
 
     def _ghost_hit(self, key: bytes) -> bool:
         if key in self.b1:
@@ -63,58 +121,64 @@ class ARCPolicy(Policy):
             self._ghost_hit(key)
 
     def touch(self, keys: Iterable[bytes], req: RequestState) -> None:
+        table, state = self.table, self.table.state
         for key in reversed(list(keys)):
-            if key in self.t1:
-                block = self.t1.pop(key)
-                if block.is_ready:
-                    self.t2[key] = block
-                else:  # only just reserved for a store: not a second use
-                    self.t1[key] = block
-            elif key in self.t2:
-                self.t2.move_to_end(key)
-            else:
+            slot = table.find(key)
+            if slot < 0:
                 self._ghost_hit(key)
+                continue
+            which = self._unlink(slot)
+            if which == _T1 and state[slot] == STORING:
+                self._append(_T1, slot)   # only just reserved for a store: not a second use
+            elif which:
+                self._append(_T2, slot)
 
     def on_request_finished(self, key_groups: Sequence[Sequence[bytes]],
                             insertion_only: set[bytes], reused: set[bytes],
                             req: RequestState) -> None:
+        table = self.table
         for key in reversed(order_request_keys(key_groups, req)):
             if key in insertion_only:
                 # Storing is not a frequency hit: keep the list, refresh recency.
-                if key in self.t1:
-                    self.t1.move_to_end(key)
-                elif key in self.t2:
-                    self.t2.move_to_end(key)
-                continue
-            if key in reused:
-                if key in self.t1:
-                    self.t2[key] = self.t1.pop(key)
-                elif key in self.t2:
-                    self.t2.move_to_end(key)
+                slot = table.find(key)
+                if slot >= 0:
+                    which = self._unlink(slot)
+                    if which:
+                        self._append(which, slot)
+            elif key in reused:
+                slot = table.find(key)
+                if slot >= 0 and self._unlink(slot):
+                    self._append(_T2, slot)
 
     def clear(self) -> None:
-        self.t1.clear()
-        self.t2.clear()
+        self._list_array[np.flatnonzero(self._list_array)] = _NONE
+        for which in (_T1, _T2):
+            head = self._head[which]
+            self._prev[head] = self._next[head] = head
+            self._size[which] = 0
         self.b1.clear()
         self.b2.clear()
         self.target_t1_size = 0.0
 
-    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Block]] | None:
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, int]] | None:
         if n == 0:
             return []
+        state, key_of = self.table.state, self.table.key_of
 
-        def scan(entries: Iterator[tuple[bytes, Block]]) -> tuple[bytes, Block] | None:
-            for key, block in entries:
-                if block.ref == 0 and key not in protected:
-                    return key, block
+        def scan(slots: Iterator[int]) -> tuple[bytes, int] | None:
+            for slot in slots:
+                if state[slot] == READY:
+                    key = key_of(slot)
+                    if key not in protected:
+                        return key, slot
             return None
 
         # Scans only move forward, so a batch eviction stays linear.
-        t1_iter, t2_iter = iter(self.t1.items()), iter(self.t2.items())
-        t1_size = len(self.t1)
-        chosen: list[tuple[bytes, Block, bool]] = []
+        t1_iter, t2_iter = self._slots(_T1), self._slots(_T2)
+        t1_size = self._size[_T1]
+        chosen: list[tuple[bytes, int, bool]] = []
         for _ in range(n):
-            pick: tuple[bytes, Block, bool] | None = None
+            pick: tuple[bytes, int, bool] | None = None
             if t1_size >= int(self.target_t1_size):
                 entry = scan(t1_iter)
                 if entry is not None:
@@ -130,14 +194,10 @@ class ARCPolicy(Policy):
                 pick, t1_size = (*entry, True), t1_size - 1
             chosen.append(pick)
         victims = []
-        for key, block, from_t1 in chosen:
-            if from_t1:
-                del self.t1[key]
-                self.b1[key] = None
-            else:
-                del self.t2[key]
-                self.b2[key] = None
-            victims.append((key, block))
+        for key, slot, from_t1 in chosen:
+            self._unlink(slot)
+            (self.b1 if from_t1 else self.b2)[key] = None
+            victims.append((key, slot))
         for ghosts in (self.b1, self.b2):
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(last=False)

@@ -10,28 +10,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-
-class Block:
-    """One resident block: its slot and ref count (-1 storing, 0 ready, >0 pinned).
-
-    `rank` is policy scratch space (LRU keeps its recency rank here, so a block costs one
-    small object and no side dictionary).
-    """
-
-    __slots__ = ("slot", "ref", "rank")
-
-    def __init__(self, slot: int, ref: int = -1) -> None:
-        self.slot = slot
-        self.ref = ref
-        self.rank = 0
-
-    @property
-    def is_ready(self) -> bool:
-        return self.ref >= 0
-
-    def __repr__(self) -> str:
-        return f"Block(slot={self.slot}, ref={self.ref})"
+if TYPE_CHECKING:
+    from ..blocks import BlockTable
 
 
 @dataclass(slots=True)
@@ -71,31 +53,28 @@ def order_request_keys(key_groups: Sequence[Sequence[bytes]], req: RequestState)
 
 
 class Policy(ABC):
-    """Organises resident blocks and chooses victims. Owns the key -> Block index."""
+    """Organises resident blocks and chooses victims. Blocks are slots of the manager's
+    `BlockTable` (which also resolves keys); a policy keeps its own per-slot arrays."""
 
     name: str = ""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, table: BlockTable) -> None:
         self.capacity = capacity
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
 
     @abstractmethod
-    def get(self, key: bytes) -> Block | None:
-        """The resident block of `key`, or None."""
+    def insert(self, key: bytes, slot: int, req: RequestState) -> None:
+        """A newly reserved block (ARC: also leaves the ghost lists)."""
+
+    def remove(self, slot: int) -> None:  # noqa: B027
+        """A block left outside eviction (a failed store, an extent taken)."""
 
     @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
-    def items(self) -> Iterable[tuple[bytes, Block]]:
-        """Every resident (key, block)."""
-
-    @abstractmethod
-    def insert(self, key: bytes, block: Block, req: RequestState) -> None:
-        """Add a newly reserved block (ARC: also leaves the ghost lists)."""
-
-    @abstractmethod
-    def remove(self, key: bytes) -> None:
-        """Drop a block (a failed store)."""
+    def moved(self, old: int, new: int) -> None:
+        """The block in `old` now lives in `new` (a duplicate store completed first)."""
 
     @abstractmethod
     def touch(self, keys: Iterable[bytes], req: RequestState) -> None:
@@ -105,8 +84,10 @@ class Policy(ABC):
         """Keys offered for store that are not resident (ARC adapts on ghost hits)."""
         self.touch(keys, req)
 
-    def on_request_access(self, keys: Iterable[bytes], req: RequestState) -> None:  # noqa: B027
-        """First sighting of keys by a request (LRU: provisional request rank)."""
+    def on_request_access(self, keys: Sequence[bytes], req: RequestState,  # noqa: B027
+                          slots: Sequence[int] | None = None) -> None:
+        """First sighting of keys by a request (LRU: provisional request rank); `slots`, when
+        the caller has them, are the keys' slots (-1: not resident)."""
 
     def on_request_finished(self, key_groups: Sequence[Sequence[bytes]],
                             insertion_only: set[bytes], reused: set[bytes],
@@ -116,15 +97,13 @@ class Policy(ABC):
             self.touch(keys, req)
 
     @abstractmethod
-    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Block]] | None:
-        """Remove exactly n unpinned, unprotected ready blocks, or change nothing (None)."""
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, int]] | None:
+        """Choose exactly n ready, unpinned, unprotected blocks (key, slot) and forget them,
+        or change nothing (None). The manager drops them from the table."""
 
     @abstractmethod
     def clear(self) -> None:
-        """Forget every block and all adaptive state."""
+        """Forget every block and all adaptive state (the table is cleared too)."""
 
-    def mark_evictable(self, key: bytes) -> None:  # noqa: B027
-        """ref went to 0."""
-
-    def mark_non_evictable(self, key: bytes) -> None:  # noqa: B027
-        """ref left 0."""
+    def mark_evictable(self, slot: int) -> None:  # noqa: B027
+        """The block in `slot` became READY and unpinned."""

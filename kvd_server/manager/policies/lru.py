@@ -1,10 +1,18 @@
-"""LRU with request-scoped recency (vLLM 0.33's heap LRU semantics).
+"""LRU with request-scoped recency (vLLM 0.33's heap LRU semantics) over slot-indexed arrays.
 
-Evictable blocks sit in a lazily invalidated min-heap ordered by rank `(request_rank,
--token_position)`: all blocks of an active request share one provisional rank, so a request's
-tail is evicted before its head; blocks inserted without a position get a fresh global rank.
-When a request finishes its blocks get fresh increasing ranks tail -> head (head newest).
-Stale heap entries are skipped on pop and compacted away when the heap grows too large.
+A block's rank is `(request_rank, -token_position)` packed into one int64 per slot: all blocks
+of an active request share one provisional rank, so a request's tail is evicted before its
+head; blocks ranked without a position get a fresh global rank. When a request finishes its
+blocks get fresh increasing ranks tail -> head (head newest). Ties break by key, as vLLM's heap
+of `(rank, key)` does.
+
+vLLM keeps every evictable block in a heap. Here only the *front* is a heap: the evictable
+blocks ranked at or below a `threshold`, chosen from the rank array in one vectorised pass
+(`_refill`) whenever the front runs dry. A block that becomes evictable, or is re-ranked, at or
+below the threshold is pushed onto the front; one above it waits in the array until a later
+refill reaches it. So the front always holds every evictable block ranked <= threshold, and
+its minimum is the minimum over all evictable blocks: the same victims as vLLM's heap, with a
+Python object only for the few thousand blocks at the front.
 """
 
 from __future__ import annotations
@@ -12,162 +20,194 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from .base import Block, Policy, RequestState, order_request_keys
+import numpy as np
 
-Rank = int
-_POS = 1 << 32   # a rank packs (request_rank, -position) into one int: fewer objects per block
+from ..blocks import READY, BlockTable
+from .base import Policy, RequestState, order_request_keys
+
+POSITION_BITS = 24                       # a rank packs (order, position) into one int64
+_POS = 1 << POSITION_BITS
+MAX_ORDER = (1 << (63 - POSITION_BITS)) - 1
+FRONT = 4096                             # blocks a refill puts at the front (at least)
+_NO_THRESHOLD = -1
+_ALL = (1 << 63) - 1
 
 
 def _rank(order: int, position: int = 0) -> int:
     """Ascending like (order, -position): a request's tail sorts before its head."""
-    return order * _POS + (_POS - 1 - min(position, _POS - 1))
+    return order * _POS + (_POS - 1 - min(max(position, 0), _POS - 1))
 
 
 class LRUPolicy(Policy):
     name = "lru"
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self.blocks: dict[bytes, Block] = {}
-        self._evictable: set[bytes] = set()
-        self._heap: list[tuple[Rank, bytes]] = []
+    def __init__(self, capacity: int, table: BlockTable) -> None:
+        super().__init__(capacity, table)
+        self.rank_array = np.zeros(table.capacity, dtype=np.int64)
+        self.ranks = memoryview(self.rank_array)
+        self._front: list[tuple[int, bytes, int]] = []    # (rank, key, slot), a min-heap
+        self._threshold = _NO_THRESHOLD
         self._next_rank = 0
         self._generation = 0
-
-    # -- index --
-    def get(self, key: bytes) -> Block | None:
-        return self.blocks.get(key)
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def items(self) -> Iterable[tuple[bytes, Block]]:
-        return self.blocks.items()
+        self.max_order = MAX_ORDER
+        self.front_size = FRONT
+        self.renumbered = 0
+        self.open_requests: Iterable[RequestState] = ()    # set by the manager (renumbering)
 
     # -- ranks --
+    def _new_order(self) -> int:
+        if self._next_rank >= self.max_order:
+            self._renumber()
+        self._next_rank += 1
+        return self._next_rank
+
     def _request_rank(self, req: RequestState) -> int:
         if req.lru_generation != self._generation:
-            self._next_rank += 1
-            req.lru_rank = self._next_rank
+            req.lru_rank = self._new_order()
             req.lru_generation = self._generation
         return req.lru_rank
 
-    def _fresh_rank(self, key: bytes) -> bool:
-        block = self.blocks.get(key)
-        if block is None:
-            return False
-        self._next_rank += 1
-        block.rank = _rank(self._next_rank)
-        return key in self._evictable
+    def _renumber(self) -> None:
+        """Orders ran out of bits (after ~5e11 rank updates): map every order in use to
+        1..k, keeping their order, so ranks stay comparable exactly as before."""
+        resident = self.table.resident()
+        orders = self.rank_array[resident] >> POSITION_BITS
+        open_reqs = [r for r in self.open_requests if r.lru_generation == self._generation]
+        used = np.unique(np.concatenate([orders, np.array([r.lru_rank for r in open_reqs],
+                                                          dtype=np.int64)]))
+        renumbered = np.searchsorted(used, orders).astype(np.int64) + 1
+        self.rank_array[resident] = (renumbered << POSITION_BITS) | (
+            self.rank_array[resident] & (_POS - 1))
+        for req in open_reqs:
+            req.lru_rank = int(np.searchsorted(used, req.lru_rank)) + 1
+        self._next_rank = len(used)
+        self.renumbered += 1
+        self._front.clear()
+        self._threshold = _NO_THRESHOLD
+        if self._next_rank >= self.max_order:
+            raise RuntimeError("LRU ranks exhausted: more orders in use than rank bits allow")
 
-    def _rebuild(self) -> None:
-        blocks = self.blocks
-        self._heap = [(blocks[k].rank, k) for k in self._evictable]
-        heapq.heapify(self._heap)
-
-    def _maybe_compact(self) -> None:
-        if len(self._heap) >= max(64, 2 * len(self._evictable)):
-            self._rebuild()
-
-    def _requeue(self, keys: Sequence[bytes]) -> None:
-        if not keys:
-            return
-        # A long prefix is cheaper to heapify than to push one by one.
-        if len(keys) >= max(64, len(self._evictable) // 4):
-            self._rebuild()
-            return
-        blocks = self.blocks
-        for key in keys:
-            heapq.heappush(self._heap, (blocks[key].rank, key))
-        self._maybe_compact()
+    def _push(self, slot: int, key: bytes | None = None) -> None:
+        """`slot` became evictable or was re-ranked: onto the front if it belongs there."""
+        rank = self.ranks[slot]
+        if rank <= self._threshold:
+            heapq.heappush(self._front, (rank, key or self.table.key_of(slot), slot))
+            if len(self._front) > 4 * self.front_size:
+                self._refill(self.front_size)
 
     def _renew(self, keys: Iterable[bytes]) -> None:
-        self._requeue([key for key in keys if self._fresh_rank(key)])
+        table, ranks, state = self.table, self.ranks, self.table.state
+        for key in keys:
+            slot = table.find(key)
+            if slot < 0:
+                continue
+            ranks[slot] = _rank(self._new_order())
+            if state[slot] == READY:
+                self._push(slot, key)
 
     # -- hooks --
-    def insert(self, key: bytes, block: Block, req: RequestState) -> None:
-        self.blocks[key] = block
+    def insert(self, key: bytes, slot: int, req: RequestState) -> None:
         position = req.position(key)
         if position is None:
-            self._next_rank += 1
-            block.rank = _rank(self._next_rank)
+            self.ranks[slot] = _rank(self._new_order())
         else:
-            block.rank = _rank(self._request_rank(req), position)
-        if block.ref == 0:
-            self._evictable.add(key)
-            heapq.heappush(self._heap, (block.rank, key))
+            self.ranks[slot] = _rank(self._request_rank(req), position)
 
-    def remove(self, key: bytes) -> None:
-        del self.blocks[key]
-        self._evictable.discard(key)
+    def moved(self, old: int, new: int) -> None:
+        self.ranks[new] = self.ranks[old]
 
     def touch(self, keys: Iterable[bytes], req: RequestState) -> None:
         self._renew(reversed(list(keys)))
 
-    def on_request_access(self, keys: Iterable[bytes], req: RequestState) -> None:
+    def on_request_access(self, keys: Sequence[bytes], req: RequestState,
+                          slots: Sequence[int] | None = None) -> None:
         request_rank = self._request_rank(req)
-        moved = []
-        for key in keys:
-            position = req.position(key)
-            block = self.blocks.get(key)
-            if position is None or block is None:
+        find, ranks, state = self.table.find, self.ranks, self.table.state
+        positions = req.positions
+        for i, key in enumerate(keys):
+            position = positions.get(key)
+            if position is None:
+                continue
+            slot = find(key) if slots is None else slots[i]
+            if slot < 0:
                 continue
             rank = _rank(request_rank, position)
-            if block.rank >= rank:
+            if ranks[slot] >= rank:
                 continue
-            block.rank = rank
-            if key in self._evictable:
-                moved.append(key)
-        self._requeue(moved)
+            ranks[slot] = rank
+            if state[slot] == READY:
+                self._push(slot, key)
 
     def on_request_finished(self, key_groups: Sequence[Sequence[bytes]],
                             insertion_only: set[bytes], reused: set[bytes],
                             req: RequestState) -> None:
         self._renew(reversed(order_request_keys(key_groups, req)))
 
+    def mark_evictable(self, slot: int) -> None:
+        self._push(slot)
+
     def clear(self) -> None:
-        self.blocks.clear()
-        self._evictable.clear()
-        self._heap.clear()
+        self._front.clear()
+        self._threshold = _NO_THRESHOLD
         self._next_rank = 0
         self._generation += 1
 
-    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Block]] | None:
+    # -- eviction --
+    def _refill(self, want: int) -> None:
+        """Rebuild the front from the arrays: every evictable block ranked at or below the
+        `want`-th smallest evictable rank (ties included)."""
+        evictable = np.flatnonzero(self.table.state_array == READY)
+        ranks = self.rank_array[evictable]
+        if len(evictable) > want:
+            threshold = int(np.partition(ranks, want - 1)[want - 1])
+            chosen = ranks <= threshold
+            evictable, ranks = evictable[chosen], ranks[chosen]
+        else:
+            threshold = _ALL        # every evictable block is at the front
+        key_of = self.table.key_of
+        self._front = [(rank, key_of(slot), slot)
+                       for rank, slot in zip(ranks.tolist(), evictable.tolist(), strict=True)]
+        heapq.heapify(self._front)
+        self._threshold = threshold
+
+    def _current(self, entry: tuple[int, bytes, int]) -> bool:
+        rank, key, slot = entry
+        return (self.table.state[slot] == READY and self.ranks[slot] == rank
+                and self.table.key_of(slot) == key)
+
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, int]] | None:
         if n == 0:
             return []
-        heap = self._heap
-        blocks = self.blocks
-        evictable = self._evictable
-        chosen: list[tuple[Rank, bytes]] = []
-        chosen_keys: set[bytes] = set()
-        deferred: list[tuple[Rank, bytes]] = []
-        while heap and len(chosen) < n:
-            entry = heapq.heappop(heap)
-            rank, key = entry
-            if key not in evictable or blocks[key].rank != rank or key in chosen_keys:
-                continue  # stale entry (re-ranked, pinned or gone) or a duplicate
-            if key in protected:
+        chosen = self._pick(n, protected)
+        if chosen is None:
+            # The front ran dry (or holds only protected blocks): refill it deep enough for
+            # this eviction and pick again, from the same state.
+            self._refill(max(self.front_size, n + len(protected)))
+            chosen = self._pick(n, protected)
+            if chosen is None:
+                return None
+        return [(key, slot) for _, key, slot in chosen]
+
+    def _pick(self, n: int, protected: set[bytes]) -> list[tuple[int, bytes, int]] | None:
+        """Pop the n smallest current, unprotected entries; on failure put every popped
+        current entry back (nothing changed) and return None."""
+        front = self._front
+        chosen: list[tuple[int, bytes, int]] = []
+        chosen_slots: set[int] = set()
+        deferred: list[tuple[int, bytes, int]] = []
+        while front and len(chosen) < n:
+            entry = heapq.heappop(front)
+            if entry[2] in chosen_slots or not self._current(entry):
+                continue  # stale (re-ranked, pinned, gone, slot reused) or a duplicate
+            if entry[1] in protected:
                 deferred.append(entry)
                 continue
             chosen.append(entry)
-            chosen_keys.add(key)
+            chosen_slots.add(entry[2])
         for entry in deferred:
-            heapq.heappush(heap, entry)
+            heapq.heappush(front, entry)
         if len(chosen) < n:
             for entry in chosen:
-                heapq.heappush(heap, entry)
+                heapq.heappush(front, entry)
             return None
-        victims = []
-        for _, key in chosen:
-            evictable.remove(key)
-            victims.append((key, blocks.pop(key)))
-        self._maybe_compact()
-        return victims
-
-    def mark_evictable(self, key: bytes) -> None:
-        self._evictable.add(key)
-        heapq.heappush(self._heap, (self.blocks[key].rank, key))
-        self._maybe_compact()
-
-    def mark_non_evictable(self, key: bytes) -> None:
-        self._evictable.discard(key)
+        return chosen

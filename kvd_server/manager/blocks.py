@@ -1,0 +1,100 @@
+"""A namespace's resident blocks in preallocated per-slot arrays, keyed through the shared index.
+
+No Python object per block (so no per-block allocation, nothing for the garbage collector to
+walk): a block is its slot id, its state is one int32 in `state`, its key lives only in the
+namespace's shared index (kvd_server/shm_index.py), the same arrays engines read. The arrays
+are zero-filled by the kernel on first touch, so a namespace pays only for the slots it uses.
+
+`state[slot]`: ABSENT (0) no block, STORING (1) reserved and being written, READY (2) readable
+and unpinned, READY + n readable and pinned by n loads or leases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvd_server.shm_index import ShmIndex
+
+ABSENT = 0
+STORING = 1
+READY = 2
+MAX_PINS = (1 << 31) - 1 - READY
+
+
+class BlockTable:
+    """key -> slot (the shared index; `_spill` for the rare key it cannot hold) and per-slot
+    state. The manager is its only writer; what it publishes engines see at once."""
+
+    __slots__ = ("index", "capacity", "state", "state_array", "count", "_spill", "_spill_keys")
+
+    def __init__(self, index: ShmIndex, capacity: int) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.state_array = np.zeros(capacity, dtype=np.int32)
+        # Item access through a memoryview returns plain ints, several times faster than numpy's.
+        self.state = memoryview(self.state_array)
+        self.count = 0
+        # Keys the index cannot publish (longer than its key width, or no bucket within its
+        # probe limit): kept here so the manager still knows them; engines never see them.
+        self._spill: dict[bytes, int] = {}
+        self._spill_keys: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def find(self, key: bytes) -> int:
+        """The slot of `key`'s resident block, or -1."""
+        slot = self.index.find(key)
+        if slot < 0 and self._spill:
+            return self._spill.get(key, -1)
+        return slot
+
+    def key_of(self, slot: int) -> bytes:
+        if self._spill_keys:
+            key = self._spill_keys.get(slot)
+            if key is not None:
+                return key
+        return self.index.key_of(slot)
+
+    def add(self, key: bytes, slot: int) -> None:
+        """A new block of `key` being stored in `slot` (published as STORING)."""
+        if not self.index.insert(slot, key):
+            self._spill[key] = slot
+            self._spill_keys[slot] = key
+        self.state[slot] = STORING
+        self.count += 1
+
+    def set_ready(self, slot: int) -> None:
+        self.state[slot] = READY
+        self.index.set_ready(slot)
+
+    def drop(self, slot: int) -> None:
+        """The block in `slot` is gone (unpublished; the slot itself is the caller's)."""
+        if self._spill_keys:
+            key = self._spill_keys.pop(slot, None)
+            if key is not None:
+                del self._spill[key]
+        self.index.remove(slot)
+        self.state[slot] = ABSENT
+        self.count -= 1
+
+    def move(self, key: bytes, old: int, new: int) -> None:
+        """`key`'s block now lives in `new` (a duplicate store completed first), keeping its
+        state; `old` is no longer the block's."""
+        state = self.state[old]
+        self.drop(old)
+        self.add(key, new)
+        self.state[new] = state
+        if state >= READY:
+            self.index.set_ready(new)
+
+    def resident(self) -> np.ndarray:
+        """Every slot holding a block (a copy, ascending)."""
+        return np.flatnonzero(self.state_array)
+
+    def clear(self) -> None:
+        self.index.clear()
+        self.state_array[np.flatnonzero(self.state_array)] = ABSENT   # only touched pages
+        self._spill.clear()
+        self._spill_keys.clear()
+        self.count = 0
