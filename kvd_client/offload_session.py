@@ -47,6 +47,7 @@ MAX_CARRIED_OPS = 1 << 16       # messages waiting so; past it the session resta
                                 # cannot keep up: its stores and pins are released for us)
 MAX_COALESCED = 64              # step batches the sender puts into one request
 MAX_LOCAL_STORES = 1 << 16
+MAX_PIN_BATCHES = 1 << 14      # pins remembered whole, for unpin's fast path
 UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
 
 
@@ -174,6 +175,12 @@ class OffloadSession:
         # while several requests load it: one tuple shared by the keys of one pin keeps pin
         # and unpin free of per-key Python in the common case.
         self._loads: dict[bytes, _Held] = {}
+        # (request, keys) of each pin in flight -> its epochs tuple: an engine that finishes
+        # a load with the keys it started (vLLM does, in another order) releases them without
+        # a per-key search,
+        # even where other requests load the same keys (shared prefixes). A cache: `_loads`
+        # stays the truth, and an entry dropped at the bound only costs the slower path.
+        self._pin_batches: dict[tuple[str, frozenset[bytes]], _Load] = {}
         self._load_epochs: collections.Counter[int] = collections.Counter()
         # epochs of loads that were in flight at a reset: they still copy (vLLM finishes
         # them) and stay protected until reset_flushed
@@ -260,6 +267,7 @@ class OffloadSession:
             self._close_index()
         self._hits.clear()
         self._loads.clear()
+        self._pin_batches.clear()
         self._load_epochs.clear()
         self._stale_epochs.clear()
         self._stores.clear()
@@ -377,6 +385,10 @@ class OffloadSession:
                 else:
                     held.append(epochs)
         self._load_epochs[self._step_epoch] += len(loaded)
+        batches = self._pin_batches
+        if len(batches) >= MAX_PIN_BATCHES:
+            del batches[next(iter(batches))]
+        batches[(req_id, frozenset(loaded))] = epochs
         pos = list(positions) if positions and len(positions) == len(keys) else []
         if pos and len(loaded) != len(keys):
             pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
@@ -390,7 +402,11 @@ class OffloadSession:
         first = held[0] if held else None
         released: dict[int, int]
         by_reset: dict[int, list[bytes]]
-        if type(first) is tuple and first[2] == req_id and held.count(first) == len(held) \
+        batch = self._pin_batches.pop((req_id, frozenset(keys)), None) if keys else None
+        if batch is not None and self._release_batch(keys, held, batch):
+            released = {batch[0]: len(held)}
+            by_reset = {batch[1]: list(keys)}
+        elif type(first) is tuple and first[2] == req_id and held.count(first) == len(held) \
                 and len(set(keys)) == len(held):
             # The common case: one load of each key in flight, all pinned by this request.
             collections.deque(map(loads.pop, keys), maxlen=0)
@@ -407,6 +423,28 @@ class OffloadSession:
             self._publish_idle()
         for reset, group in by_reset.items():
             self._queue(("complete_load", group, req_id, reset))
+
+    def _release_batch(self, keys: Sequence[bytes], held: list[_Held | None],
+                       epochs: _Load) -> bool:
+        """End the load `epochs` of every key in `keys` (one pin, started together), shared
+        with other requests' loads or not; False (nothing changed) unless each key holds it."""
+        if len(set(keys)) != len(keys):
+            return False
+        if held.count(epochs) == len(held):           # nobody else loads these keys
+            collections.deque(map(self._loads.pop, keys), maxlen=0)
+            return True
+        for h in held:
+            if h is None or (h != epochs and (type(h) is tuple or epochs not in h)):
+                return False
+        loads = self._loads
+        for key, h in zip(keys, held, strict=True):
+            if type(h) is tuple:
+                del loads[key]
+            else:
+                h.remove(epochs)                    # an equal tuple is the same load
+                if len(h) == 1:
+                    loads[key] = h[0]
+        return True
 
     def _unpin_each(self, keys: Sequence[bytes], req_id: str
                     ) -> tuple[dict[int, int], dict[int, list[bytes]]]:
@@ -524,6 +562,7 @@ class OffloadSession:
                 self._stale_loads.setdefault(reset, []).append(key)
         self._stores.clear()
         self._loads.clear()
+        self._pin_batches.clear()
         self._stale_epochs.update(self._load_epochs)
         self._load_epochs.clear()
         self._hits.clear()
