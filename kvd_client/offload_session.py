@@ -47,7 +47,7 @@ MAX_CARRIED_OPS = 1 << 16       # messages waiting so; past it the session resta
                                 # cannot keep up: its stores and pins are released for us)
 MAX_COALESCED = 64              # step batches the sender puts into one request
 MAX_LOCAL_STORES = 1 << 16
-MAX_PIN_BATCHES = 1 << 14      # pins remembered whole, for unpin's fast path
+MAX_PIN_BATCHES = 1024         # pins remembered whole, for unpin's fast path (~ loads in flight)
 UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
 
 
