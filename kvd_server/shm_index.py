@@ -171,14 +171,6 @@ class ShmIndex:
             n = min(len(zeros), end - off)
             self._map[off:off + n] = zeros[:n]
 
-    def move(self, old: int, new: int, key: bytes) -> bool:
-        """`key` now lives in `new` (a duplicate store that completed first), READY."""
-        self.remove(old)
-        if not self.insert(new, key):
-            return False
-        self.set_ready(new)
-        return True
-
     def state(self, slot: int) -> int:
         return self._meta[slot] & 3
 

@@ -94,26 +94,3 @@ class SlotSource(Protocol):
         """Try to grow by at least `n` slots at someone else's expense (another namespace
         giving back an extent); True when free_count() grew."""
         ...
-
-
-class BlockIndex(Protocol):
-    """Where the manager publishes what is stored where, for engines to read (the shared
-    index, kvd_server/shm_index.py)."""
-
-    reset_epoch: int
-
-    def insert(self, slot: int, key: bytes) -> bool:
-        """`key` is being stored in `slot`."""
-        ...
-
-    def set_ready(self, slot: int) -> None:
-        """The block in `slot` is readable."""
-        ...
-
-    def remove(self, slot: int) -> None:
-        """Nothing readable is in `slot` any more."""
-        ...
-
-    def clear(self) -> None:
-        """Every slot is unpublished (a reset)."""
-        ...

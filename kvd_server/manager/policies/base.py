@@ -62,9 +62,6 @@ class Policy(ABC):
         self.capacity = capacity
         self.table = table
 
-    def __len__(self) -> int:
-        return len(self.table)
-
     @abstractmethod
     def insert(self, key: bytes, slot: int, req: RequestState) -> None:
         """A newly reserved block (ARC: also leaves the ghost lists)."""
