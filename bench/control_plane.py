@@ -3,17 +3,23 @@
 The same trace (many multi-turn chat sessions, far more distinct blocks than the cache holds,
 so it evicts) is replayed twice in one process: with vLLM's own in-process
 CPUOffloadingManager, and with KvdOffloadingSpec against a real `kvd serve`, at the same
-capacity and eviction policy. Every OffloadingManager method the scheduler calls is timed; a
-step's manager time is the sum over the calls it made. Per-step figures are over the steps
-that scheduled tokens; steps with nothing to schedule (an engine waiting for transfers or
-messages) are counted apart, and the total over all steps is reported too. Requests run concurrently (up to
-16 at once), as a serving engine's do, and each step that schedules work waits MODEL_STEP_S for
-the "model" (the GPU forward pass a real engine's scheduler thread waits for), untimed.
+pool bytes and eviction policy, each with its defaults (kvd's reserve is sized by the session
+itself from the store rate it sees; nothing is tuned for the bench). Every OffloadingManager
+method the scheduler calls is timed; a step's manager time is the sum over the calls it made.
+Per-step figures are over the steps that scheduled tokens; steps with nothing to schedule (an
+engine waiting for transfers or messages) are counted apart, and the total over all steps is
+reported too.
 
-Also counted: blocking waits, i.e. calls to the daemon made on the scheduler thread (the
-target is none: kvd's answers are local and its messages go out on a background thread).
+The grid (`grid`): a model step of 0 (the scheduler thread runs flat out, as with a small
+model, a big batch or speculative decoding: nothing ever leaves the GIL to another thread) and
+of 5 ms (untimed sleep per step that schedules work: a GPU forward pass), x max_num_seqs 16
+and 128 (requests admitted up to that many at once), x LRU and ARC. Per cell and side: manager
+time mean and p99, hit tokens, prepare_store calls and how many answered None (vLLM counts an
+allocation failure and re-offers), and for kvd the messages it sent per engine step and the
+calls to the daemon made on the scheduler thread (blocking waits; the target is none).
 
-Run: `python bench/control_plane.py [--sessions N] [--capacity CHUNKS] [--policy lru|arc]`.
+Run: `python bench/control_plane.py [--sessions N] [--capacity CHUNKS] [--policy lru|arc]
+[--model-step-ms MS] [--max-num-seqs N]`, or `--grid` for every cell.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,14 +46,13 @@ from traces import Request, chat  # noqa: E402
 
 MAX_TOKENS = 4000
 SLOT = 4096            # the harness's chunk (1 KiB), rounded up to the daemon's alignment
-IN_FLIGHT = 16         # requests running at once
-# The model's forward pass per step, during which the scheduler thread waits for the GPU (not
-# timed as manager time). 5 ms is a fast decode step of a small model on an H100; without it
-# the CPU harness steps far faster than any real engine, and the daemon (doing, on its own
-# core, the policy work vLLM's manager does in-process) is measured against an engine no GPU
-# could drive.
-MODEL_STEP_S = 0.005
-RESERVE = 512          # slots kvd grants the engine ahead (on top of the cache's capacity)
+# The model's forward pass per step that schedules work, during which the scheduler thread
+# waits for the GPU (not timed as manager time): 5 ms is a fast decode step of a small model
+# on an H100. 0 is the worst case for a daemon: the scheduler thread never leaves the GIL.
+MODEL_STEPS_S = (0.0, 0.005)
+MAX_NUM_SEQS = (16, 128)
+POLICIES = ("lru", "arc")
+MAX_NUM_BATCHED_TOKENS = 2048      # vLLM 0.33's default
 MANAGER_METHODS = ("lookup", "prepare_load", "touch", "complete_load", "prepare_store",
                    "complete_store", "on_new_request", "on_request_finished", "take_events",
                    "on_schedule_end", "has_pending_work", "reset_cache", "on_reset_flushed")
@@ -62,6 +68,7 @@ class ManagerClock:
     def __init__(self, manager: object) -> None:
         self._last = 0.0
         self.by_method: dict[str, list[float]] = {}     # name -> [seconds, calls]
+        self.store_nones = [0]
         for name in MANAGER_METHODS:
             method = getattr(manager, name, None)
             if method is not None:
@@ -80,6 +87,19 @@ class ManagerClock:
                 return result
             return events
 
+        if name == "prepare_store":     # also counts the Nones (allocation failures)
+            nones = self.store_nones
+
+            def store(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                t0 = perf()
+                result = fn(*args, **kwargs)
+                tally[0] += perf() - t0
+                tally[1] += 1
+                if result is None:
+                    nones[0] += 1
+                return result
+            return store
+
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             t0 = perf()
             result = fn(*args, **kwargs)
@@ -95,24 +115,29 @@ class ManagerClock:
         return spent
 
 
-def _engine(socket_path: str, extra: dict):
+def _engine(socket_path: str, extra: dict, max_num_seqs: int):
     from tests.vllm.harness import Engine
 
-    return Engine(socket_path, num_gpu_blocks=4096, extra=extra, compute=False)
+    return Engine(socket_path, num_gpu_blocks=max(4096, 128 * max_num_seqs), extra=extra,
+                  compute=False, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
 
 
-def _replay(engine, requests: list[Request]) -> dict:
+def _replay(engine, requests: list[Request], model_step_s: float, in_flight: int) -> dict:
     clock = ManagerClock(engine.manager)
     per_step: list[float] = []
     queue = list(requests)
+    queue.reverse()
     running: set[str] = set()
     hits = 0
     n = 0
     idle = 0
     total = 0.0
+    steps = 0
+    t_start = time.perf_counter()
     for _ in range(10_000_000):
-        while queue and len(running) < IN_FLIGHT:
-            req = queue.pop(0)
+        while queue and len(running) < in_flight:
+            req = queue.pop()
             rid = f"r{n}"
             n += 1
             engine.add(rid, list(req.tokens[:MAX_TOKENS]), max_tokens=2)
@@ -121,9 +146,10 @@ def _replay(engine, requests: list[Request]) -> dict:
             break
         clock.take()
         out = engine.step()
+        steps += 1
         spent = clock.take()
-        if out.total_num_scheduled_tokens:
-            time.sleep(MODEL_STEP_S)
+        if out.total_num_scheduled_tokens and model_step_s:
+            time.sleep(model_step_s)
         total += spent
         if out.total_num_scheduled_tokens:
             per_step.append(spent)
@@ -133,13 +159,17 @@ def _replay(engine, requests: list[Request]) -> dict:
         for rid in done:
             running.discard(rid)
             hits += engine.stats.hit_tokens.get(rid, 0)
+    wall = time.perf_counter() - t_start
     per_step_us = [t * 1e6 for t in per_step]
     per_step_us.sort()
-    return {"steps": len(per_step), "idle_steps": idle, "hit_tokens": hits,
+    store_calls = clock.by_method.get("prepare_store", [0.0, 0])[1]
+    return {"steps": len(per_step), "engine_steps": steps, "idle_steps": idle,
+            "hit_tokens": hits, "wall_seconds": wall,
             "mean": statistics.fmean(per_step_us),
             "median": per_step_us[len(per_step_us) // 2],
             "p99": per_step_us[min(len(per_step_us) - 1, int(len(per_step_us) * 0.99))],
             "total_seconds": total,
+            "prepare_store_calls": store_calls, "prepare_store_nones": clock.store_nones[0],
             "by_method": {name: {"seconds": t, "calls": c, "us_per_call": t / c * 1e6}
                           for name, (t, c) in sorted(clock.by_method.items()) if c}}
 
@@ -149,7 +179,9 @@ def _count_blocking_calls(client) -> list[int]:
     main = threading.get_ident()
     count = [0]
     for name in ("step", "flush"):
-        fn = getattr(client, name)
+        fn = getattr(client, name, None)
+        if fn is None:
+            continue
 
         def wrapped(*args, _fn=fn, **kwargs):  # noqa: ANN002, ANN003, ANN202
             if threading.get_ident() == main:
@@ -159,51 +191,117 @@ def _count_blocking_calls(client) -> list[int]:
     return count
 
 
-def run(sessions: int = 1000, turns: int = 8, capacity: int = 65536,
-        policy: str = "lru") -> dict:
-    import traces
+def _daemon_stats(sock: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "kvd_server", "stats", "--json", "--socket", sock],
+                       capture_output=True, text=True, timeout=30)
+    return json.loads(r.stdout) if r.returncode == 0 else {}
 
-    traces.SIZES["bench"] = (sessions, turns)
-    requests = chat("bench")
+
+def _messages(session) -> int:
+    """Messages the engine's session handed to the daemon so far (batches or ring records)."""
+    for name in ("messages_sent", "_seq"):
+        value = getattr(session, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def cell(requests: list[Request], *, capacity: int = 65536, policy: str = "lru",
+         model_step_s: float = 0.005, max_num_seqs: int = 16) -> dict:
+    """One cell of the grid: vLLM's in-process manager, then kvd, on the same trace."""
     base = _engine("/nonexistent", {"spec_name": "BaselineCPUSpec",
                                     "spec_module_path": "tests.vllm.baseline",
-                                    "baseline_num_chunks": capacity, "eviction_policy": policy})
-    vllm = _replay(base, requests)
+                                    "baseline_num_chunks": capacity, "eviction_policy": policy},
+                   max_num_seqs)
+    vllm = _replay(base, requests, model_step_s, max_num_seqs)
     base.close()
     with tempfile.TemporaryDirectory(prefix="kvd-cp-", dir="/tmp") as work:
-        pool = (capacity + RESERVE) * SLOT
+        pool = capacity * SLOT                     # the same pool bytes as vLLM's
         proc, sock = start_daemon(work, str(pool), "--extent-size", str(pool),
                                   "--policy", policy)
         try:
-            eng = _engine(sock, {"kvd_reserve": RESERVE})
+            eng = _engine(sock, {}, max_num_seqs)
             assert eng.manager.client.wait_available(10)
+            session = eng.manager.session
+            deadline = time.monotonic() + 10
+            while not session.available and time.monotonic() < deadline:
+                session.has_pending_work()
+                time.sleep(0.01)
             blocking = _count_blocking_calls(eng.manager.client)
-            kvd = _replay(eng, requests)
-            stats = json.loads(
-                __import__("subprocess").run(
-                    [sys.executable, "-m", "kvd_server", "stats", "--json", "--socket", sock],
-                    capture_output=True, text=True, timeout=30).stdout)
+            sent0 = _messages(session)
+            kvd = _replay(eng, requests, model_step_s, max_num_seqs)
+            kvd["messages"] = _messages(session) - sent0
+            stats = _daemon_stats(sock)
             eng.close()
         finally:
             proc.terminate()
             proc.wait(30)
-    evictions = stats["stats"]["evictions_total"] if stats else 0
+    counted = stats.get("stats", {}) if stats else {}
     return {
-        "trace": f"chat, {sessions} sessions x up to {turns} turns", "requests": len(requests),
-        "capacity_chunks": capacity, "policy": policy, "in_flight": IN_FLIGHT,
-        "model_step_seconds": MODEL_STEP_S,
+        "policy": policy, "model_step_seconds": model_step_s, "max_num_seqs": max_num_seqs,
+        "capacity_chunks": capacity, "pool_bytes": capacity * SLOT,
         "manager_us_per_step": {"kvd": {k: kvd[k] for k in ("mean", "median", "p99")},
                                 "vllm": {k: vllm[k] for k in ("mean", "median", "p99")}},
         "ratio": {"mean": kvd["mean"] / vllm["mean"], "p99": kvd["p99"] / vllm["p99"]},
         "blocking_waits": blocking[0],
         "hits": {"kvd": kvd["hit_tokens"], "vllm": vllm["hit_tokens"],
                  "kvd_over_vllm": kvd["hit_tokens"] / max(1, vllm["hit_tokens"])},
+        "prepare_store": {side: {"calls": r["prepare_store_calls"],
+                                 "nones": r["prepare_store_nones"]}
+                          for side, r in (("kvd", kvd), ("vllm", vllm))},
+        "messages_per_engine_step": kvd["messages"] / max(1, kvd["engine_steps"]),
         "steps": {"kvd": kvd["steps"], "vllm": vllm["steps"]},
+        "engine_steps": {"kvd": kvd["engine_steps"], "vllm": vllm["engine_steps"]},
         "idle_steps": {"kvd": kvd["idle_steps"], "vllm": vllm["idle_steps"]},
+        "wall_seconds": {"kvd": kvd["wall_seconds"], "vllm": vllm["wall_seconds"]},
         "manager_seconds_total": {"kvd": kvd["total_seconds"], "vllm": vllm["total_seconds"]},
         "by_method": {"kvd": kvd["by_method"], "vllm": vllm["by_method"]},
-        "evictions_kvd": evictions,
+        "daemon_counted": {k: counted.get(k, 0) for k in
+                           ("lookups_total", "hits_total", "misses_total", "evictions_total")},
     }
+
+
+def cell_met(c: dict) -> dict:
+    """The issue's goals for one cell."""
+    ps = c["prepare_store"]
+    calls = max(1, ps["kvd"]["calls"])
+    return {
+        "mean_le_0.25x": c["ratio"]["mean"] <= 0.25,
+        "p99_le_0.5x": c["ratio"]["p99"] <= 0.5,
+        "nones_le_inprocess_plus_0.1pct": ps["kvd"]["nones"] <= ps["vllm"]["nones"]
+        + 0.001 * calls,
+        "hits_within_1pct": abs(c["hits"]["kvd_over_vllm"] - 1) <= 0.01,
+        "zero_blocking_waits": c["blocking_waits"] == 0,
+    }
+
+
+def trace(sessions: int, turns: int) -> list[Request]:
+    import traces
+
+    traces.SIZES["bench"] = (sessions, turns)
+    return chat("bench")
+
+
+def grid(sessions: int = 1000, turns: int = 8, capacity: int = 65536,
+         cells: list[tuple[float, int, str]] | None = None, log=print) -> list[dict]:
+    """Every cell of the grid (model step x max_num_seqs x policy) on one trace."""
+    requests = trace(sessions, turns)
+    out = []
+    for model_step_s, seqs, policy in cells or [(m, n, p) for m in MODEL_STEPS_S
+                                                for n in MAX_NUM_SEQS for p in POLICIES]:
+        t0 = time.time()
+        c = cell(requests, capacity=capacity, policy=policy, model_step_s=model_step_s,
+                 max_num_seqs=seqs)
+        c["trace"] = f"chat, {sessions} sessions x up to {turns} turns"
+        c["requests"] = len(requests)
+        c["met"] = cell_met(c)
+        out.append(c)
+        log(f"cell model_step={model_step_s * 1e3:g}ms seqs={seqs} {policy}: "
+            f"mean {c['ratio']['mean']:.3f}x p99 {c['ratio']['p99']:.3f}x "
+            f"hits {c['hits']['kvd_over_vllm']:.4f} nones kvd {c['prepare_store']['kvd']} "
+            f"vllm {c['prepare_store']['vllm']} msgs/step {c['messages_per_engine_step']:.2f} "
+            f"({time.time() - t0:.0f}s)")
+    return out
 
 
 def main() -> int:
@@ -211,9 +309,20 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=65536)
-    parser.add_argument("--policy", choices=("lru", "arc"), default="lru")
+    parser.add_argument("--policy", choices=POLICIES, default="lru")
+    parser.add_argument("--model-step-ms", type=float, default=5.0)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--grid", action="store_true", help="every cell of the grid")
     args = parser.parse_args()
-    print(json.dumps(run(args.sessions, args.turns, args.capacity, args.policy), indent=2))
+    if args.grid:
+        result = grid(args.sessions, args.turns, args.capacity,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    else:
+        result = cell(trace(args.sessions, args.turns), capacity=args.capacity,
+                      policy=args.policy, model_step_s=args.model_step_ms / 1000,
+                      max_num_seqs=args.max_num_seqs)
+        result["met"] = cell_met(result)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from kvd_proto.attach import ROLE_DATAPLANE, ROLE_ENGINE
+from kvd_proto.attach import (
+    ROLE_CHANNEL,
+    ROLE_DATAPLANE,
+    ROLE_ENGINE,
+    ROLE_INDEX,
+    AttachRequest,
+    exchange,
+)
 from kvd_proto.paths import default_socket_path, grpc_target
 from kvd_proto.wire import (
     MAX_OPS_PER_STEP,
@@ -132,17 +139,23 @@ class KvdClient:
     def map_index(self) -> tuple[int, int] | None:
         """Descriptors of this session's namespace index (read-only) and of its marks file, or
         None (degraded, or a daemon without a shared index). The caller owns them."""
-        from kvd_proto.attach import ROLE_INDEX, AttachRequest, exchange
+        return self._attach_session(ROLE_INDEX, "no shared index; lookups answer MISS")
 
+    def map_channel(self) -> tuple[int, int] | None:
+        """Descriptors of this session's channel (its rings' memory file, read/write) and of
+        the daemon's eventfd for it, or None. The caller owns them."""
+        return self._attach_session(ROLE_CHANNEL, "no channel; offload stays off")
+
+    def _attach_session(self, role: str, consequence: str) -> tuple[int, int] | None:
+        """Two descriptors a registered session asks for on the attach socket."""
         token = self._metadata[0][1] if self._metadata else ""
         if not token or not self.available:
             return None
         try:
-            _, fds = exchange(self.socket_path, AttachRequest(ROLE_INDEX, token=token),
+            _, fds = exchange(self.socket_path, AttachRequest(role, token=token),
                               max(self.deadline_s, 1.0))
         except AttachError as exc:
-            self._rate_limited_warning(f"kvd: no shared index ({exc.code}: {exc.message}); "
-                                       "lookups answer MISS")
+            self._rate_limited_warning(f"kvd: {consequence} ({exc.code}: {exc.message})")
             return None
         if len(fds) != 2:
             for fd in fds:

@@ -39,7 +39,8 @@ ROLE_DATAPLANE = "dataplane"  # an engine's worker: the pool descriptor only
 ROLE_ADMIN = "admin"         # an operator tool: an admin token, no descriptor
 ROLE_INDEX = "index"         # a registered session: its namespace's index + its marks file
 ROLE_REPORT = "report"       # a worker's transfer sizes and times: no descriptor, no session
-ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT)
+ROLE_CHANNEL = "channel"     # a registered session: its channel (rings file + eventfd)
+ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT, ROLE_CHANNEL)
 REPORT_COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds")
 REPORT_SAMPLES = ("load_sizes", "store_sizes")
 MAX_COUNT = 1 << 63          # report integers are below this (int64 on the daemon's side)
@@ -124,8 +125,8 @@ def parse_request(line: bytes) -> AttachRequest:
     token = doc.get("token", "")
     if not isinstance(token, str) or len(token) > 128:
         raise AttachError("INVALID_ARGUMENT", "token must be a string of at most 128 characters")
-    if role == ROLE_INDEX and not token:
-        raise AttachError("INVALID_ARGUMENT", "role \"index\" needs the session's token")
+    if role in (ROLE_INDEX, ROLE_CHANNEL) and not token:
+        raise AttachError("INVALID_ARGUMENT", f"role \"{role}\" needs the session's token")
     report = doc.get("report")
     if (role == ROLE_REPORT) != (report is not None):
         raise AttachError("INVALID_ARGUMENT", "a `report` object comes with role `report`, "

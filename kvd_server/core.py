@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, MAX_GRANTED_SLOTS, KvLayout
+from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, KvLayout
 from kvd_server.attach import PeerCred
 from kvd_server.config import Config
 from kvd_server.errors import (
@@ -30,6 +30,7 @@ from kvd_server.errors import (
     Unavailable,
 )
 from kvd_server.extents import ExtentAllocator
+from kvd_server.fastpath import FastPath
 from kvd_server.manager import Lookup, OffloadEvent
 from kvd_server.namespaces import (
     Held,
@@ -39,15 +40,18 @@ from kvd_server.namespaces import (
     namespace_id,
     pid_alive,
 )
-from kvd_server.sessions import EngineInfo, Session, SessionTable, SessionView
+from kvd_server.sessions import (
+    MAX_LEASES_PER_SESSION,
+    MAX_OPEN_REQUESTS_PER_SESSION,
+    MAX_PENDING_STORES_PER_SESSION,
+    MAX_PINS_PER_SESSION,
+    EngineInfo,
+    Session,
+    SessionTable,
+    SessionView,
+)
 
 log = logging.getLogger(__name__)
-
-# What one session may hold at once (and so what it can leave held if its process stalls).
-MAX_LEASES_PER_SESSION = 16_384
-MAX_PINS_PER_SESSION = 65_536          # (epoch, key) pins of loads in flight
-MAX_PENDING_STORES_PER_SESSION = 16_384
-MAX_OPEN_REQUESTS_PER_SESSION = 8_192  # requests whose accesses are recorded for recency
 
 
 class DaemonState(enum.Enum):
@@ -96,14 +100,6 @@ class CompleteStoreResult(NamedTuple):
     ignored: bool
     completed: int
     mismatched: int
-
-
-class StoreGrantedAnswer(NamedTuple):
-    accepted: int
-    duplicates: int
-    refused: int
-    evicted: list[bytes]
-    epoch: int
 
 
 class EventBatch(NamedTuple):
@@ -209,6 +205,10 @@ class KvdCore:
         # completions), so bandwidth is visible whatever the client reports.
         self.completed_load_bytes = 0
         self.completed_store_bytes = 0
+        self.fastpath = FastPath(self)
+        # Called first when a session ends (while it is still live): its channel is read
+        # one last time and closed.
+        self.on_session_end: list[Callable[[Session], None]] = []
 
     # ------------------------------------------------------------ lifecycle
     def set_serving(self) -> None:
@@ -220,6 +220,10 @@ class KvdCore:
             return False
         self.state = DaemonState.DRAINING
         return True
+
+    @property
+    def draining(self) -> bool:
+        return self.state is DaemonState.DRAINING
 
     def loads_in_flight(self) -> int:
         return sum(s.pin_count() + len(s.leases) for s in self.sessions)
@@ -267,6 +271,13 @@ class KvdCore:
         copying: they are held in the quarantine until it is gone or a later session of the
         same process releases them (ReleaseHeld).
         """
+        if s.closed:
+            return
+        for hook in self.on_session_end:
+            try:
+                hook(s)
+            except Exception:  # the session must end whatever its channel does
+                log.exception("ending session %s: hook failed", s.id)
         if not self.sessions.remove(s, reaped=reaped):
             return
         ns = s.ns
@@ -278,8 +289,7 @@ class KvdCore:
             mgr = ns.mgr
             for (epoch, key), slot in s.pending.items():
                 mgr.complete_store((key,), False, None, epoch, hold=held.slots, slots=(slot,))
-            held.slots.extend(s.granted)          # it may have started writing into these
-            s.granted.clear()
+            held.slots.extend(self.fastpath.end_session(s))   # it may be writing into them
             for req_id in s.requests:
                 mgr.forget_request((s.id, req_id))
             lives = not copies_done and self.quarantine.alive(s.peer.pid)
@@ -348,13 +358,13 @@ class KvdCore:
 
     # ------------------------------------------------------------ operations
     @staticmethod
-    def _ns(s: Session) -> Namespace:
+    def namespace_of(s: Session) -> Namespace:
         if s.ns is None:
             raise FailedPrecondition("session is not registered; call RegisterSession first")
         return s.ns
 
     @staticmethod
-    def _req(s: Session, req_id: str) -> tuple[str, str] | None:
+    def request_key(s: Session, req_id: str) -> tuple[str, str] | None:
         """The manager's request key; None (no request scope) for an empty req_id."""
         if not req_id:
             return None
@@ -374,7 +384,7 @@ class KvdCore:
                lease_ms: int = 0, req_id: str = "") -> LookupAnswer:
         """States of `keys` (prefix: up to the first key that is not a HIT); with `lease_ms`,
         each HIT is leased (capped at manager.max_lease) and its slot offset returned."""
-        ns = self._ns(s)
+        ns = self.namespace_of(s)
         mgr = ns.mgr
         epoch = mgr.epoch
         lease_s = min(lease_ms / 1000.0, self.config.manager.max_lease) if lease_ms else 0.0
@@ -427,7 +437,7 @@ class KvdCore:
         return ns.mgr.slot_of(key)
 
     @staticmethod
-    def _check_pin_room(s: Session, more: int) -> None:
+    def check_pin_room(s: Session, more: int) -> None:
         if len(s.pins) + more > MAX_PINS_PER_SESSION:
             raise ResourceExhausted(f"session holds {len(s.pins)} pins already (at most "
                                     f"{MAX_PINS_PER_SESSION}); complete loads first")
@@ -436,11 +446,11 @@ class KvdCore:
                      positions: Sequence[int] | None) -> LoadAnswer:
         """Pin ready (or leased) blocks for a load; all or nothing (NotReady names the first
         key that is not readable)."""
-        ns = self._ns(s)
-        self._check_pin_room(s, len(keys))
+        ns = self.namespace_of(s)
+        self.check_pin_room(s, len(keys))
         mgr = ns.mgr
         epoch = mgr.epoch
-        slots = mgr.prepare_load(keys, self._req(s, req_id), positions or None)
+        slots = mgr.prepare_load(keys, self.request_key(s, req_id), positions or None)
         leases = s.leases
         pins = s.pins
         for key in keys:
@@ -456,7 +466,7 @@ class KvdCore:
     def complete_load(self, s: Session, keys: Sequence[bytes], req_id: str, epoch: int) -> bool:
         """Release this session's pins (or, for a key it leased but did not load, the lease);
         True when `epoch` is an earlier one (the completion only released zombies)."""
-        ns = self._ns(s)
+        ns = self.namespace_of(s)
         self._check_epoch(ns, epoch)
         mgr = ns.mgr
         for key in keys:
@@ -482,12 +492,12 @@ class KvdCore:
         return stale
 
     def touch(self, s: Session, keys: Sequence[bytes], req_id: str) -> None:
-        ns = self._ns(s)
-        ns.mgr.touch(keys, self._req(s, req_id))
+        ns = self.namespace_of(s)
+        ns.mgr.touch(keys, self.request_key(s, req_id))
 
     def prepare_store(self, s: Session, keys: Sequence[bytes], req_id: str,
                       positions: Sequence[int] | None) -> StoreAnswer:
-        ns = self._ns(s)
+        ns = self.namespace_of(s)
         if self.state is DaemonState.DRAINING:
             raise Unavailable("daemon is draining; stores are refused")
         mgr = ns.mgr
@@ -495,8 +505,8 @@ class KvdCore:
         if len(s.pending) + len(keys) > MAX_PENDING_STORES_PER_SESSION:
             # Not an error, like a full pool: complete the stores in flight and offer again.
             return StoreAnswer(StoreDecision(True, [], [], []), epoch)
-        grant = mgr.prepare_store(keys, self._req(s, req_id), positions or None,
-                                  self._slack(ns))
+        grant = mgr.prepare_store(keys, self.request_key(s, req_id), positions or None,
+                                  self.fastpath.slack(ns))
         if grant is None:
             return StoreAnswer(StoreDecision(True, [], [], []), epoch)
         offset = ns.slots.offset
@@ -509,7 +519,7 @@ class KvdCore:
 
     def complete_store(self, s: Session, keys: Sequence[bytes], success: bool, req_id: str,
                        epoch: int, offsets: Sequence[int] | None = None) -> CompleteStoreResult:
-        ns = self._ns(s)
+        ns = self.namespace_of(s)
         self._check_epoch(ns, epoch)
         own: list[bytes] = []
         own_slots: list[int] = []
@@ -535,97 +545,8 @@ class KvdCore:
             NamespaceTable.maybe_release(ns)
         return CompleteStoreResult(False, completed, mismatched)
 
-    # -------------------------------------------------- the fast path (shared index)
-    def attach_index(self, s: Session) -> tuple[int, int]:
-        """Make `s` a reader of its namespace's index: (index fd, the session's marks fd).
-        The daemon keeps both; the attach server passes duplicates of them."""
-        ns = self._ns(s)
-        if ns.index is None or ns.reclaim is None:
-            raise FailedPrecondition("this namespace has no shared index")
-        marks = ns.reclaim.add_reader(s.id)
-        s.reader = True
-        return ns.index.fd, marks.fd
-
-    def grant(self, s: Session, count: int) -> list[int]:
-        """Free slots for the session's future stores (no eviction); their offsets."""
-        ns = self._ns(s)
-        s.reserve_target = min(MAX_GRANTED_SLOTS, len(s.granted) + count)
-        self._size_policy(ns)
-        if self.state is DaemonState.DRAINING:
-            return []
-        count = max(0, min(count, MAX_GRANTED_SLOTS - len(s.granted), ns.slots.free_count()))
-        if not count:
-            return []
-        slots = ns.slots.allocate(count)
-        s.granted.update(slots)
-        offset = ns.slots.offset
-        return [offset(slot) for slot in slots]
-
-    def store_granted(self, s: Session, keys: Sequence[bytes], req_id: str,
-                      positions: Sequence[int] | None, granted_keys: Sequence[bytes],
-                      granted_offsets: Sequence[int]) -> StoreGrantedAnswer:
-        """The session stored into its granted slots: see StoreGrantedRequest (kvd.proto)."""
-        ns = self._ns(s)
-        mgr = ns.mgr
-        epoch = mgr.epoch
-        offered = set(keys)
-        bound: list[tuple[bytes, int]] = []
-        taken: set[int] = set()           # a slot named twice in one call holds one key
-        refused = 0
-        for key, offset in zip(granted_keys, granted_offsets, strict=True):
-            slot = ns.slots.slot_at(offset)
-            if slot is None or slot not in s.granted or slot in taken or key not in offered \
-                    or (epoch, key) in s.pending:
-                refused += 1
-                continue
-            taken.add(slot)
-            bound.append((key, slot))
-        if len(s.pending) + len(bound) > MAX_PENDING_STORES_PER_SESSION:
-            return StoreGrantedAnswer(0, 0, len(bound) + refused, [], epoch)
-        slack = self._slack(ns)
-        for _, slot in bound:
-            s.granted.discard(slot)
-        result = mgr.offer(keys, bound, self._req(s, req_id), positions or None, slack)
-        for key, slot in bound:
-            s.pending[(epoch, key)] = slot            # duplicates too: they settle at completion
-        return StoreGrantedAnswer(len(result.accepted), len(result.duplicates), refused,
-                                  result.evicted, epoch)
-
-    def _slack(self, ns: Namespace) -> int:
-        """What the free count of `ns` does not show (see NamespaceManager._evict_for): slots
-        waiting for readers count as free, slots owed to its sessions' reserves as taken. So
-        a namespace holds exactly its capacity minus the reserves, whenever limbo drains."""
-        owed = sum(max(0, x.reserve_target - len(x.granted)) for x in self.sessions
-                   if x.ns is ns and x.reserve_target)
-        limbo = ns.reclaim.in_limbo if ns.reclaim is not None else 0
-        return limbo - owed
-
-    def _size_policy(self, ns: Namespace) -> None:
-        """The policy's capacity (ARC bounds its target and ghost lists by it) is what blocks
-        may hold: the namespace's slots less its sessions' reserves."""
-        reserved = sum(x.reserve_target for x in self.sessions if x.ns is ns)
-        ns.mgr.policy.capacity = max(1, ns.slots.capacity() - reserved)
-
-    def pin_loads(self, s: Session, keys: Sequence[bytes], offsets: Sequence[int],
-                  req_id: str, positions: Sequence[int] | None) -> tuple[int, int]:
-        """Loads the session started from its own lookups: (pinned, epoch)."""
-        ns = self._ns(s)
-        self._check_pin_room(s, len(keys))
-        mgr = ns.mgr
-        epoch = mgr.epoch
-        slots = [ns.slots.slot_at(o) for o in offsets]
-        usable = [(k, sl, i) for i, (k, sl) in enumerate(zip(keys, slots, strict=True))
-                  if sl is not None]
-        pinned = mgr.pin_loads([k for k, _, _ in usable], [sl for _, sl, _ in usable],
-                               self._req(s, req_id),
-                               [positions[i] for _, _, i in usable] if positions else None)
-        pins = s.pins
-        for key in pinned:
-            pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
-        return len(pinned), epoch
-
     def request_finished(self, s: Session, req_id: str) -> None:
-        ns = self._ns(s)
+        ns = self.namespace_of(s)
         ns.mgr.request_finished((s.id, req_id))
         s.requests.discard(req_id)
 
@@ -633,11 +554,11 @@ class KvdCore:
                     max_bytes: int = MAX_EVENT_ANSWER_BYTES) -> EventBatch:
         # Events belong to the namespace: with several engines in one namespace, whichever
         # asks drains them (vLLM's KV-event consumers dedupe by block hash).
-        events, more = self._ns(s).mgr.take_events(max_events, max_bytes)
+        events, more = self.namespace_of(s).mgr.take_events(max_events, max_bytes)
         return EventBatch(events, more)
 
     def reset_namespace(self, s: Session) -> ResetAnswer:
-        ns = self._ns(s)
+        ns = self.namespace_of(s)
         dropped = self._reset(ns)
         return ResetAnswer(ns.epoch, dropped)
 

@@ -38,6 +38,10 @@ class Namespace:
     index: ShmIndex | None = None
     reclaim: Reclamation | None = None
     sessions: int = 0
+    # Its sessions' reserves (kvd_server/fastpath.py keeps them): slots they asked to hold
+    # granted, and how many of those they do not hold yet.
+    reserve_targets: int = 0
+    reserve_owed: int = 0
     lookups_total: int = 0
     hits_total: int = 0
     misses_total: int = 0

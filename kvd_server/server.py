@@ -24,20 +24,22 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from kvd_proto.attach import ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT, AttachRequest
-from kvd_proto.index_layout import VERSION as INDEX_VERSION
+from kvd_proto.channel import ChannelHeader
 from kvd_proto.paths import SocketState, attach_path, grpc_target, probe_socket
-from kvd_proto.wire import SLOT_ALIGNMENT, TRANSPORT_MESSAGE_BYTES, channel_options
+from kvd_proto.wire import TRANSPORT_MESSAGE_BYTES, channel_options
 from kvd_server import __version__, notify
-from kvd_server.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens, TokenFileError, read_token_file
-from kvd_server.attach import AttachReply, AttachServer, PeerCred
+from kvd_server.admin_tokens import AdminTokens, TokenFileError, read_token_file
+from kvd_server.attach import AttachServer
+from kvd_server.attach_roles import AttachRoles
+from kvd_server.channel_service import ChannelService
+from kvd_server.channels import ChannelHub
 from kvd_server.config import Config
-from kvd_server.core import KvdCore, TransferStats
-from kvd_server.errors import PermissionDenied, Unauthenticated, Unavailable
+from kvd_server.core import KvdCore
 from kvd_server.extents import ExtentAllocator
 from kvd_server.front_door import FrontDoor
 from kvd_server.pool import HostPool, PoolError, check_fits
 from kvd_server.service import AdminService, EngineService, RpcRecorder
+from kvd_server.sessions import Session
 from kvd_server.stats import DaemonFacts, StatsSnapshot, build_snapshot
 from kvd_server.tenant_pools import DEFAULT_TENANT, TenantPools
 from kvd_server.units import format_duration, format_size
@@ -119,6 +121,7 @@ class Daemon:
         self._metrics_server: MetricsServer | None = None
         self._rpc = RpcRecorder()
         self._engine: EngineService | None = None
+        self._channels: ChannelHub | None = None
         self._stop = asyncio.Event()
         self._stop_prefault = threading.Event()   # read by the pre-fault thread
         self._drain_timeout = config.server.drain_timeout
@@ -248,8 +251,15 @@ class Daemon:
                                idle_timeout=cfg.server.idle_timeout)
         await self._door.start()
 
+        service = ChannelService(core, ChannelHeader().down_max_record)
+        self._channels = ChannelHub(
+            service, heartbeat=core.heartbeat,
+            on_broken=lambda s, why: core.close_session(s, why, reaped=True))  # type: ignore
+        core.on_session_end.append(self._end_channel)
+        roles = AttachRoles(core, pools, self._tokens, self._channels,
+                            self._rpc.observe_transfer)
         self._attach = AttachServer(cfg.server.attach_socket, cfg.server.socket_mode,
-                                    self._on_attach, on_exhausted=self._door.shed)
+                                    roles, on_exhausted=self._door.shed)
         await self._attach.start()
         if cfg.server.admin_listen:
             await self._start_admin_listener(core)
@@ -326,62 +336,11 @@ class Daemon:
         for name in HEALTH_SERVICES:
             await self._health.set(name, status)
 
-    def _on_attach(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
-        """Attach handler (runs on the loop): a session for an engine, just the pool for a
-        data-plane worker, a worker's transfer report taken in; the core decides who may
-        attach."""
-        assert self.core is not None and self.pools is not None
-        if request.role == ROLE_ADMIN:
-            if not self.core.sessions.is_admin(peer):
-                raise PermissionDenied(f"uid {peer.uid} / gid {peer.gid} is not an admin (root, "
-                                       "the daemon's uid, server.admin_uids / server.admin_gids)")
-            log.info("admin token issued to pid %d uid %d", peer.pid, peer.uid)
-            return AttachReply(fields={"admin_token": self._tokens.issue(),
-                                       "expires_ms": int(ADMIN_TOKEN_TTL_S * 1000),
-                                       "instance_id": self.core.instance_id,
-                                       "daemon_version": __version__})
-        if request.role == ROLE_INDEX:
-            return self._attach_index(peer, request)
-        if request.role == ROLE_REPORT and request.report is not None:
-            # A data-plane worker has no session: its transfer totals come this way.
-            self.core.sessions.check_peer(peer)
-            r = request.report
-            self.core.transfer_report(None, TransferStats(
-                load_bytes=r.load_bytes, load_seconds=r.load_seconds,
-                store_bytes=r.store_bytes, store_seconds=r.store_seconds))
-            self._rpc.observe_transfer(r.load_sizes, r.store_sizes)
-            return AttachReply(fields={"instance_id": self.core.instance_id})
-        tenant = self.core.sessions.tenant_of(peer)
-        try:
-            pool = self.pools.for_tenant(tenant)   # only ever the peer's own tenant's file
-        except (PoolError, OSError) as exc:
-            raise Unavailable(f"cannot create the pool file of tenant {tenant}: {exc}") \
-                from None
-        session = self.core.attach(peer, request.role)
-        if request.engine_id:
-            log.debug("attach of %s (pid %d) as %s", request.engine_id, peer.pid, request.role)
-        fields = {
-            "token": session.token if session else "",
-            "session_id": session.id if session else "",
-            "pool_bytes": pool.size, "pool_id": pool.pool_id,
-            "instance_id": self.core.instance_id, "slot_alignment": SLOT_ALIGNMENT,
-            "daemon_version": __version__, "tenant": tenant,
-        }
-        return AttachReply(fields=fields, fd=pool.fd)
-
-    def _attach_index(self, peer: PeerCred, request: AttachRequest) -> AttachReply:
-        """A registered session maps its namespace's shared index and its own marks file."""
-        assert self.core is not None
-        session = self.core.sessions.get(request.token)
-        if session is None or session.peer.uid != peer.uid:
-            raise Unauthenticated("unknown or expired session token (or another uid's); "
-                                  "attach again")
-        index_fd, marks_fd = self.core.attach_index(session)
-        header = session.ns.index.header if session.ns and session.ns.index else None
-        return AttachReply(fields={"session_id": session.id,
-                                   "index_version": INDEX_VERSION,
-                                   "index_bytes": header.file_bytes if header else 0},
-                           fd=index_fd, more_fds=(marks_fd,))
+    def _end_channel(self, session: Session) -> None:
+        """A session ends: what its channel still holds is applied, then it goes."""
+        if self._channels is not None:
+            self._channels.close(session.id)
+            self._channels.service.forget(session.id)
 
     async def _prepare_pool(self) -> None:
         cfg = self.config.pool
@@ -460,6 +419,8 @@ class Daemon:
                 await task
         if self._attach is not None:
             await self._attach.close()
+        if self._channels is not None:
+            self._channels.close_all()
         if self._door is not None:
             await self._door.close()
         if self._admin_server is not None:

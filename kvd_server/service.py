@@ -379,7 +379,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         if req.count > MAX_GRANTED_SLOTS:
             raise InvalidArgument(f"count {req.count} is more than MAX_GRANTED_SLOTS "
                                   f"({MAX_GRANTED_SLOTS})")
-        return kvd_pb2.GrantResponse(slot_offsets=self._core.grant(s, req.count))
+        return kvd_pb2.GrantResponse(slot_offsets=self._core.fastpath.grant(s, req.count))
 
     def _store_granted(self, s: Session, req: kvd_pb2.StoreGrantedRequest
                        ) -> kvd_pb2.StoreGrantedResponse:
@@ -389,7 +389,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
             raise InvalidArgument(f"granted_offsets has {len(req.granted_offsets)} entries for "
                                   f"{len(granted)} granted_keys (one per key)")
         positions = _check_positions(req.positions, len(keys))
-        answer = self._core.store_granted(s, keys, _check_str(req.req_id, "req_id"), positions,
+        answer = self._core.fastpath.store_granted(s, keys, _check_str(req.req_id, "req_id"), positions,
                                           granted, list(req.granted_offsets))
         return kvd_pb2.StoreGrantedResponse(
             accepted=answer.accepted, duplicates=answer.duplicates, refused=answer.refused,
@@ -401,7 +401,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
             raise InvalidArgument(f"slot_offsets has {len(req.slot_offsets)} entries for "
                                   f"{len(keys)} keys (one per key)")
         positions = _check_positions(req.positions, len(keys))
-        pinned, epoch = self._core.pin_loads(s, keys, list(req.slot_offsets),
+        pinned, epoch = self._core.fastpath.pin_loads(s, keys, list(req.slot_offsets),
                                              _check_str(req.req_id, "req_id"), positions)
         return kvd_pb2.PinResponse(pinned=pinned, epoch=epoch)
 

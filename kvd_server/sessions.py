@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 
+# What one session may hold at once (and so what it can leave held if its process stalls).
+MAX_LEASES_PER_SESSION = 16_384
+MAX_PINS_PER_SESSION = 65_536          # (epoch, key) pins of loads in flight
+MAX_PENDING_STORES_PER_SESSION = 16_384
+MAX_OPEN_REQUESTS_PER_SESSION = 8_192  # requests whose accesses are recorded for recency
+
 
 @dataclass(slots=True, frozen=True)
 class EngineInfo:

@@ -363,8 +363,8 @@ class NamespaceManager:
                      slot_of=slot_of)
         return state, new
 
-    def _evict_for(self, n: int, protected: Sequence[bytes],
-                   slack: int = 0) -> list[bytes] | None:
+    def make_room(self, n: int, protected: Sequence[bytes] = (),
+                  slack: int = 0) -> list[bytes] | None:
         """Make room for `n` more blocks (another namespace's extents first, then this one's
         policy); the evicted keys, or None when there is no room (nothing changed).
 
@@ -402,7 +402,7 @@ class NamespaceManager:
         state, new = self._classify_offer(keys, req, positions)
         if not new:
             return StoreGrant([], [], [])
-        evicted = self._evict_for(len(new), keys, min(slack, 0))
+        evicted = self.make_room(len(new), keys, min(slack, 0))
         if evicted is None:
             self.counters.store_rejections_total += 1
             return None
@@ -428,7 +428,7 @@ class NamespaceManager:
         duplicates = [(k, slot) for k, slot in granted if k not in fresh]
         # The granted slots are in use already (the session's reserve): what vLLM would free
         # for these stores is what the reserve needs back.
-        evicted = self._evict_for(len(bound), keys, slack) or []
+        evicted = self.make_room(len(bound), keys, slack) or []
         for key, slot in bound:
             self._insert(key, slot, state)
         self._storing += len(bound)
@@ -554,6 +554,9 @@ class NamespaceManager:
             events.popleft()
             self.counters.events_dropped_total += 1
         events.append(event)
+
+    def pending_events(self) -> int:
+        return len(self._events) if self._events is not None else 0
 
     def take_events(self, max_events: int | None = None,
                     max_bytes: int | None = None) -> tuple[list[OffloadEvent], bool]:

@@ -448,10 +448,10 @@ def test_overlapping_loads_of_one_key_each_hold_it_until_done(daemon):
         a.unpin(keys[3:])                                    # request 1 is done
         pinned_blocks(3)
         a.unpin(keys[:3])
-        assert a._load_epochs, "keys[0] has a third load in flight"
+        assert a._loads.holding, "keys[0] has a third load in flight"
         pinned_blocks(1)
         a.unpin(keys[:1])
-        assert not a._loads and not a._load_epochs
+        assert not a._loads and not a._loads.holding
         pinned_blocks(0)
         assert_floor_follows_the_index(a, keys[5])
     finally:
@@ -488,7 +488,7 @@ def test_a_later_request_finishing_first_leaves_the_earlier_loads_protected(star
         assert a._marks.published == floor, "r1's remaining loads lost their protection"
         a.end_step()
         a.unpin(keys[2:], "r1")
-        assert not a._loads and not a._load_epochs
+        assert not a._loads and not a._loads.holding
         settle(a)
         assert_floor_follows_the_index(a, keys[0])
     finally:

@@ -95,14 +95,16 @@ class Engine:
                  blocks_per_chunk: int = 1, head_size: int = 8,
                  extra: dict[str, Any] | None = None,
                  sliding_window: int | None = None, mla: bool = False,
-                 world_size: int = 1, compute: bool = True) -> None:
+                 world_size: int = 1, compute: bool = True, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512) -> None:
         """`sliding_window` (tokens) adds a second KV group, a sliding-window layer, as hybrid
         models (Gemma, gpt-oss) have. `mla` makes the layer an MLA latent cache (one vector
         per token, no V). `world_size` > 1 runs that many tensor-parallel workers in this
         process, each with its own KV tensors; the scheduler completes a job when all of
         them reported it, as vLLM's executor does. Sharded ranks hold different bytes (the
         pattern depends on the rank); MLA ranks hold the same. `compute=False` skips the
-        pattern writes (benchmarks that time only the scheduler side)."""
+        pattern writes (benchmarks that time only the scheduler side). `max_num_seqs` and
+        `max_num_batched_tokens` are the scheduler's (vLLM's defaults are 128 and 2048)."""
         self.compute = compute
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -120,7 +122,8 @@ class Engine:
             model_config=model_config,
             parallel_config=ParallelConfig(tensor_parallel_size=world_size,
                                            distributed_executor_backend="mp"),
-            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512,
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=4096, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
             # GPU prefix caching off: every prefix hit must come from kvd.

@@ -1,0 +1,457 @@
+"""The records a session's channel carries (kvd_proto/channel.py), version 1: what each kind
+holds and its encoding. The same operations as the StepStream ops of kvd.proto's shared-index
+protocol (StoreGranted, Pin, Grant, ...), with the same bounds, in fixed binary fields so that
+the engine's scheduler thread can write them cheaply and any language can read them.
+
+Payload fields, little-endian, in order (docs/attach.md, "The channel", has the table):
+  str     u16 length + UTF-8 bytes (at most MAX_STRING_BYTES)
+  keys    u32 count, u16 width, u16 0; width > 0: count x width bytes (every key that long);
+          width 0: count x u8 lengths, then the keys' bytes back to back
+  i64s / u64s / u32s   count values (the count is stated by a field before them)
+
+The daemon decodes up records strictly (`decode_up` raises RecordError with a message that
+names the field); a rejected record is answered with a REJECTED record and skipped.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvd_proto.channel import record
+from kvd_proto.wire import (
+    MAX_EVENTS,
+    MAX_GRANTED_SLOTS,
+    MAX_KEY_BYTES,
+    MAX_KEYS_PER_CALL,
+    MAX_STRING_BYTES,
+)
+
+# --- up: engine -> daemon ---------------------------------------------------------------------
+STORE = 1             # StoreGranted: offered keys, which granted slots hold which new keys
+COMPLETE_STORE = 2
+PIN = 3               # loads the engine started from its own lookups
+COMPLETE_LOAD = 4
+TOUCH = 5
+REQUEST_FINISHED = 6
+GRANT = 7             # more free slots for future stores
+RESET = 8             # reset the namespace (answered by RESET_DONE with the same token)
+TAKE_EVENTS = 9
+COUNTERS = 10         # lookups, hits and misses answered locally since the last COUNTERS
+RELEASE_HELD = 11     # an earlier session of this process has no copies in flight any more
+RETURN_SLOTS = 12     # granted slots the engine will not use (never written)
+UP_KINDS = {STORE: "store", COMPLETE_STORE: "complete_store", PIN: "pin",
+            COMPLETE_LOAD: "complete_load", TOUCH: "touch",
+            REQUEST_FINISHED: "request_finished", GRANT: "grant", RESET: "reset",
+            TAKE_EVENTS: "take_events", COUNTERS: "counters", RELEASE_HELD: "release_held",
+            RETURN_SLOTS: "return_slots"}
+
+# --- down: daemon -> engine -------------------------------------------------------------------
+GRANTED = 1           # answers one GRANT, in order: the offsets granted (maybe fewer)
+RESET_DONE = 2        # answers RESET: token, the namespace's new epoch, blocks dropped
+EVENTS = 3            # answers TAKE_EVENTS: stored / removed events, and whether more wait
+REJECTED = 4          # an up record the daemon refused: its kind, a status name, a message
+DOWN_KINDS = {GRANTED: "granted", RESET_DONE: "reset_done", EVENTS: "events",
+              REJECTED: "rejected"}
+
+MAX_COUNTER_DELTA = 1 << 40
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_KEYS = struct.Struct("<IHH")
+_COUNTERS = struct.Struct("<QQQ")
+_RESET_DONE = struct.Struct("<QQQ")
+_EPOCH_FLAG = struct.Struct("<QB")
+
+
+class RecordError(ValueError):
+    """A record that breaks the encoding or a bound (INVALID_ARGUMENT)."""
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def _str(value: str) -> bytes:
+    data = value.encode()
+    return _U16.pack(len(data)) + data
+
+
+def _keys(keys: Sequence[bytes]) -> bytes:
+    n = len(keys)
+    if not n:
+        return _KEYS.pack(0, 0, 0)
+    width = len(keys[0])
+    joined = b"".join(keys)
+    if len(joined) == n * width and max(map(len, keys)) == width:
+        return _KEYS.pack(n, width, 0) + joined
+    return _KEYS.pack(n, 0, 0) + bytes(map(len, keys)) + joined
+
+
+def _i64s(values: Sequence[int] | None) -> bytes:
+    if not values:
+        return b"\0"
+    return b"\1" + array("q", values).tobytes()
+
+
+def encode_store(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
+                 granted: Sequence[tuple[int, int]]) -> bytes:
+    """`granted`: (index into `keys`, slot offset) of each key stored into a granted slot."""
+    index = array("I", [i for i, _ in granted])
+    offsets = array("Q", [o for _, o in granted])
+    return record(STORE, b"".join((_str(req_id), _keys(keys), _i64s(positions),
+                                   _U32.pack(len(index)), index.tobytes(), offsets.tobytes())))
+
+
+def encode_complete_store(keys: Sequence[bytes], success: bool, req_id: str,
+                          epoch: int) -> bytes:
+    return record(COMPLETE_STORE, b"".join((_EPOCH_FLAG.pack(epoch, success), _str(req_id),
+                                            _keys(keys))))
+
+
+def encode_pin(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
+               offsets: Sequence[int]) -> bytes:
+    return record(PIN, b"".join((_str(req_id), _keys(keys), _i64s(positions),
+                                 array("Q", offsets).tobytes())))
+
+
+def encode_complete_load(keys: Sequence[bytes], req_id: str, epoch: int) -> bytes:
+    return record(COMPLETE_LOAD, b"".join((_U64.pack(epoch), _str(req_id), _keys(keys))))
+
+
+def encode_touch(keys: Sequence[bytes], req_id: str) -> bytes:
+    return record(TOUCH, _str(req_id) + _keys(keys))
+
+
+def encode_request_finished(req_id: str) -> bytes:
+    return record(REQUEST_FINISHED, _str(req_id))
+
+
+def encode_grant(count: int) -> bytes:
+    return record(GRANT, _U32.pack(count))
+
+
+def encode_reset(token: int) -> bytes:
+    return record(RESET, _U64.pack(token))
+
+
+def encode_take_events(max_events: int) -> bytes:
+    return record(TAKE_EVENTS, _U32.pack(max_events))
+
+
+def encode_counters(lookups: int, hits: int, misses: int) -> bytes:
+    return record(COUNTERS, _COUNTERS.pack(lookups, hits, misses))
+
+
+def encode_release_held(session_id: str) -> bytes:
+    return record(RELEASE_HELD, _str(session_id))
+
+
+def encode_return_slots(offsets: Sequence[int]) -> bytes:
+    return record(RETURN_SLOTS, _U32.pack(len(offsets)) + array("Q", offsets).tobytes())
+
+
+def encode_granted(offsets: Sequence[int]) -> bytes:
+    return record(GRANTED, _U32.pack(len(offsets)) + array("Q", offsets).tobytes())
+
+
+def encode_reset_done(token: int, epoch: int, dropped: int) -> bytes:
+    return record(RESET_DONE, _RESET_DONE.pack(token, epoch, dropped))
+
+
+def encode_events(events: Sequence[tuple[Sequence[bytes], bool, bool]], more: bool) -> bytes:
+    """`events`: (keys, removed, metadata_only) each."""
+    parts = [_U32.pack(len(events))]
+    for keys, removed, metadata_only in events:
+        parts.append(_U8.pack(int(removed) | int(metadata_only) << 1))
+        parts.append(_keys(keys))
+    parts.append(_U8.pack(int(more)))
+    return record(EVENTS, b"".join(parts))
+
+
+def events_bytes(keys: Sequence[bytes]) -> int:
+    """What one event costs in an EVENTS record (at most)."""
+    return 1 + _KEYS.size + sum(len(k) + 1 for k in keys)
+
+
+def encode_rejected(kind: int, code: str, message: str) -> bytes:
+    return record(REJECTED, _U16.pack(kind) + _str(code) + _str(message[:MAX_STRING_BYTES]))
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+class Cursor:
+    """Reads fields off a payload, checking every length against what is left."""
+
+    __slots__ = ("data", "at", "what")
+
+    def __init__(self, data: bytes, what: str) -> None:
+        self.data = data
+        self.at = 0
+        self.what = what
+
+    def _take(self, n: int, field: str) -> int:
+        at = self.at
+        if n < 0 or at + n > len(self.data):
+            raise RecordError(f"{self.what}: {field} runs past the end of the record")
+        self.at = at + n
+        return at
+
+    def u8(self, field: str) -> int:
+        return self.data[self._take(1, field)]
+
+    def u16(self, field: str) -> int:
+        return _U16.unpack_from(self.data, self._take(2, field))[0]
+
+    def u32(self, field: str) -> int:
+        return _U32.unpack_from(self.data, self._take(4, field))[0]
+
+    def u64(self, field: str) -> int:
+        return _U64.unpack_from(self.data, self._take(8, field))[0]
+
+    def text(self, field: str) -> str:
+        n = self.u16(field)
+        if n > MAX_STRING_BYTES:
+            raise RecordError(f"{self.what}: {field} has {n} bytes, more than "
+                              f"{MAX_STRING_BYTES}")
+        at = self._take(n, field)
+        try:
+            return self.data[at:at + n].decode()
+        except UnicodeDecodeError:
+            raise RecordError(f"{self.what}: {field} is not UTF-8") from None
+
+    def keys(self, field: str = "keys", *, unique: bool = True) -> list[bytes]:
+        at = self._take(_KEYS.size, field)
+        n, width, zero = _KEYS.unpack_from(self.data, at)
+        if n > MAX_KEYS_PER_CALL:
+            raise RecordError(f"{self.what}: {field} has {n} keys, more than "
+                              f"MAX_KEYS_PER_CALL ({MAX_KEYS_PER_CALL})")
+        if zero or width > MAX_KEY_BYTES:
+            raise RecordError(f"{self.what}: {field} has a key width of {width} (keys are "
+                              f"1..{MAX_KEY_BYTES} bytes)")
+        data = self.data
+        if width:
+            at = self._take(n * width, field)
+            keys = [data[at + i * width:at + (i + 1) * width] for i in range(n)]
+        else:
+            at = self._take(n, field)
+            lengths = data[at:at + n]
+            if n and (min(lengths) == 0 or max(lengths) > MAX_KEY_BYTES):
+                raise RecordError(f"{self.what}: {field} holds an empty key or one over "
+                                  f"{MAX_KEY_BYTES} bytes")
+            at = self._take(sum(lengths), field)
+            keys = []
+            for length in lengths:
+                keys.append(data[at:at + length])
+                at += length
+        if unique and len(set(keys)) != n:
+            raise RecordError(f"{self.what}: {field} names a key twice (duplicate keys are not "
+                              "allowed within one record)")
+        return keys
+
+    def values(self, code: str, n: int, field: str) -> list[int]:
+        size = array(code).itemsize
+        at = self._take(n * size, field)
+        out = array(code)
+        out.frombytes(self.data[at:at + n * size])
+        return out.tolist()
+
+    def positions(self, n: int) -> list[int] | None:
+        if not self.u8("positions flag"):
+            return None
+        return self.values("q", n, "positions")
+
+    def end(self) -> None:
+        if self.at != len(self.data):
+            raise RecordError(f"{self.what}: {len(self.data) - self.at} bytes left over after "
+                              "its last field")
+
+
+class Store(NamedTuple):
+    req_id: str
+    keys: list[bytes]
+    positions: list[int] | None
+    granted_keys: list[bytes]
+    granted_offsets: list[int]
+
+
+class CompleteStore(NamedTuple):
+    keys: list[bytes]
+    success: bool
+    req_id: str
+    epoch: int
+
+
+class Pin(NamedTuple):
+    keys: list[bytes]
+    req_id: str
+    positions: list[int] | None
+    offsets: list[int]
+
+
+class CompleteLoad(NamedTuple):
+    keys: list[bytes]
+    req_id: str
+    epoch: int
+
+
+class Touch(NamedTuple):
+    keys: list[bytes]
+    req_id: str
+
+
+class RequestFinished(NamedTuple):
+    req_id: str
+
+
+class Grant(NamedTuple):
+    count: int
+
+
+class Reset(NamedTuple):
+    token: int
+
+
+class TakeEvents(NamedTuple):
+    max_events: int
+
+
+class Counters(NamedTuple):
+    lookups: int
+    hits: int
+    misses: int
+
+
+class ReleaseHeld(NamedTuple):
+    session_id: str
+
+
+class ReturnSlots(NamedTuple):
+    offsets: list[int]
+
+
+UpRecord = (Store | CompleteStore | Pin | CompleteLoad | Touch | RequestFinished | Grant | Reset
+            | TakeEvents | Counters | ReleaseHeld | ReturnSlots)
+
+
+def decode_up(kind: int, payload: bytes) -> UpRecord:
+    """An engine's record, checked against every bound (RecordError names what is wrong)."""
+    name = UP_KINDS.get(kind)
+    if name is None:
+        raise RecordError(f"unknown record kind {kind}")
+    c = Cursor(payload, name)
+    out: UpRecord
+    if kind == STORE:
+        req_id = c.text("req_id")
+        keys = c.keys()
+        positions = c.positions(len(keys))
+        m = c.u32("granted count")
+        if m > len(keys):
+            raise RecordError(f"store: {m} granted slots for {len(keys)} offered keys")
+        index = c.values("I", m, "granted key indices")
+        offsets = c.values("Q", m, "granted offsets")
+        if index and max(index) >= len(keys):
+            raise RecordError("store: a granted key index is outside the offered keys")
+        if len(set(index)) != m:
+            raise RecordError("store: a granted key index is named twice")
+        out = Store(req_id, keys, positions, [keys[i] for i in index], offsets)
+    elif kind == COMPLETE_STORE:
+        epoch = c.u64("epoch")
+        success = c.u8("success")
+        if success > 1:
+            raise RecordError(f"complete_store: success is {success} (0 or 1)")
+        req_id = c.text("req_id")
+        out = CompleteStore(c.keys(), bool(success), req_id, epoch)
+    elif kind == PIN:
+        req_id = c.text("req_id")
+        keys = c.keys()
+        positions = c.positions(len(keys))
+        out = Pin(keys, req_id, positions, c.values("Q", len(keys), "slot offsets"))
+    elif kind == COMPLETE_LOAD:
+        epoch = c.u64("epoch")
+        req_id = c.text("req_id")
+        out = CompleteLoad(c.keys(), req_id, epoch)
+    elif kind == TOUCH:
+        req_id = c.text("req_id")
+        out = Touch(c.keys(), req_id)
+    elif kind == REQUEST_FINISHED:
+        out = RequestFinished(c.text("req_id"))
+    elif kind == GRANT:
+        count = c.u32("count")
+        if count > MAX_GRANTED_SLOTS:
+            raise RecordError(f"grant: count {count} is more than MAX_GRANTED_SLOTS "
+                              f"({MAX_GRANTED_SLOTS})")
+        out = Grant(count)
+    elif kind == RESET:
+        out = Reset(c.u64("token"))
+    elif kind == TAKE_EVENTS:
+        n = c.u32("max_events")
+        if n > MAX_EVENTS:
+            raise RecordError(f"take_events: max_events {n} is more than {MAX_EVENTS}")
+        out = TakeEvents(n)
+    elif kind == COUNTERS:
+        values = [c.u64(f) for f in ("lookups", "hits", "misses")]
+        if max(values) > MAX_COUNTER_DELTA or values[1] + values[2] > values[0]:
+            raise RecordError(f"counters: {values} are not lookups >= hits + misses (each "
+                              f"at most {MAX_COUNTER_DELTA})")
+        out = Counters(*values)
+    elif kind == RELEASE_HELD:
+        out = ReleaseHeld(c.text("session_id"))
+    else:  # RETURN_SLOTS
+        n = c.u32("count")
+        if n > MAX_GRANTED_SLOTS:
+            raise RecordError(f"return_slots: {n} slots, more than MAX_GRANTED_SLOTS "
+                              f"({MAX_GRANTED_SLOTS})")
+        out = ReturnSlots(c.values("Q", n, "slot offsets"))
+    c.end()
+    return out
+
+
+class Granted(NamedTuple):
+    offsets: list[int]
+
+
+class ResetDone(NamedTuple):
+    token: int
+    epoch: int
+    dropped: int
+
+
+class Events(NamedTuple):
+    events: list[tuple[tuple[bytes, ...], bool, bool]]    # (keys, removed, metadata_only)
+    more: bool
+
+
+class Rejected(NamedTuple):
+    kind: int
+    code: str
+    message: str
+
+
+DownRecord = Granted | ResetDone | Events | Rejected
+
+
+def decode_down(kind: int, payload: bytes) -> DownRecord:
+    """A daemon's answer (RecordError for one this version does not know)."""
+    name = DOWN_KINDS.get(kind)
+    if name is None:
+        raise RecordError(f"unknown answer kind {kind}")
+    c = Cursor(payload, name)
+    out: DownRecord
+    if kind == GRANTED:
+        out = Granted(c.values("Q", c.u32("count"), "offsets"))
+    elif kind == RESET_DONE:
+        out = ResetDone(c.u64("token"), c.u64("epoch"), c.u64("dropped"))
+    elif kind == EVENTS:
+        events = []
+        for _ in range(c.u32("count")):
+            flags = c.u8("flags")
+            events.append((tuple(c.keys(unique=False)), bool(flags & 1), bool(flags & 2)))
+        out = Events(events, bool(c.u8("more")))
+    else:
+        out = Rejected(c.u16("kind"), c.text("code"), c.text("message"))
+    c.end()
+    return out

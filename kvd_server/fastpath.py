@@ -1,0 +1,191 @@
+"""The shared-index protocol: what an engine that maps its namespace's index tells the daemon.
+
+Such an engine answers lookups from the index itself, keeps its loads safe with its published
+epoch and stores into slots granted in advance; the daemon only hears about it afterwards
+(Grant, StoreGranted, Pin, and the usual completions), over StepStream ops or, without any
+engine thread, over the session's channel (kvd_server/channels.py). `FastPath` is those
+operations on the core's sessions and namespaces. Every session's reserve (the slots it wants
+to hold granted) is accounted on its namespace as it changes, so no call scans the sessions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvd_proto.wire import MAX_GRANTED_SLOTS
+from kvd_server.errors import FailedPrecondition
+from kvd_server.sessions import MAX_PENDING_STORES_PER_SESSION
+
+if TYPE_CHECKING:
+    from kvd_server.core import KvdCore
+    from kvd_server.namespaces import Namespace
+    from kvd_server.sessions import Session
+
+
+class StoreGrantedAnswer(NamedTuple):
+    accepted: int
+    duplicates: int
+    refused: int
+    evicted: list[bytes]
+    epoch: int
+
+
+def _owed(s: Session) -> int:
+    return max(0, s.reserve_target - len(s.granted))
+
+
+class FastPath:
+    """The shared-index protocol's operations (see the module doc); runs on the event loop."""
+
+    def __init__(self, core: KvdCore) -> None:
+        self.core = core
+
+    def _ns(self, s: Session) -> Namespace:
+        return self.core.namespace_of(s)
+
+    # ------------------------------------------------------------------ reserves
+    @staticmethod
+    def _account(ns: Namespace, s: Session, target: int, owed: int) -> None:
+        """Carry a change of `s`'s reserve (from `target`, `owed` before it) to `ns`."""
+        ns.reserve_targets += s.reserve_target - target
+        ns.reserve_owed += _owed(s) - owed
+        # The policy's capacity (ARC bounds its target and ghost lists by it) is what blocks
+        # may hold: the namespace's slots less its sessions' reserves.
+        ns.mgr.policy.capacity = max(1, ns.slots.capacity() - ns.reserve_targets)
+
+    def end_session(self, s: Session) -> list[int]:
+        """`s` ends: its reserve leaves the namespace's figures; the slots it held granted
+        (which it may have started writing into) are the caller's."""
+        slots = list(s.granted)
+        if s.ns is not None:
+            before = (s.reserve_target, _owed(s))
+            s.reserve_target = 0
+            s.granted.clear()
+            self._account(s.ns, s, *before)
+        s.granted.clear()
+        return slots
+
+    def slack(self, ns: Namespace) -> int:
+        """What the free count of `ns` does not show (see NamespaceManager.make_room): slots
+        waiting for readers count as free, slots owed to its sessions' reserves as taken. So
+        a namespace holds exactly its capacity minus the reserves, whenever limbo drains."""
+        limbo = ns.reclaim.in_limbo if ns.reclaim is not None else 0
+        return limbo - ns.reserve_owed
+
+    # ------------------------------------------------------------------ the index
+    def attach_index(self, s: Session) -> tuple[int, int]:
+        """Make `s` a reader of its namespace's index: (index fd, the session's marks fd).
+        The daemon keeps both; the attach server passes duplicates of them."""
+        ns = self._ns(s)
+        if ns.index is None or ns.reclaim is None:
+            raise FailedPrecondition("this namespace has no shared index")
+        marks = ns.reclaim.add_reader(s.id)
+        s.reader = True
+        return ns.index.fd, marks.fd
+
+    # ------------------------------------------------------------------ operations
+    def grant(self, s: Session, count: int) -> list[int]:
+        """Up to `count` more free slots for the session's future stores; their offsets.
+
+        The session's reserve target becomes what it holds plus `count`. When the namespace
+        has not that much room (free and soon-free slots less every session's owed reserve),
+        ready blocks are evicted for it now, as vLLM's prepare_store would evict at the store;
+        evicted slots come back once every reader has moved past them, so a grant may give
+        fewer than asked and the session asks again later."""
+        ns = self._ns(s)
+        before = (s.reserve_target, _owed(s))
+        s.reserve_target = min(MAX_GRANTED_SLOTS, len(s.granted) + count)
+        self._account(ns, s, *before)
+        if self.core.draining:
+            return []
+        count = max(0, min(count, MAX_GRANTED_SLOTS - len(s.granted)))
+        if not count:
+            return []
+        if ns.slots.free_count() < count:
+            ns.mgr.make_room(0, (), self.slack(ns))     # all or nothing: maybe none
+        count = min(count, ns.slots.free_count())
+        if not count:
+            return []
+        before = (s.reserve_target, _owed(s))
+        slots = ns.slots.allocate(count)
+        s.granted.update(slots)
+        self._account(ns, s, *before)
+        offset = ns.slots.offset
+        return [offset(slot) for slot in slots]
+
+    def return_slots(self, s: Session, offsets: Sequence[int]) -> int:
+        """Granted slots the session will not use (it never wrote them): free again, and its
+        reserve target lowered by as many. How many were its own granted slots."""
+        ns = self._ns(s)
+        before = (s.reserve_target, _owed(s))
+        returned = 0
+        for offset in offsets:
+            slot = ns.slots.slot_at(offset)
+            if slot is None or slot not in s.granted:
+                continue
+            s.granted.discard(slot)
+            ns.slots.free(slot)
+            returned += 1
+        s.reserve_target = max(len(s.granted), s.reserve_target - returned)
+        self._account(ns, s, *before)
+        return returned
+
+    def store_granted(self, s: Session, keys: Sequence[bytes], req_id: str,
+                      positions: Sequence[int] | None, granted_keys: Sequence[bytes],
+                      granted_offsets: Sequence[int]) -> StoreGrantedAnswer:
+        """The session stored into its granted slots: see StoreGrantedRequest (kvd.proto)."""
+        core = self.core
+        ns = self._ns(s)
+        mgr = ns.mgr
+        epoch = mgr.epoch
+        offered = set(keys)
+        bound: list[tuple[bytes, int]] = []
+        taken: set[int] = set()           # a slot named twice in one call holds one key
+        refused = 0
+        for key, offset in zip(granted_keys, granted_offsets, strict=True):
+            slot = ns.slots.slot_at(offset)
+            if slot is None or slot not in s.granted or slot in taken or key not in offered \
+                    or (epoch, key) in s.pending:
+                refused += 1
+                continue
+            taken.add(slot)
+            bound.append((key, slot))
+        if len(s.pending) + len(bound) > MAX_PENDING_STORES_PER_SESSION:
+            return StoreGrantedAnswer(0, 0, len(bound) + refused, [], epoch)
+        slack = self.slack(ns)
+        before = (s.reserve_target, _owed(s))
+        for _, slot in bound:
+            s.granted.discard(slot)
+        self._account(ns, s, *before)
+        result = mgr.offer(keys, bound, core.request_key(s, req_id), positions or None, slack)
+        for key, slot in bound:
+            s.pending[(epoch, key)] = slot            # duplicates too: they settle at completion
+        return StoreGrantedAnswer(len(result.accepted), len(result.duplicates), refused,
+                                  result.evicted, epoch)
+
+    def pin_loads(self, s: Session, keys: Sequence[bytes], offsets: Sequence[int],
+                  req_id: str, positions: Sequence[int] | None) -> tuple[int, int]:
+        """Loads the session started from its own lookups: (pinned, epoch)."""
+        core = self.core
+        ns = self._ns(s)
+        core.check_pin_room(s, len(keys))
+        mgr = ns.mgr
+        epoch = mgr.epoch
+        slots = [ns.slots.slot_at(o) for o in offsets]
+        usable = [(k, sl, i) for i, (k, sl) in enumerate(zip(keys, slots, strict=True))
+                  if sl is not None]
+        pinned = mgr.pin_loads([k for k, _, _ in usable], [sl for _, sl, _ in usable],
+                               core.request_key(s, req_id),
+                               [positions[i] for _, _, i in usable] if positions else None)
+        pins = s.pins
+        for key in pinned:
+            pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
+        return len(pinned), epoch
+
+    def count_lookups(self, s: Session, lookups: int, hits: int, misses: int) -> None:
+        """What the session answered from the index itself, for the namespace's counters."""
+        ns = self._ns(s)
+        ns.lookups_total += lookups
+        ns.hits_total += hits
+        ns.misses_total += misses
