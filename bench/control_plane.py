@@ -197,6 +197,13 @@ def _daemon_stats(sock: str) -> dict:
     return json.loads(r.stdout) if r.returncode == 0 else {}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _messages(session) -> int:
     """Messages the engine's session handed to the daemon so far (batches or ring records)."""
     for name in ("messages_sent", "_seq"):
@@ -229,7 +236,9 @@ def cell(requests: list[Request], *, capacity: int = 65536, policy: str = "lru",
                 time.sleep(0.01)
             blocking = _count_blocking_calls(eng.manager.client)
             sent0 = _messages(session)
+            cpu0 = _cpu_seconds(proc.pid)
             kvd = _replay(eng, requests, model_step_s, max_num_seqs)
+            kvd["daemon_cpu_seconds"] = _cpu_seconds(proc.pid) - cpu0
             kvd["messages"] = _messages(session) - sent0
             stats = _daemon_stats(sock)
             eng.close()
@@ -250,6 +259,7 @@ def cell(requests: list[Request], *, capacity: int = 65536, policy: str = "lru",
                                  "nones": r["prepare_store_nones"]}
                           for side, r in (("kvd", kvd), ("vllm", vllm))},
         "messages_per_engine_step": kvd["messages"] / max(1, kvd["engine_steps"]),
+        "daemon_cpu_seconds": kvd["daemon_cpu_seconds"],
         "steps": {"kvd": kvd["steps"], "vllm": vllm["steps"]},
         "engine_steps": {"kvd": kvd["engine_steps"], "vllm": vllm["engine_steps"]},
         "idle_steps": {"kvd": kvd["idle_steps"], "vllm": vllm["idle_steps"]},

@@ -110,14 +110,13 @@ class Outbox:
     def flush(self, channel: SessionChannel) -> int:
         """Append what fits, in order, and publish it; how many records are still waiting."""
         waiting, written, writer = self._waiting, self._written, channel.writer
-        while waiting:
-            seq, data, essential = waiting[0]
-            if not writer.write(data):
-                break
-            waiting.popleft()
-            self._waiting_bytes -= len(data)
-            written.append((seq, writer.tail, essential))
-            self.sent += 1
+        if waiting:
+            ends = writer.write_many([data for _, data, _ in waiting])
+            for end in ends:           # each record's end position in the ring: see `acked`
+                seq, data, essential = waiting.popleft()
+                self._waiting_bytes -= len(data)
+                written.append((seq, end, essential))
+            self.sent += len(ends)
         channel.publish()
         return len(waiting)
 

@@ -15,15 +15,14 @@ import threading
 
 from kvd_proto.index_layout import (
     MARKS_BYTES,
-    MAX_PROBE,
     RECLAIM_EPOCH_OFFSET,
     RESET_EPOCH_OFFSET,
     STATE_FREE,
     STATE_READY,
     STATE_STORING,
     Header,
-    key_hash,
 )
+from kvd_proto.native import probe
 
 __all__ = ["STATE_FREE", "STATE_READY", "STATE_STORING", "IndexReader", "Marks"]
 
@@ -62,6 +61,11 @@ class IndexReader:
         self.memo_limit = memo_limit
 
     @property
+    def mapping(self) -> mmap.mmap:
+        """The read-only mapping (kvd_proto.native.Lookups binds it)."""
+        return self._map
+
+    @property
     def reset_epoch(self) -> int:
         return self._epochs[0]
 
@@ -77,28 +81,16 @@ class IndexReader:
             slot, word, offset = memo
             if self.meta[slot] == word:
                 return word & 3, offset
-        n = len(key)
-        if n > self._width:
+        found = probe(self._buckets, self.meta, self._map, self._keys_offset, self._width,
+                      self._mask, key)
+        if found is None:
             return None
-        buckets, meta, mask = self._buckets, self.meta, self._mask
-        b = key_hash(key) & mask
-        for _ in range(MAX_PROBE):
-            v = buckets[b]
-            if not v:
-                return None
-            slot = v - 1
-            word = meta[slot]
-            if word & 3 and (word >> 2) & 0xFF == n:
-                start = self._keys_offset + slot * self._width
-                if self._map[start:start + n] == key and meta[slot] == word:
-                    offset = (slot // self._per_extent * self._extent_bytes
-                              + slot % self._per_extent * self._stride)
-                    if len(self.memo) >= self.memo_limit:
-                        self.memo.clear()
-                    self.memo[key] = (slot, word, offset)
-                    return word & 3, offset
-            b = (b + 1) & mask
-        return None
+        slot, word = found
+        offset = self.header.offset_of(slot)
+        if len(self.memo) >= self.memo_limit:
+            self.memo.clear()
+        self.memo[key] = (slot, word, offset)
+        return word & 3, offset
 
     def expect_ready(self, key: bytes, offset: int) -> None:
         """This engine finished storing `key` into the slot at `offset`: remember the word the

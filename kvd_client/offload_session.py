@@ -24,6 +24,7 @@ translates vLLM's calls to these; another engine can drive it the same way (docs
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import os
@@ -35,6 +36,7 @@ from typing import Any
 
 from kvd_proto import kvd_pb2
 from kvd_proto import records as rec
+from kvd_proto.native import Lookups
 
 from . import messages
 from .channel import Outbox, SessionChannel
@@ -67,11 +69,14 @@ class Event:
 
 
 @dataclass(slots=True)
-class _Store:
-    offset: int
+class _Stores:
+    """What the stores of one `reserve` call share."""
+
     reset_epoch: int
-    seq: int                    # the step whose records told the daemon about it
-    completed: bool = False
+    seq: int                    # the step whose records told the daemon about them
+
+
+_Store = tuple[int, _Stores]    # a store in flight: (slot offset, its call's record)
 
 
 @dataclass(slots=True)
@@ -94,16 +99,19 @@ class OffloadSession:
     """One engine's offload session over a `KvdClient` (see the module doc)."""
 
     def __init__(self, client: KvdClient, *, reserve: int = DEFAULT_RESERVE,
-                 enable_events: bool = False,
+                 initial_reserve: int = 0, enable_events: bool = False,
                  answers: tuple[Any, Any, Any] = (Lookup.MISS, Lookup.HIT, Lookup.PENDING)
                  ) -> None:
         """`reserve`: 0 sizes the slots held for stores from the store rate; N > 0 keeps at
-        least N. `answers`: what `lookup` returns for a miss, a hit and a pending store; an
+        least N. `initial_reserve`: what to hold before any store was seen (0: `reserve`, or
+        a default; an engine that knows how many blocks one step may store passes twice
+        that). `answers`: what `lookup` returns for a miss, a hit and a pending store; an
         engine may pass its own values, so that its scheduler can call `lookup` directly (it
         is the hottest call: once per chunk of every waiting request, every step)."""
         self.client = client
         self._miss, self._hit, self._pending = answers
-        self._reserve = StoreReserve(reserve or DEFAULT_FLOOR, reserve or DEFAULT_INITIAL)
+        self._reserve = StoreReserve(reserve or DEFAULT_FLOOR,
+                                     initial_reserve or reserve or DEFAULT_INITIAL)
         self.enable_events = enable_events
         self._generation = -1
         self._index: IndexReader | None = None
@@ -121,7 +129,11 @@ class OffloadSession:
         self._outbox = Outbox()
         self._essential = False       # this step made a record the engine waits for
         self._loads = LoadTracker()
-        self._stores: dict[bytes, _Store] = {}
+        self._stores: dict[bytes, _Store] = {}       # key -> store in flight (or not settled)
+        self._completed: set[bytes] = set()           # of those, the copies that finished
+        # completed stores in completion order, (seq, key, store), to forget once the daemon
+        # has read them (the index answers from then on)
+        self._settling: collections.deque[tuple[int, bytes, _Store]] = collections.deque()
         self._events: list[Event] = []
         self._reset_pending = 0       # the token of the reset asked for (0: none)
         self._reset_tokens = 0
@@ -129,8 +141,12 @@ class OffloadSession:
         self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
         self._old_sessions: list[str] = []        # ended sessions whose copies still run
         self._old_copies = 0
-        # What this engine answered from the index itself: the daemon hears the counts.
-        self.lookups_total = self.hits_total = self.misses_total = 0
+        # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
+        # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
+        # there, and the daemon hears the counts.
+        self._lookups = Lookups(self._hits, self._stores, self._miss, self._hit,
+                                self._lookup_slow)
+        self.lookup = self._lookups.lookup        # vLLM calls it once per chunk
         self._reported = (0, 0, 0)
         self._rejections = 0
         self._last_warning = 0.0
@@ -214,7 +230,7 @@ class OffloadSession:
         self._close_connection()
         self._hits.clear()
         self._loads.clear()
-        self._stores.clear()
+        self._clear_stores()
         self._reserve.clear()
         self._outbox.clear()
         self._reset_pending = 0
@@ -231,12 +247,14 @@ class OffloadSession:
                 return
             self._handoff = None
         self._index, self._marks, self._channel = handoff.index, handoff.marks, handoff.channel
+        self._lookups.bind(handoff.index.mapping, *handoff.index.header.geometry)
         self._max_record = handoff.channel.writer.max_record
         self._reserve.size_for(handoff.index.header.capacity)
         self._reserve.slots.extend(handoff.offsets)
         self._pool_id = self.client.pool_id or ""
 
     def _close_connection(self) -> None:
+        self._lookups.unbind()
         for part in (self._index, self._marks, self._channel):
             if part is not None:
                 part.close()
@@ -251,54 +269,73 @@ class OffloadSession:
         if self._index is None:
             self._adopt()
         self._receive()
+        self._reserve.begin_step()
         self._in_step = True
         if self._index is not None and self._marks is not None:
             self._step_epoch = self._index.reclaim_epoch
             if not self._reset_pending:
                 self._reset_epoch = self._index.reset_epoch
             self._marks.publish(self._loads.floor(self._step_epoch))
+        # From here the compiled path answers what the index alone decides.
+        self._lookups.enabled = int(self._index is not None and not self._reset_pending
+                                    and self.client.available)
 
     # --------------------------------------------------------------- lookups
     def lookup(self, key: bytes, _context: object = None) -> Any:
         """Whether `key` is cached: HIT (loadable now), PENDING (being stored) or MISS (as
         the `answers` given at construction). `_context` is ignored (an engine's per-request
-        argument, so the engine can call this method directly)."""
+        argument, so the engine can call this method directly). Each instance replaces this
+        method with its `Lookups.lookup` (the same answers, compiled where built)."""
+        return self._lookups.lookup(key)
+
+    def _lookup_slow(self, key: bytes) -> Any:
+        """`lookup` where the index alone does not decide (or outside a step, or with no
+        index): the engine's own stores in flight, a pending reset, no daemon."""
         if not self._in_step:
             self._begin()
-        self.lookups_total += 1
-        index = self._index
-        if index is None or self._reset_pending or not self.client.available:
-            self.misses_total += 1
+            if self._lookups.enabled:
+                return self._lookups.lookup(key)
+        counts = self._lookups
+        counts.lookups += 1
+        if self._index is None or self._reset_pending or not self.client.available:
+            counts.misses += 1
             return self._miss
-        memo = index.memo.get(key)        # a repeated lookup: one read (IndexReader.find)
-        if memo is not None and index.meta[memo[0]] == memo[1] and memo[1] & 3 == STATE_READY:
-            self._hits[key] = memo[2]
-            self.hits_total += 1
-            return self._hit
-        found = index.find(key)
+        found = counts.find(key)
         if found is not None:
             state, offset = found
             if state == STATE_READY:
                 self._hits[key] = offset
-                self.hits_total += 1
+                counts.hits += 1
                 return self._hit
             store = self._stores.get(key)
-            if store is not None and store.completed and store.offset == offset:
+            if store is not None and store[0] == offset and key in self._completed:
                 self._hits[key] = offset              # ours, completed: the daemon catches up
-                index.expect_ready(key, offset)       # so the next lookup is one read
-                self.hits_total += 1
+                counts.hits += 1
                 return self._hit
             return self._pending
         store = self._stores.get(key)
-        if store is not None and store.seq > self._acked:
+        if store is not None and store[1].seq > self._acked:
             # The daemon has not read this store yet: the slot is still ours alone.
-            if store.completed:
-                self._hits[key] = store.offset
-                self.hits_total += 1
+            if key in self._completed:
+                self._hits[key] = store[0]
+                counts.hits += 1
                 return self._hit
             return self._pending
-        self.misses_total += 1
+        counts.misses += 1
         return self._miss
+
+    @property
+    def lookups_total(self) -> int:
+        """Lookups answered (every session of this engine), as the daemon's stats count."""
+        return self._lookups.lookups
+
+    @property
+    def hits_total(self) -> int:
+        return self._lookups.hits
+
+    @property
+    def misses_total(self) -> int:
+        return self._lookups.misses
 
     def hit_offset(self, key: bytes) -> int | None:
         """The pool offset a HIT of this step found (None: `key` was no HIT this step)."""
@@ -349,20 +386,21 @@ class OffloadSession:
         stores = self._stores
         # Until the daemon has done a reset this session asked for, the index still shows
         # what the reset drops: only this session's own later stores count as present.
-        find = None if self._reset_pending else index.find
-        new = [key for key in keys
-               if key not in stores and (find is None or find(key) is None)]
+        new = self._lookups.find_new(keys, not self._reset_pending)
         slots = self._reserve.take(len(new))
         if slots is None:
             return None
-        seq = self._seq
         # During a reset this session asked for, the stores' epoch is the reset's answer:
         # UNKNOWN_EPOCH until it arrives.
-        epoch = UNKNOWN_EPOCH if self._reset_pending else self._reset_epoch
+        shared = _Stores(UNKNOWN_EPOCH if self._reset_pending else self._reset_epoch,
+                         self._seq)
         granted = list(zip(new, slots, strict=True))
         room = MAX_LOCAL_STORES - len(stores)
-        for key, offset in granted[:max(0, room)]:
-            stores[key] = _Store(offset, epoch, seq)
+        if len(granted) <= room:
+            stores.update(zip(new, zip(slots, [shared] * len(new), strict=True), strict=True))
+        else:
+            for key, offset in granted[:max(0, room)]:
+                stores[key] = (offset, shared)
         pos = list(positions) if positions and len(positions) == len(keys) else None
         self._put(messages.store(keys, req_id, pos, granted, self._max_record))
         return granted
@@ -371,19 +409,23 @@ class OffloadSession:
                        success: bool = True) -> None:
         """Stores of `keys` finished (every worker wrote its share)."""
         by_reset: dict[int, list[bytes]] = {}
+        stores, completed, settling = self._stores, self._completed, self._settling
         for key in keys:
-            store = self._stores.get(key)
+            store = stores.get(key)
             if store is None:
                 self._finished_old_copy()
                 continue
+            shared = store[1]
             if success:
-                store.completed = True       # lookups see it (and prime the memo: lookup)
+                completed.add(key)           # lookups answer HIT from now on
+                settling.append((shared.seq, key, store))
             else:
-                del self._stores[key]
-            if store.reset_epoch == UNKNOWN_EPOCH:
+                del stores[key]
+                completed.discard(key)
+            if shared.reset_epoch == UNKNOWN_EPOCH:
                 self._deferred.append((key, req_id, success))
                 continue
-            by_reset.setdefault(store.reset_epoch, []).append(key)
+            by_reset.setdefault(shared.reset_epoch, []).append(key)
         for reset, group in by_reset.items():
             self._put(messages.complete_store(group, success, req_id, reset, self._max_record))
 
@@ -403,10 +445,11 @@ class OffloadSession:
             return
         self._reset_tokens += 1
         self._reset_pending = self._reset_tokens
+        self._lookups.enabled = 0
         self._put([rec.encode_reset(self._reset_pending)])
-        for key, store in self._stores.items():
-            self._stale_stores.setdefault(store.reset_epoch, []).append(key)
-        self._stores.clear()
+        for key, (_, shared) in self._stores.items():
+            self._stale_stores.setdefault(shared.reset_epoch, []).append(key)
+        self._clear_stores()
         self._loads.reset()
         self._hits.clear()
 
@@ -422,6 +465,8 @@ class OffloadSession:
 
     # ------------------------------------------------------------------ events
     def take_events(self) -> list[Event]:
+        if not self.enable_events:
+            return []                # nothing asks the daemon for events
         self._receive()
         events, self._events = self._events, []
         return events
@@ -431,6 +476,7 @@ class OffloadSession:
         """The step is over: this step's HITs lapse and its records go to the daemon."""
         self._sync()
         self._in_step = False
+        self._lookups.enabled = 0
         self._hits.clear()
         self._publish_idle()
         if not self.available:
@@ -438,9 +484,9 @@ class OffloadSession:
             return
         reserve = self._reserve
         reserve.end_step()
-        want = reserve.to_ask()
-        if want:
-            self._put([rec.encode_grant(want)], essential=False)
+        told = reserve.to_send()
+        if told is not None:
+            self._put([rec.encode_reserve(*told)], essential=False)
         surplus = reserve.surplus()
         if surplus:
             self._put(messages.return_slots(surplus), essential=False)
@@ -514,9 +560,7 @@ class OffloadSession:
     def _rejected(self, answer: rec.Rejected) -> None:
         """A record the daemon refused: a bug here or a stale epoch; the rest goes on."""
         self._rejections += 1
-        if answer.kind == rec.GRANT:
-            self._reserve.granted([])
-        elif answer.kind == rec.RESET and self._reset_pending:
+        if answer.kind == rec.RESET and self._reset_pending:
             self._reset_done(self._reset_epoch)
         now = time.monotonic()
         if now - self._last_warning > 10:
@@ -529,19 +573,28 @@ class OffloadSession:
         """The daemon did the reset: the stores made meanwhile belong to its new epoch."""
         self._reset_pending = 0
         self._reset_epoch = epoch
-        for store in self._stores.values():
-            if store.reset_epoch == UNKNOWN_EPOCH:
-                store.reset_epoch = epoch
+        for _, shared in self._stores.values():
+            if shared.reset_epoch == UNKNOWN_EPOCH:
+                shared.reset_epoch = epoch
         deferred, self._deferred = self._deferred, []
         for key, req_id, success in deferred:
             self._put(messages.complete_store([key], success, req_id, epoch, self._max_record))
 
     def _forget_settled_stores(self) -> None:
-        """Completed stores the daemon has read are answered by the index from now on."""
-        acked = self._acked
-        settled = [k for k, s in self._stores.items() if s.completed and s.seq <= acked]
-        for key in settled:
-            del self._stores[key]
+        """Completed stores the daemon has read are answered by the index from now on (in
+        completion order: one not read yet keeps the later ones a little longer, which only
+        sends their lookups down the slow path)."""
+        acked, settling, stores = self._acked, self._settling, self._stores
+        while settling and settling[0][0] <= acked:
+            _, key, store = settling.popleft()
+            if stores.get(key) is store:
+                del stores[key]
+                self._completed.discard(key)
+
+    def _clear_stores(self) -> None:
+        self._stores.clear()
+        self._completed.clear()
+        self._settling.clear()
 
     def _publish_idle(self) -> None:
         """Between steps with no load in flight this session acts on no index entry: publish

@@ -187,6 +187,46 @@ class RingWriter:
         self.tail += n
         return True
 
+    def write_many(self, records: list[bytes]) -> list[int]:
+        """Append records in order, as many as fit now (one copy per run that does not cross
+        the ring's end); the position after each record appended."""
+        free = self.free()
+        size, mask = self._size, self._mask
+        done = 0
+        ends: list[int] = []
+        while done < len(records):
+            at = self.tail & mask
+            room = min(free, size - at)          # up to the end of the ring, for this run
+            run = 0
+            end = done
+            while end < len(records):
+                n = len(records[end])
+                if n > self.max_record or n % ALIGN:
+                    raise ValueError(f"a record of {n} bytes does not fit this ring's rules")
+                if run + n > room:
+                    break
+                run += n
+                end += 1
+            if run:
+                self._data[at:at + run] = b"".join(records[done:end]) if end - done > 1 \
+                    else records[done]
+                position = self.tail
+                for i in range(done, end):
+                    position += len(records[i])
+                    ends.append(position)
+                self.tail += run
+                free -= run
+                done = end
+                continue
+            # The next record does not fit before the end: a filler, then on from the start.
+            wrap = size - at
+            if end == len(records) or wrap + len(records[end]) > free or at == 0:
+                break
+            self._data[at:at + RECORD_HEADER.size] = RECORD_HEADER.pack(wrap, PAD, 0)
+            self.tail += wrap
+            free -= wrap
+        return ends
+
     def publish(self) -> bool:
         """Make the appended records visible; True when there was anything to publish."""
         if self.tail == self.published:

@@ -114,6 +114,15 @@ class Header:
                              f"version {version})")
         return cls(capacity, buckets, key_width, per_extent, stride, extent_bytes)
 
+    @property
+    def geometry(self) -> tuple[int, int, int, int, int, int, int, int, int]:
+        """Where the regions are and how slots map to offsets, as kvd_proto.native takes it:
+        buckets offset, buckets, meta offset, capacity, keys offset, key width, per extent,
+        extent bytes, stride."""
+        return (self.buckets_offset, self.buckets, self.meta_offset, self.capacity,
+                self.keys_offset, self.key_width, self.per_extent, self.extent_bytes,
+                self.stride)
+
     def offset_of(self, slot: int) -> int:
         """The pool offset of a slot id."""
         extent, i = divmod(slot, self.per_extent)

@@ -260,10 +260,12 @@ class ResetResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
-    __slots__ = ("count",)
+    __slots__ = ("count", "evict")
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
     count: int
-    def __init__(self, count: _Optional[int] = ...) -> None: ...
+    evict: bool
+    def __init__(self, count: _Optional[int] = ..., evict: _Optional[bool] = ...) -> None: ...
 
 class GrantResponse(_message.Message):
     __slots__ = ("slot_offsets",)

@@ -36,7 +36,7 @@ PIN = 3               # loads the engine started from its own lookups
 COMPLETE_LOAD = 4
 TOUCH = 5
 REQUEST_FINISHED = 6
-GRANT = 7             # more free slots for future stores
+RESERVE = 7           # the slots this session wants held for its stores (flag 1: evict now)
 RESET = 8             # reset the namespace (answered by RESET_DONE with the same token)
 TAKE_EVENTS = 9
 COUNTERS = 10         # lookups, hits and misses answered locally since the last COUNTERS
@@ -44,12 +44,12 @@ RELEASE_HELD = 11     # an earlier session of this process has no copies in flig
 RETURN_SLOTS = 12     # granted slots the engine will not use (never written)
 UP_KINDS = {STORE: "store", COMPLETE_STORE: "complete_store", PIN: "pin",
             COMPLETE_LOAD: "complete_load", TOUCH: "touch",
-            REQUEST_FINISHED: "request_finished", GRANT: "grant", RESET: "reset",
+            REQUEST_FINISHED: "request_finished", RESERVE: "reserve", RESET: "reset",
             TAKE_EVENTS: "take_events", COUNTERS: "counters", RELEASE_HELD: "release_held",
             RETURN_SLOTS: "return_slots"}
 
 # --- down: daemon -> engine -------------------------------------------------------------------
-GRANTED = 1           # answers one GRANT, in order: the offsets granted (maybe fewer)
+GRANTED = 1           # slots granted to the reserve, whenever the daemon has them free
 RESET_DONE = 2        # answers RESET: token, the namespace's new epoch, blocks dropped
 EVENTS = 3            # answers TAKE_EVENTS: stored / removed events, and whether more wait
 REJECTED = 4          # an up record the daemon refused: its kind, a status name, a message
@@ -129,8 +129,11 @@ def encode_request_finished(req_id: str) -> bytes:
     return record(REQUEST_FINISHED, _str(req_id))
 
 
-def encode_grant(count: int) -> bytes:
-    return record(GRANT, _U32.pack(count))
+RESERVE_EVICT = 1
+
+
+def encode_reserve(target: int, evict: bool = False) -> bytes:
+    return record(RESERVE, _U32.pack(target) + _U32.pack(RESERVE_EVICT if evict else 0))
 
 
 def encode_reset(token: int) -> bytes:
@@ -307,8 +310,9 @@ class RequestFinished(NamedTuple):
     req_id: str
 
 
-class Grant(NamedTuple):
-    count: int
+class Reserve(NamedTuple):
+    target: int
+    evict: bool
 
 
 class Reset(NamedTuple):
@@ -333,7 +337,7 @@ class ReturnSlots(NamedTuple):
     offsets: list[int]
 
 
-UpRecord = (Store | CompleteStore | Pin | CompleteLoad | Touch | RequestFinished | Grant | Reset
+UpRecord = (Store | CompleteStore | Pin | CompleteLoad | Touch | RequestFinished | Reserve | Reset
             | TakeEvents | Counters | ReleaseHeld | ReturnSlots)
 
 
@@ -379,12 +383,15 @@ def decode_up(kind: int, payload: bytes) -> UpRecord:
         out = Touch(c.keys(), req_id)
     elif kind == REQUEST_FINISHED:
         out = RequestFinished(c.text("req_id"))
-    elif kind == GRANT:
-        count = c.u32("count")
-        if count > MAX_GRANTED_SLOTS:
-            raise RecordError(f"grant: count {count} is more than MAX_GRANTED_SLOTS "
+    elif kind == RESERVE:
+        target = c.u32("target")
+        if target > MAX_GRANTED_SLOTS:
+            raise RecordError(f"reserve: target {target} is more than MAX_GRANTED_SLOTS "
                               f"({MAX_GRANTED_SLOTS})")
-        out = Grant(count)
+        flags = c.u32("flags")
+        if flags & ~RESERVE_EVICT:
+            raise RecordError(f"reserve: unknown flags {flags:#x}")
+        out = Reserve(target, bool(flags & RESERVE_EVICT))
     elif kind == RESET:
         out = Reset(c.u64("token"))
     elif kind == TAKE_EVENTS:

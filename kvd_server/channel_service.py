@@ -55,6 +55,21 @@ class ChannelService:
         self.records[rec.UP_KINDS[kind]] += 1
         return answer
 
+    def refill(self, session: object) -> bytes | None:
+        """A GRANTED record topping the session's reserve up, when it is short and slots are
+        free (the hub asks after every turn that read the session's channel)."""
+        s = session
+        assert isinstance(s, Session)
+        fast = self.core.fastpath
+        if s.closed or not fast.owes(s):
+            return None
+        try:
+            offsets = fast.top_up(s)
+        except Exception:  # a bug must not end the daemon or the session
+            log.exception("topping up the reserve of session %s failed", s.id)
+            return None
+        return rec.encode_granted(offsets) if offsets else None
+
     def forget(self, session_id: str) -> None:
         self._carry.pop(session_id, None)
 
@@ -77,8 +92,9 @@ class ChannelService:
             core.touch(s, r.keys, r.req_id)
         elif isinstance(r, rec.RequestFinished):
             core.request_finished(s, r.req_id)
-        elif isinstance(r, rec.Grant):
-            return rec.encode_granted(fast.grant(s, r.count))
+        elif isinstance(r, rec.Reserve):
+            fast.set_reserve(s, r.target, r.evict)
+            return self.refill(s)
         elif isinstance(r, rec.Reset):
             answer = core.reset_namespace(s)
             return rec.encode_reset_done(r.token, answer.epoch, answer.dropped)

@@ -30,17 +30,21 @@ from kvd_proto.channel import ChannelHeader, ChannelView, RingError, fence
 
 log = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.0005     # while an engine keeps sending: how often its channel is read
-IDLE_AFTER_S = 0.05          # silent this long: wait for the engine's eventfd instead
+POLL_MIN_S = 0.001          # channels with records at the last turn are read again this soon
+POLL_MAX_S = 0.004          # ... and silent ones no later than this
+IDLE_AFTER_S = 0.05         # silent this long: wait for the engine's eventfd instead
 MAX_RECORDS_PER_TURN = 256   # per channel, before the loop serves anything else
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class RecordHandler(Protocol):
     """Applies one up record of a session; returns the answer record to write, if any.
-    Raises nothing: refusals are answered (REJECTED records)."""
+    Raises nothing: refusals are answered (REJECTED records). `refill` is asked after every
+    turn: a record the daemon sends unasked (its reserve topped up), if any."""
 
     def __call__(self, session: object, kind: int, payload: bytes) -> bytes | None: ...
+
+    def refill(self, session: object) -> bytes | None: ...
 
 
 class Channel:
@@ -109,6 +113,7 @@ class ChannelHub:
         self._active: set[Channel] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.Handle | None = None
+        self._interval = POLL_MIN_S
         self.broken_total = 0
 
     def __len__(self) -> int:
@@ -141,7 +146,7 @@ class ChannelHub:
         # Bounded: a hostile engine could keep appending while we read. What it sent last
         # that cannot be read is dropped.
         with contextlib.suppress(RingError):
-            self._read(channel, limit=channel.header.up_bytes // 8)
+            self._read(channel, limit=channel.header.up_bytes // 8, refill=False)
         loop = self._event_loop()
         if loop is not None:
             loop.remove_reader(channel.wake_fd)
@@ -169,27 +174,35 @@ class ChannelHub:
         channel.view.set_daemon_idle(False)
         channel.last_record = time.monotonic()
         self._active.add(channel)
+        self._interval = POLL_MIN_S
         self._schedule(0.0)
 
     def _schedule(self, delay: float) -> None:
         loop = self._event_loop()
-        if loop is None or self._timer is not None:
+        if loop is None:
             return
+        if self._timer is not None:
+            if delay or self._timer.cancelled():
+                return
+            self._timer.cancel()            # woken: read now, not at the next tick
         self._timer = loop.call_later(delay, self._turn) if delay else \
             loop.call_soon(self._turn)
 
     def _turn(self) -> None:
         self._timer = None
-        more = self.poll()
+        read, more = self.poll()
         if more:
             self._schedule(0.0)
-        elif self._active:
-            self._schedule(POLL_INTERVAL_S)
+            return
+        self._interval = POLL_MIN_S if read else min(POLL_MAX_S, 2 * self._interval)
+        if self._active:
+            self._schedule(self._interval)
 
-    def poll(self) -> bool:
+    def poll(self) -> tuple[int, bool]:
         """Read every awake channel (at most MAX_RECORDS_PER_TURN records each); put the
-        silent ones to sleep. True when a channel has records left over."""
+        silent ones to sleep. (Records read, whether a channel has some left over.)"""
         now = time.monotonic()
+        read = 0
         more = False
         for channel in list(self._active):
             try:
@@ -198,15 +211,17 @@ class ChannelHub:
                 self._broken(channel, str(exc))
                 continue
             if n:
+                read += n
                 channel.last_record = now
                 if n >= MAX_RECORDS_PER_TURN:
                     more = True
             elif now - channel.last_record > IDLE_AFTER_S and channel.go_idle():
                 self._active.discard(channel)
-        return more
+        return read, more
 
-    def _read(self, channel: Channel, limit: int) -> int:
-        """Apply up to `limit` records; how many were applied."""
+    def _read(self, channel: Channel, limit: int, refill: bool = True) -> int:
+        """Apply up to `limit` records, then (`refill`) top the session's reserve up; how
+        many records were applied."""
         reader, writer = channel.view.reader, channel.view.writer
         room = 2 * writer.max_record         # an answer, and the filler before it at worst
         n = 0
@@ -219,6 +234,10 @@ class ChannelHub:
                     break
                 answer = self._handle(channel.session, *item)
                 n += 1
+                if answer is not None:
+                    writer.write(answer)
+            if refill and writer.free() >= room:
+                answer = self._handle.refill(channel.session)
                 if answer is not None:
                     writer.write(answer)
         finally:

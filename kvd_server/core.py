@@ -506,7 +506,7 @@ class KvdCore:
             # Not an error, like a full pool: complete the stores in flight and offer again.
             return StoreAnswer(StoreDecision(True, [], [], []), epoch)
         grant = mgr.prepare_store(keys, self.request_key(s, req_id), positions or None,
-                                  self.fastpath.slack(ns))
+                                  ns.reserve_owed)
         if grant is None:
             return StoreAnswer(StoreDecision(True, [], [], []), epoch)
         offset = ns.slots.offset

@@ -89,6 +89,8 @@ class TenantBudget:
 class Limbo(Protocol):
     """Freed slots that may not be reused yet (kvd_server/shm_index.Reclamation)."""
 
+    in_limbo: int
+
     @property
     def active(self) -> bool: ...
 
@@ -174,6 +176,9 @@ class NamespaceSlots:
             self._used[slot // per] += 1
         self._in_use += n
         return out
+
+    def in_limbo(self) -> int:
+        return self.limbo.in_limbo if self.limbo is not None else 0
 
     def free(self, slot: int) -> None:
         """Give a slot back: at once, or after every engine reading the namespace's index

@@ -66,13 +66,6 @@ class FastPath:
         s.granted.clear()
         return slots
 
-    def slack(self, ns: Namespace) -> int:
-        """What the free count of `ns` does not show (see NamespaceManager.make_room): slots
-        waiting for readers count as free, slots owed to its sessions' reserves as taken. So
-        a namespace holds exactly its capacity minus the reserves, whenever limbo drains."""
-        limbo = ns.reclaim.in_limbo if ns.reclaim is not None else 0
-        return limbo - ns.reserve_owed
-
     # ------------------------------------------------------------------ the index
     def attach_index(self, s: Session) -> tuple[int, int]:
         """Make `s` a reader of its namespace's index: (index fd, the session's marks fd).
@@ -85,14 +78,16 @@ class FastPath:
         return ns.index.fd, marks.fd
 
     # ------------------------------------------------------------------ operations
-    def grant(self, s: Session, count: int) -> list[int]:
+    def grant(self, s: Session, count: int, evict: bool = False) -> list[int]:
         """Up to `count` more free slots for the session's future stores; their offsets.
 
-        The session's reserve target becomes what it holds plus `count`. When the namespace
-        has not that much room (free and soon-free slots less every session's owed reserve),
-        ready blocks are evicted for it now, as vLLM's prepare_store would evict at the store;
-        evicted slots come back once every reader has moved past them, so a grant may give
-        fewer than asked and the session asks again later."""
+        The session's reserve target becomes what it holds plus `count`; its next stores
+        evict for it (store_granted: at the point vLLM's prepare_store evicts, so the victims
+        are the same). With `evict` (the session declined a store for want of slots, so no
+        store would come to make room) and the namespace short of room (free and soon-free
+        slots less every session's owed reserve), ready blocks are evicted for it now.
+        Evicted slots come back once every reader has moved past them: a grant may give fewer
+        than asked, and the session asks again later."""
         ns = self._ns(s)
         before = (s.reserve_target, _owed(s))
         s.reserve_target = min(MAX_GRANTED_SLOTS, len(s.granted) + count)
@@ -102,8 +97,8 @@ class FastPath:
         count = max(0, min(count, MAX_GRANTED_SLOTS - len(s.granted)))
         if not count:
             return []
-        if ns.slots.free_count() < count:
-            ns.mgr.make_room(0, (), self.slack(ns))     # all or nothing: maybe none
+        if evict and ns.slots.free_count() < count:
+            ns.mgr.make_room(0, (), ns.reserve_owed)     # all or nothing: maybe none
         count = min(count, ns.slots.free_count())
         if not count:
             return []
@@ -114,9 +109,41 @@ class FastPath:
         offset = ns.slots.offset
         return [offset(slot) for slot in slots]
 
+    def set_reserve(self, s: Session, target: int, evict: bool = False) -> None:
+        """The session wants `target` slots held granted (the channel's RESERVE): `top_up`
+        hands them out as they come free. Its stores evict for them (store_granted, where
+        vLLM's prepare_store evicts); with `evict` (it declined a store for want of slots,
+        so no store would come) ready blocks are evicted for them now."""
+        ns = self._ns(s)
+        before = (s.reserve_target, _owed(s))
+        s.reserve_target = min(MAX_GRANTED_SLOTS, target)
+        self._account(ns, s, *before)
+        if evict and _owed(s) and not self.core.draining:
+            ns.mgr.make_room(0, (), ns.reserve_owed)     # all or nothing: maybe none
+
+    def top_up(self, s: Session) -> list[int]:
+        """Free slots up to the session's reserve target (none while draining): offsets."""
+        owed = _owed(s)
+        if not owed or self.core.draining or s.ns is None:
+            return []
+        ns = s.ns
+        count = min(owed, ns.slots.free_count())
+        if count <= 0:
+            return []
+        before = (s.reserve_target, owed)
+        slots = ns.slots.allocate(count)
+        s.granted.update(slots)
+        self._account(ns, s, *before)
+        offset = ns.slots.offset
+        return [offset(slot) for slot in slots]
+
+    def owes(self, s: Session) -> bool:
+        """Whether the session's reserve is below its target."""
+        return s.reserve_target > len(s.granted)
+
     def return_slots(self, s: Session, offsets: Sequence[int]) -> int:
-        """Granted slots the session will not use (it never wrote them): free again, and its
-        reserve target lowered by as many. How many were its own granted slots."""
+        """Granted slots the session will not use (it never wrote them): free again (its
+        target stays: a session lowers it first). How many were its own granted slots."""
         ns = self._ns(s)
         before = (s.reserve_target, _owed(s))
         returned = 0
@@ -127,7 +154,6 @@ class FastPath:
             s.granted.discard(slot)
             ns.slots.free(slot)
             returned += 1
-        s.reserve_target = max(len(s.granted), s.reserve_target - returned)
         self._account(ns, s, *before)
         return returned
 
@@ -153,12 +179,12 @@ class FastPath:
             bound.append((key, slot))
         if len(s.pending) + len(bound) > MAX_PENDING_STORES_PER_SESSION:
             return StoreGrantedAnswer(0, 0, len(bound) + refused, [], epoch)
-        slack = self.slack(ns)
+        owed = ns.reserve_owed            # before these slots leave the reserve
         before = (s.reserve_target, _owed(s))
         for _, slot in bound:
             s.granted.discard(slot)
         self._account(ns, s, *before)
-        result = mgr.offer(keys, bound, core.request_key(s, req_id), positions or None, slack)
+        result = mgr.offer(keys, bound, core.request_key(s, req_id), positions or None, owed)
         for key, slot in bound:
             s.pending[(epoch, key)] = slot            # duplicates too: they settle at completion
         return StoreGrantedAnswer(len(result.accepted), len(result.duplicates), refused,

@@ -379,7 +379,8 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         if req.count > MAX_GRANTED_SLOTS:
             raise InvalidArgument(f"count {req.count} is more than MAX_GRANTED_SLOTS "
                                   f"({MAX_GRANTED_SLOTS})")
-        return kvd_pb2.GrantResponse(slot_offsets=self._core.fastpath.grant(s, req.count))
+        return kvd_pb2.GrantResponse(slot_offsets=self._core.fastpath.grant(s, req.count,
+                                                                           req.evict))
 
     def _store_granted(self, s: Session, req: kvd_pb2.StoreGrantedRequest
                        ) -> kvd_pb2.StoreGrantedResponse:

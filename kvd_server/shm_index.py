@@ -24,7 +24,6 @@ import numpy as np
 from kvd_proto.index_layout import (
     FIRST_RECLAIM_EPOCH,
     MARKS_BYTES,
-    MAX_PROBE,
     RECLAIM_EPOCH_OFFSET,
     RESET_EPOCH_OFFSET,
     STATE_FREE,
@@ -32,11 +31,11 @@ from kvd_proto.index_layout import (
     STATE_STORING,
     Header,
     buckets_for,
-    key_hash,
     meta_generation,
     meta_key_len,
     meta_word,
 )
+from kvd_proto.native import IndexTable
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +68,15 @@ class ShmIndex:
             self.fd, self._map = self._shared_file(name, h.file_bytes)
         self._map[:len(h.pack())] = h.pack()
         view = memoryview(self._map)
-        self._buckets = view[h.buckets_offset:h.buckets_offset + 4 * h.buckets].cast("I")
         self._meta = view[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
-        self._keys = view[h.keys_offset:h.keys_offset + h.key_width * h.capacity]
         self._epochs = view[RESET_EPOCH_OFFSET:RECLAIM_EPOCH_OFFSET + 8].cast("Q")
         # The reclaim epoch starts at 1: a reader publishes the epoch it sees before its first
         # lookup, and a published 0 means "nothing read yet" (Reclamation.floor skips it), so
         # an epoch of 0 would leave a fresh namespace's first readers holding nothing.
         self.reclaim_epoch = FIRST_RECLAIM_EPOCH
-        self._mask = h.buckets - 1
         self._width = h.key_width
-        self._keys_base = h.keys_offset
-        self.overflows_total = 0
+        # find / insert / remove / key_of: compiled where built (kvd_proto/native.py)
+        self._table = IndexTable(self._map, *h.geometry)
 
     @staticmethod
     def _shared_file(name: str, size: int) -> tuple[int, mmap.mmap]:
@@ -121,21 +117,11 @@ class ShmIndex:
     def insert(self, slot: int, key: bytes) -> bool:
         """Publish `key` as being stored in `slot`; False when it cannot be indexed (too long,
         or no free bucket within MAX_PROBE): readers then never see it, which is safe."""
-        if not self.fits(key):
-            return False
-        home = key_hash(key) & self._mask
-        buckets = self._buckets
-        for probe in range(MAX_PROBE):
-            b = (home + probe) & self._mask
-            if buckets[b] == 0:
-                width = self.header.key_width
-                self._keys[slot * width:slot * width + len(key)] = key
-                generation = meta_generation(self._meta[slot]) + 1
-                self._meta[slot] = meta_word(STATE_STORING, len(key), generation)
-                buckets[b] = slot + 1
-                return True
-        self.overflows_total += 1
-        return False
+        return self._table.insert(slot, key)
+
+    @property
+    def overflows_total(self) -> int:
+        return self._table.overflows
 
     def set_ready(self, slot: int) -> None:
         word = self._meta[slot]
@@ -143,21 +129,8 @@ class ShmIndex:
             self._meta[slot] = meta_word(STATE_READY, meta_key_len(word), meta_generation(word))
 
     def remove(self, slot: int) -> None:
-        """Unpublish `slot` (meta first, then its bucket)."""
-        word = self._meta[slot]
-        if word & 3 == STATE_FREE:
-            return
-        home = self._home(slot, meta_key_len(word))
-        self._meta[slot] = meta_word(STATE_FREE, 0, meta_generation(word) + 1)
-        buckets = self._buckets
-        for probe in range(MAX_PROBE):
-            b = (home + probe) & self._mask
-            v = buckets[b]
-            if v == 0:
-                return
-            if v == slot + 1:
-                self._delete_bucket(b)
-                return
+        """Unpublish `slot` (meta first, then its bucket; backward-shift deletion)."""
+        self._table.remove(slot)
 
     def clear(self) -> None:
         """Unpublish every slot (a reset): meta words first, then the buckets."""
@@ -177,56 +150,15 @@ class ShmIndex:
     def find(self, key: bytes) -> int:
         """The slot `key` is published in (storing or ready), or -1: the daemon's own key ->
         slot lookup (the index is its only key store)."""
-        n = len(key)
-        if n > self._width:
-            return -1
-        mask, buckets, meta, data = self._mask, self._buckets, self._meta, self._map
-        width, base = self._width, self._keys_base
-        b = key_hash(key) & mask
-        for _ in range(MAX_PROBE):
-            v = buckets[b]
-            if v == 0:
-                return -1
-            off = base + (v - 1) * width
-            # Slicing the mmap itself (a bytes copy, compared with memcmp) is about twice as
-            # fast as slicing a memoryview of it.
-            if data[off:off + n] == key and (meta[v - 1] >> 2) & 0xFF == n:
-                return v - 1
-            b = (b + 1) & mask
-        return -1
+        return self._table.find(key)
 
     def key_of(self, slot: int) -> bytes:
         """The key published in `slot` (empty when none is)."""
-        word = self._meta[slot]
-        if word & 3 == STATE_FREE:
-            return b""
-        off = self._keys_base + slot * self._width
-        return self._map[off:off + ((word >> 2) & 0xFF)]
-
-    def _home(self, slot: int, key_len: int) -> int:
-        """The first bucket of the key stored in `slot` (recomputed: no per-slot array)."""
-        off = slot * self._width
-        return key_hash(self._keys[off:off + key_len]) & self._mask
-
-    def _delete_bucket(self, hole: int) -> None:
-        """Backward-shift deletion: later entries of the run move up, no tombstones."""
-        buckets, mask, meta = self._buckets, self._mask, self._meta
-        j = hole
-        while True:
-            j = (j + 1) & mask
-            v = buckets[j]
-            if v == 0:
-                break
-            home = self._home(v - 1, meta_key_len(meta[v - 1]))
-            # The entry at j may fill the hole unless its home lies cyclically in (hole, j].
-            if (hole < j and hole < home <= j) or (hole > j and (home > hole or home <= j)):
-                continue
-            buckets[hole] = v
-            hole = j
-        buckets[hole] = 0
+        return self._table.key_of(slot)
 
     def close(self) -> None:
-        for view in (self._buckets, self._meta, self._keys, self._epochs):
+        self._table.release()
+        for view in (self._meta, self._epochs):
             view.release()
         self._map.close()
         if self.fd >= 0:
@@ -274,6 +206,7 @@ class Reclamation:
 
     def retire(self, slot: int) -> None:
         self._pending.append(slot)
+        self.in_limbo += 1          # from now: whether sealed yet must not change what counts
 
     def seal(self) -> None:
         """Raise the reclaim epoch past the slots freed since the last seal."""
@@ -282,7 +215,6 @@ class Reclamation:
         epoch = self.index.reclaim_epoch + 1
         self.index.reclaim_epoch = epoch
         self._limbo.append((epoch, self._pending))
-        self.in_limbo += len(self._pending)
         self._pending = []
 
     def floor(self) -> int | None:

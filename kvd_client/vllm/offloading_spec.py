@@ -28,8 +28,9 @@ class KvdOffloadingSpec(OffloadingSpec):
     """Offload vLLM's KV cache to the node's kvd daemon.
 
     kv_connector_extra_config keys: `kvd_socket` (default: $KVD_SOCKET, else the daemon's
-    default path), `kvd_deadline_ms` (per background call, default 500), `kvd_reserve` (slots
-    granted in advance for stores, default 256), `kvd_key_bytes` (longest offload key, default
+    default path), `kvd_deadline_ms` (per background call, default 500), `kvd_reserve` (the
+    fewest slots held granted for stores; default 0: sized from the store rate, starting at
+    256, twice what vLLM's default step budget of 2048 tokens stores in 16-token chunks), `kvd_key_bytes` (longest offload key, default
     40: a 32-byte block hash and its group), the GPU data plane's `kvd_copy_backend`,
     `kvd_copy_blocks`, `kvd_pin_chunk_mib` (dataplane/options.py), plus vLLM's own
     (`block_size` / `blocks_per_chunk`, `offload_prompt_only`). All in docs/vllm.md.

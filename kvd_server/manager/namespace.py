@@ -242,12 +242,17 @@ class NamespaceManager:
             if slot < 0 or blocks[slot] == STORING:
                 raise NotReady(key, i)
             slots.append(slot)
+        self._load(keys, slots, req, positions)
+        return slots
+
+    def _load(self, keys: Sequence[bytes], slots: Sequence[int], req: Hashable | None,
+              positions: Sequence[int] | None) -> None:
+        """Pin readable blocks found in `slots`, and record the request's access to them."""
         state = self._request(req)
         self._set_positions(state, keys, positions)
         for slot in slots:
             self._pin(slot)
         self._record(keys, state, reused=keys, slot_of=dict(zip(keys, slots, strict=True)))
-        return slots
 
     def _pin(self, slot: int) -> None:
         blocks = self.table.state
@@ -363,17 +368,27 @@ class NamespaceManager:
                      slot_of=slot_of)
         return state, new
 
-    def make_room(self, n: int, protected: Sequence[bytes] = (),
-                  slack: int = 0) -> list[bytes] | None:
-        """Make room for `n` more blocks (another namespace's extents first, then this one's
-        policy); the evicted keys, or None when there is no room (nothing changed).
+    def _shortfall(self, n: int, owed: int, at_once: bool) -> int:
+        """Slots missing for `n` more blocks and `owed` slots of sessions' reserves.
 
-        `slack` corrects the free count for what it does not show: slots freed but waiting
-        for readers (+), slots owed to sessions' reserves (-), so that what is evicted does
-        not depend on when freed slots happen to come back."""
-        need = n - self.slots.free_count() - slack
+        Slots freed but waiting for readers (limbo) count as free unless the caller needs
+        the room `at_once` (it allocates now); either way free and limbo are read together
+        after one collection, so what is evicted does not depend on when freed slots happen
+        to come back (an engine in another process may publish its mark at any moment)."""
+        free = self.slots.free_count()          # collects first
+        limbo = self.slots.in_limbo()
+        if at_once:
+            return n - free + max(0, owed - limbo)
+        return n + owed - free - limbo
+
+    def make_room(self, n: int, protected: Sequence[bytes] = (), owed: int = 0, *,
+                  at_once: bool = False) -> list[bytes] | None:
+        """Make room for `n` more blocks and `owed` reserved slots (see `_shortfall`):
+        another namespace's extents first, then this one's policy; the evicted keys, or None
+        when there is no room (nothing changed)."""
+        need = self._shortfall(n, owed, at_once)
         if need > 0 and self.slots.reclaim(need):
-            need = n - self.slots.free_count() - slack   # extents taken from others
+            need = self._shortfall(n, owed, at_once)   # extents taken from others
         if need <= 0:
             return []
         if need > self._evictable:
@@ -396,13 +411,14 @@ class NamespaceManager:
         self.policy.insert(key, slot, state)
 
     def prepare_store(self, keys: Sequence[bytes], req: Hashable | None = None,
-                      positions: Sequence[int] | None = None, slack: int = 0
+                      positions: Sequence[int] | None = None, owed: int = 0
                       ) -> StoreGrant | None:
-        """Reserve slots for the offered keys that are new; None when there is no room."""
+        """Reserve slots for the offered keys that are new; None when there is no room.
+        `owed`: slots the namespace owes its sessions' reserves (kept free for them)."""
         state, new = self._classify_offer(keys, req, positions)
         if not new:
             return StoreGrant([], [], [])
-        evicted = self.make_room(len(new), keys, min(slack, 0))
+        evicted = self.make_room(len(new), keys, owed, at_once=True)
         if evicted is None:
             self.counters.store_rejections_total += 1
             return None
@@ -416,7 +432,7 @@ class NamespaceManager:
 
     def offer(self, keys: Sequence[bytes], granted: Sequence[tuple[bytes, int]],
               req: Hashable | None = None, positions: Sequence[int] | None = None,
-              slack: int = 0) -> OfferResult:
+              owed: int = 0) -> OfferResult:
         """A store an engine decided itself into slots it was granted (StoreGranted):
         prepare_store's bookkeeping of `keys`, the eviction prepare_store would have done
         (the session's next grants find that room), then each granted (key, slot) published
@@ -428,7 +444,7 @@ class NamespaceManager:
         duplicates = [(k, slot) for k, slot in granted if k not in fresh]
         # The granted slots are in use already (the session's reserve): what vLLM would free
         # for these stores is what the reserve needs back.
-        evicted = self.make_room(len(bound), keys, slack) or []
+        evicted = self.make_room(len(bound), keys, owed) or []
         for key, slot in bound:
             self._insert(key, slot, state)
         self._storing += len(bound)
@@ -509,17 +525,17 @@ class NamespaceManager:
                   positions: Sequence[int] | None = None) -> list[bytes]:
         """Loads an engine started from its own lookups: pin each key whose readable block
         still sits in the slot it read (prepare_load's bookkeeping for those); skip the rest."""
-        pinned: list[bytes] = []
-        kept_positions: list[int] = []
         find, blocks = self.table.find, self.table.state
-        for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-            if find(key) != slot or blocks[slot] == STORING:
-                continue
-            pinned.append(key)
-            if positions:
-                kept_positions.append(positions[i])
+        keep = [i for i, (key, slot) in enumerate(zip(keys, slots, strict=True))
+                if find(key) == slot and blocks[slot] != STORING]
+        if len(keep) == len(keys):
+            pinned, pinned_slots, kept = list(keys), list(slots), positions
+        else:
+            pinned = [keys[i] for i in keep]
+            pinned_slots = [slots[i] for i in keep]
+            kept = [positions[i] for i in keep] if positions else None
         if pinned:
-            self.prepare_load(pinned, req, kept_positions or None)
+            self._load(pinned, pinned_slots, req, kept or None)
         return pinned
 
     def resident_slots(self, slots: Iterable[int]) -> list[int]:

@@ -35,6 +35,9 @@ class FixedSlots:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
+    def in_limbo(self) -> int:
+        return 0                # no readers: freed slots are reusable at once
+
     def capacity(self) -> int:
         return self._capacity
 

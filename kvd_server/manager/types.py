@@ -76,6 +76,11 @@ class SlotSource(Protocol):
         """Hand out `n` slot ids; the caller checked `free_count() >= n` first."""
         ...
 
+    def in_limbo(self) -> int:
+        """Slots freed but not reusable yet (readers may still copy out of them): free once
+        every reader has moved past them. As of the last `free_count()`."""
+        ...
+
     def free(self, slot: int) -> None:
         """Give one slot id back."""
         ...

@@ -54,8 +54,9 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The environment for a child: this checkout importable, no stray KVD_* settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    """The environment for a child: this checkout importable, no stray KVD_* settings (but
+    KVD_NATIVE: which of the index loops a test run uses, compiled or Python)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") or k == "KVD_NATIVE"}
     env.pop("NOTIFY_SOCKET", None)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)

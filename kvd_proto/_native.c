@@ -1,0 +1,543 @@
+/* kvd_proto._native: the per-key loops of the shared index, compiled.
+ *
+ * The shared index (kvd_proto/index_layout.py) is read on the engine's scheduler thread once
+ * per looked-up chunk and written by the daemon once per stored or freed block. In Python
+ * each probe costs 1-2 us; here ~0.1 us. Everything in this file has a pure-Python twin
+ * (kvd_proto/native.py picks one; KVD_NATIVE=0 forces Python), and the tests run both.
+ *
+ * Types:
+ *   Lookups   the engine side: probes a read-only mapping of an index and answers the
+ *             scheduler's lookups (HIT / MISS here, anything else through a Python fallback).
+ *   IndexTable the daemon side: find / insert / remove (backward-shift deletion) / key_of on
+ *             its writable mapping, with the index's write order (key, meta, bucket).
+ *
+ * Memory order: the daemon publishes a slot's key before its meta word and its meta word
+ * before its bucket (release stores); a reader loads the bucket, the meta word, the key and
+ * the meta word again (acquire loads) and trusts the answer only if both words agree.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_PROBE 64
+#define STATE_FREE 0
+#define STATE_STORING 1
+#define STATE_READY 2
+
+/* ---------------------------------------------------------------- CRC-32 (zlib's) */
+
+static uint32_t crc_table[8][256];
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = crc_table[0][i];
+        for (int t = 1; t < 8; t++) {
+            c = crc_table[0][c & 0xFF] ^ (c >> 8);
+            crc_table[t][i] = c;
+        }
+    }
+}
+
+/* zlib.crc32(data) with its initial value 0 (slice-by-8, little-endian reads). */
+static uint32_t crc32_of(const unsigned char *p, Py_ssize_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    while (n >= 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, p, 4);
+        memcpy(&hi, p + 4, 4);
+        lo ^= c;
+        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^
+            crc_table[5][(lo >> 16) & 0xFF] ^ crc_table[4][lo >> 24] ^
+            crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
+            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+static PyObject *native_crc32(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    uint32_t c = crc32_of(b.buf, b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(c);
+}
+
+/* ---------------------------------------------------------------- index geometry */
+
+typedef struct {
+    Py_buffer buf;
+    int bound;
+    uint32_t *buckets;
+    uint64_t mask;
+    uint64_t *meta;
+    uint64_t capacity;
+    unsigned char *keys;
+    Py_ssize_t width;
+    uint64_t per_extent, extent_bytes, stride;
+} Geometry;
+
+/* Map the regions of an index inside `obj` (a buffer: the mmap). */
+static int geometry_bind(Geometry *g, PyObject *obj, int writable, unsigned long long buckets_off,
+                         unsigned long long buckets, unsigned long long meta_off,
+                         unsigned long long capacity, unsigned long long keys_off,
+                         unsigned long long width, unsigned long long per_extent,
+                         unsigned long long extent_bytes, unsigned long long stride) {
+    if (buckets == 0 || (buckets & (buckets - 1)) || width == 0 || width > 255 ||
+        per_extent == 0 || capacity == 0 || (buckets_off % 4) || (meta_off % 8)) {
+        PyErr_SetString(PyExc_ValueError, "index geometry is not a valid layout");
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, &g->buf, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
+    unsigned long long len = (unsigned long long)g->buf.len;
+    if (buckets_off + 4 * buckets > len || meta_off + 8 * capacity > len ||
+        keys_off + width * capacity > len || capacity > 0xFFFFFFFEull) {
+        PyBuffer_Release(&g->buf);
+        PyErr_SetString(PyExc_ValueError, "index regions run past the end of the mapping");
+        return -1;
+    }
+    char *base = g->buf.buf;
+    g->buckets = (uint32_t *)(base + buckets_off);
+    g->mask = buckets - 1;
+    g->meta = (uint64_t *)(base + meta_off);
+    g->capacity = capacity;
+    g->keys = (unsigned char *)(base + keys_off);
+    g->width = (Py_ssize_t)width;
+    g->per_extent = per_extent;
+    g->extent_bytes = extent_bytes;
+    g->stride = stride;
+    g->bound = 1;
+    return 0;
+}
+
+static void geometry_release(Geometry *g) {
+    if (g->bound) {
+        PyBuffer_Release(&g->buf);
+        g->bound = 0;
+    }
+}
+
+static inline uint64_t load_acquire64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline uint32_t load_acquire32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* The slot holding `key` (storing or ready), its meta word in *word; -1 if none. */
+static int64_t probe(const Geometry *g, const unsigned char *key, Py_ssize_t n, uint64_t *word) {
+    if (n <= 0 || n > g->width) return -1;
+    uint64_t b = crc32_of(key, n) & g->mask;
+    for (int i = 0; i < MAX_PROBE; i++) {
+        uint32_t v = load_acquire32(&g->buckets[b]);
+        if (v == 0) return -1;
+        uint64_t slot = (uint64_t)v - 1;
+        if (slot < g->capacity) {
+            uint64_t w = load_acquire64(&g->meta[slot]);
+            if ((w & 3) && (Py_ssize_t)((w >> 2) & 0xFF) == n &&
+                memcmp(g->keys + slot * g->width, key, (size_t)n) == 0) {
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                if (load_acquire64(&g->meta[slot]) == w) {
+                    *word = w;
+                    return (int64_t)slot;
+                }
+            }
+        }
+        b = (b + 1) & g->mask;
+    }
+    return -1;
+}
+
+static inline uint64_t offset_of(const Geometry *g, uint64_t slot) {
+    return slot / g->per_extent * g->extent_bytes + slot % g->per_extent * g->stride;
+}
+
+static int parse_geometry(PyObject *args, PyObject **obj, unsigned long long v[9]) {
+    return PyArg_ParseTuple(args, "OKKKKKKKKK", obj, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                            &v[6], &v[7], &v[8]);
+}
+
+/* ---------------------------------------------------------------- Lookups (engine) */
+
+typedef struct {
+    PyObject_HEAD
+    Geometry g;
+    PyObject *hits;      /* dict: key -> offset of this step's HITs */
+    PyObject *stores;    /* dict: key -> the engine's own stores in flight */
+    PyObject *miss, *hit;
+    PyObject *fallback;  /* callable(key): every other case */
+    int enabled;
+    unsigned long long lookups, hit_count, miss_count;
+} Lookups;
+
+static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
+    PyObject *hits, *stores, *miss, *hit, *fallback;
+    static char *names[] = {"hits", "stores", "miss", "hit", "fallback", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!OOO", names, &PyDict_Type, &hits,
+                                     &PyDict_Type, &stores, &miss, &hit, &fallback))
+        return -1;
+    if (!PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "fallback must be callable");
+        return -1;
+    }
+    Py_XSETREF(self->hits, Py_NewRef(hits));
+    Py_XSETREF(self->stores, Py_NewRef(stores));
+    Py_XSETREF(self->miss, Py_NewRef(miss));
+    Py_XSETREF(self->hit, Py_NewRef(hit));
+    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    return 0;
+}
+
+static void Lookups_dealloc(Lookups *self) {
+    geometry_release(&self->g);
+    Py_XDECREF(self->hits);
+    Py_XDECREF(self->stores);
+    Py_XDECREF(self->miss);
+    Py_XDECREF(self->hit);
+    Py_XDECREF(self->fallback);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Lookups_bind(Lookups *self, PyObject *args) {
+    PyObject *obj;
+    unsigned long long v[9];
+    if (!parse_geometry(args, &obj, v)) return NULL;
+    geometry_release(&self->g);
+    self->enabled = 0;
+    if (geometry_bind(&self->g, obj, 0, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lookups_unbind(Lookups *self, PyObject *unused) {
+    self->enabled = 0;
+    geometry_release(&self->g);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lookups_find(Lookups *self, PyObject *key) {
+    if (!PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "key must be bytes");
+        return NULL;
+    }
+    if (!self->g.bound) Py_RETURN_NONE;
+    uint64_t word;
+    int64_t slot = probe(&self->g, (unsigned char *)PyBytes_AS_STRING(key),
+                         PyBytes_GET_SIZE(key), &word);
+    if (slot < 0) Py_RETURN_NONE;
+    return Py_BuildValue("(iK)", (int)(word & 3),
+                         (unsigned long long)offset_of(&self->g, (uint64_t)slot));
+}
+
+/* lookup(key, context=None): HIT or MISS at once where the index alone decides; the
+ * fallback otherwise (not enabled, a store in flight, the engine's own store). */
+static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "lookup(key, context=None)");
+        return NULL;
+    }
+    PyObject *key = args[0];
+    if (!self->enabled || !self->g.bound || !PyBytes_CheckExact(key))
+        return PyObject_CallOneArg(self->fallback, key);
+    uint64_t word;
+    int64_t slot = probe(&self->g, (unsigned char *)PyBytes_AS_STRING(key),
+                         PyBytes_GET_SIZE(key), &word);
+    if (slot >= 0) {
+        if ((word & 3) != STATE_READY) return PyObject_CallOneArg(self->fallback, key);
+        PyObject *off = PyLong_FromUnsignedLongLong(offset_of(&self->g, (uint64_t)slot));
+        if (off == NULL) return NULL;
+        int rc = PyDict_SetItem(self->hits, key, off);
+        Py_DECREF(off);
+        if (rc < 0) return NULL;
+        self->lookups++;
+        self->hit_count++;
+        return Py_NewRef(self->hit);
+    }
+    int own = PyDict_Contains(self->stores, key);
+    if (own < 0) return NULL;
+    if (own) return PyObject_CallOneArg(self->fallback, key);
+    self->lookups++;
+    self->miss_count++;
+    return Py_NewRef(self->miss);
+}
+
+/* find_new(keys, use_index): the keys that are neither the engine's own stores nor (with
+ * use_index) in the index, in order. */
+static PyObject *Lookups_find_new(Lookups *self, PyObject *args) {
+    PyObject *keys;
+    int use_index;
+    if (!PyArg_ParseTuple(args, "Op", &keys, &use_index)) return NULL;
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(0);
+    if (out == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        int own = PyDict_Contains(self->stores, key);
+        if (own < 0) goto fail;
+        if (own) continue;
+        if (use_index && self->g.bound) {
+            if (!PyBytes_Check(key)) {
+                PyErr_SetString(PyExc_TypeError, "keys must be bytes");
+                goto fail;
+            }
+            uint64_t word;
+            if (probe(&self->g, (unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                      &word) >= 0)
+                continue;
+        }
+        if (PyList_Append(out, key) < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyMethodDef Lookups_methods[] = {
+    {"bind", (PyCFunction)Lookups_bind, METH_VARARGS,
+     "bind(mapping, buckets_offset, buckets, meta_offset, capacity, keys_offset, key_width, "
+     "per_extent, extent_bytes, stride): read this index from now on (disables lookups)"},
+    {"unbind", (PyCFunction)Lookups_unbind, METH_NOARGS, "forget the index (its mapping may close)"},
+    {"find", (PyCFunction)Lookups_find, METH_O, "find(key) -> (state, offset) or None"},
+    {"lookup", (PyCFunction)(void (*)(void))Lookups_lookup, METH_FASTCALL,
+     "lookup(key, context=None) -> the hit or miss answer, or the fallback's"},
+    {"find_new", (PyCFunction)Lookups_find_new, METH_VARARGS,
+     "find_new(keys, use_index) -> keys neither stored here nor (use_index) in the index"},
+    {NULL}};
+
+static PyMemberDef Lookups_members[] = {
+    {"enabled", T_INT, offsetof(Lookups, enabled), 0, "answer lookups here (else: fallback)"},
+    {"lookups", T_ULONGLONG, offsetof(Lookups, lookups), 0, "lookups answered"},
+    {"hits", T_ULONGLONG, offsetof(Lookups, hit_count), 0, "HITs answered"},
+    {"misses", T_ULONGLONG, offsetof(Lookups, miss_count), 0, "MISSes answered"},
+    {NULL}};
+
+static PyObject *Lookups_bound(Lookups *self, void *closure) {
+    return PyBool_FromLong(self->g.bound);
+}
+
+static PyGetSetDef Lookups_getset[] = {
+    {"bound", (getter)Lookups_bound, NULL, "whether an index is bound", NULL}, {NULL}};
+
+static PyTypeObject LookupsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvd_proto._native.Lookups",
+    .tp_basicsize = sizeof(Lookups),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "An engine's lookups in a shared index (see kvd_proto/native.py)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Lookups_init,
+    .tp_dealloc = (destructor)Lookups_dealloc,
+    .tp_methods = Lookups_methods,
+    .tp_members = Lookups_members,
+    .tp_getset = Lookups_getset,
+};
+
+/* ---------------------------------------------------------------- IndexTable (daemon) */
+
+typedef struct {
+    PyObject_HEAD
+    Geometry g;
+    unsigned long long overflows;
+} IndexTable;
+
+static int IndexTable_init(IndexTable *self, PyObject *args, PyObject *kw) {
+    PyObject *obj;
+    unsigned long long v[9];
+    if (kw != NULL && PyDict_GET_SIZE(kw)) {
+        PyErr_SetString(PyExc_TypeError, "IndexTable takes no keyword arguments");
+        return -1;
+    }
+    if (!parse_geometry(args, &obj, v)) return -1;
+    geometry_release(&self->g);
+    return geometry_bind(&self->g, obj, 1, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]);
+}
+
+static void IndexTable_dealloc(IndexTable *self) {
+    geometry_release(&self->g);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int check_bound(IndexTable *self) {
+    if (!self->g.bound) {
+        PyErr_SetString(PyExc_ValueError, "index released");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_slot(IndexTable *self, unsigned long long slot) {
+    if (check_bound(self) < 0) return -1;
+    if (slot >= self->g.capacity) {
+        PyErr_Format(PyExc_IndexError, "slot %llu outside the index (%llu slots)", slot,
+                     (unsigned long long)self->g.capacity);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *IndexTable_find(IndexTable *self, PyObject *key) {
+    if (check_bound(self) < 0) return NULL;
+    if (!PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "key must be bytes");
+        return NULL;
+    }
+    uint64_t word;
+    int64_t slot = probe(&self->g, (unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                         &word);
+    return PyLong_FromLongLong(slot);
+}
+
+static inline uint64_t meta_word(uint64_t state, uint64_t len, uint64_t gen) {
+    return state | (len << 2) | (gen << 10);
+}
+
+/* insert(slot, key) -> bool: publish key as being stored in slot (key, meta, bucket). */
+static PyObject *IndexTable_insert(IndexTable *self, PyObject *args) {
+    unsigned long long slot;
+    Py_buffer key;
+    if (!PyArg_ParseTuple(args, "Ky*", &slot, &key)) return NULL;
+    PyObject *result = NULL;
+    if (check_slot(self, slot) < 0) goto done;
+    Geometry *g = &self->g;
+    if (key.len <= 0 || key.len > g->width) {
+        result = Py_NewRef(Py_False);
+        goto done;
+    }
+    uint64_t home = crc32_of(key.buf, key.len) & g->mask;
+    for (int i = 0; i < MAX_PROBE; i++) {
+        uint64_t b = (home + i) & g->mask;
+        if (g->buckets[b] == 0) {
+            memcpy(g->keys + slot * g->width, key.buf, (size_t)key.len);
+            uint64_t gen = (g->meta[slot] >> 10) + 1;
+            __atomic_store_n(&g->meta[slot], meta_word(STATE_STORING, key.len, gen),
+                             __ATOMIC_RELEASE);
+            __atomic_store_n(&g->buckets[b], (uint32_t)(slot + 1), __ATOMIC_RELEASE);
+            result = Py_NewRef(Py_True);
+            goto done;
+        }
+    }
+    self->overflows++;
+    result = Py_NewRef(Py_False);
+done:
+    PyBuffer_Release(&key);
+    return result;
+}
+
+static inline uint64_t home_of(Geometry *g, uint64_t slot, uint64_t len) {
+    return crc32_of(g->keys + slot * g->width, (Py_ssize_t)len) & g->mask;
+}
+
+/* Backward-shift deletion of the bucket at `hole`: later entries of the run move up. */
+static void delete_bucket(Geometry *g, uint64_t hole) {
+    uint64_t j = hole;
+    for (uint64_t n = 0; n <= g->mask; n++) {
+        j = (j + 1) & g->mask;
+        uint32_t v = g->buckets[j];
+        if (v == 0) break;
+        uint64_t s = (uint64_t)v - 1;
+        uint64_t home = s < g->capacity ? home_of(g, s, (g->meta[s] >> 2) & 0xFF) : j;
+        /* The entry at j may fill the hole unless its home lies cyclically in (hole, j]. */
+        int stays = (hole < j) ? (hole < home && home <= j) : (home > hole || home <= j);
+        if (stays) continue;
+        __atomic_store_n(&g->buckets[hole], v, __ATOMIC_RELEASE);
+        hole = j;
+    }
+    __atomic_store_n(&g->buckets[hole], 0, __ATOMIC_RELEASE);
+}
+
+/* remove(slot): unpublish it (meta first: FREE, generation + 1; then its bucket). */
+static PyObject *IndexTable_remove(IndexTable *self, PyObject *arg) {
+    unsigned long long slot = PyLong_AsUnsignedLongLong(arg);
+    if (slot == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (check_slot(self, slot) < 0) return NULL;
+    Geometry *g = &self->g;
+    uint64_t w = g->meta[slot];
+    if ((w & 3) == STATE_FREE) Py_RETURN_NONE;
+    uint64_t len = (w >> 2) & 0xFF;
+    uint64_t home = home_of(g, slot, len);
+    __atomic_store_n(&g->meta[slot], meta_word(STATE_FREE, 0, (w >> 10) + 1), __ATOMIC_RELEASE);
+    for (int i = 0; i < MAX_PROBE; i++) {
+        uint64_t b = (home + i) & g->mask;
+        uint32_t v = g->buckets[b];
+        if (v == 0) break;
+        if (v == slot + 1) {
+            delete_bucket(g, b);
+            break;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *IndexTable_key_of(IndexTable *self, PyObject *arg) {
+    unsigned long long slot = PyLong_AsUnsignedLongLong(arg);
+    if (slot == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (check_slot(self, slot) < 0) return NULL;
+    uint64_t w = self->g.meta[slot];
+    if ((w & 3) == STATE_FREE) return PyBytes_FromStringAndSize("", 0);
+    return PyBytes_FromStringAndSize((char *)self->g.keys + slot * self->g.width,
+                                     (Py_ssize_t)((w >> 2) & 0xFF));
+}
+
+static PyObject *IndexTable_release(IndexTable *self, PyObject *unused) {
+    geometry_release(&self->g);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef IndexTable_methods[] = {
+    {"find", (PyCFunction)IndexTable_find, METH_O, "find(key) -> slot or -1"},
+    {"insert", (PyCFunction)IndexTable_insert, METH_VARARGS, "insert(slot, key) -> bool"},
+    {"remove", (PyCFunction)IndexTable_remove, METH_O, "remove(slot)"},
+    {"key_of", (PyCFunction)IndexTable_key_of, METH_O, "key_of(slot) -> bytes (empty if free)"},
+    {"release", (PyCFunction)IndexTable_release, METH_NOARGS, "let go of the mapping"},
+    {NULL}};
+
+static PyMemberDef IndexTable_members[] = {
+    {"overflows", T_ULONGLONG, offsetof(IndexTable, overflows), 0,
+     "keys that found no bucket within MAX_PROBE"},
+    {NULL}};
+
+static PyTypeObject IndexTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvd_proto._native.IndexTable",
+    .tp_basicsize = sizeof(IndexTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The daemon's writes of a shared index (see kvd_proto/native.py)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)IndexTable_init,
+    .tp_dealloc = (destructor)IndexTable_dealloc,
+    .tp_methods = IndexTable_methods,
+    .tp_members = IndexTable_members,
+};
+
+/* ---------------------------------------------------------------- module */
+
+static PyMethodDef module_methods[] = {
+    {"crc32", native_crc32, METH_O, "crc32(data) -> zlib.crc32(data)"}, {NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvd_proto._native",
+    "The shared index's per-key loops, compiled (pure-Python twins in kvd_proto/native.py).", -1,
+    module_methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    crc_init();
+    if (PyType_Ready(&LookupsType) < 0 || PyType_Ready(&IndexTableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Lookups", (PyObject *)&LookupsType) < 0 ||
+        PyModule_AddObjectRef(m, "IndexTable", (PyObject *)&IndexTableType) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_PROBE", MAX_PROBE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

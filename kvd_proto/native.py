@@ -1,0 +1,260 @@
+"""The shared index's per-key loops: compiled (kvd_proto/_native.c) where it was built, else
+their pure-Python twins here, with the same interface and results.
+
+`pip install` builds the extension when a C compiler and Python's headers are there; without
+them kvd installs and runs on the twins (slower per key, identical answers). `KVD_NATIVE=0`
+in the environment forces the twins (the tests run both). `NATIVE` says which is in use.
+
+- `Lookups`: the engine's lookups in a read-only mapping of an index: `lookup(key)` answers
+  HIT (recording the slot's offset in `hits`) or MISS where the index alone decides, and calls
+  `fallback(key)` otherwise (not `enabled`, a store in flight, the engine's own store);
+  `find(key)` and `find_new(keys, use_index)` probe without answering.
+- `IndexTable`: the daemon's find / insert / remove / key_of on its writable mapping.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvd_proto.index_layout import (
+    MAX_PROBE,
+    STATE_FREE,
+    STATE_READY,
+    STATE_STORING,
+    meta_generation,
+    meta_key_len,
+    meta_word,
+)
+
+Geometry = tuple[int, int, int, int, int, int, int, int, int]
+"""buckets offset, buckets, meta offset, capacity, keys offset, key width, per extent, extent
+bytes, stride (`Header.geometry`)."""
+
+
+def probe(buckets: Any, meta: Any, data: Any, keys_offset: int, width: int, mask: int,
+          key: bytes) -> tuple[int, int] | None:
+    """(slot, meta word) of the slot holding `key` (storing or ready), or None: the lock-free
+    read of docs/attach.md (bucket, meta word, key, meta word again)."""
+    n = len(key)
+    if not 0 < n <= width:
+        return None
+    b = zlib.crc32(key) & mask
+    for _ in range(MAX_PROBE):
+        v = buckets[b]
+        if not v:
+            return None
+        slot = v - 1
+        if slot < len(meta):
+            word = meta[slot]
+            if word & 3 and (word >> 2) & 0xFF == n:
+                start = keys_offset + slot * width
+                if data[start:start + n] == key and meta[slot] == word:
+                    return slot, word
+        b = (b + 1) & mask
+    return None
+
+
+class _Regions:
+    """Views of an index's regions inside its mapping."""
+
+    def __init__(self, mapping: Any, geometry: Geometry, writable: bool) -> None:
+        (buckets_offset, buckets, meta_offset, capacity, keys_offset, width, per_extent,
+         extent_bytes, stride) = geometry
+        if buckets < 1 or buckets & (buckets - 1) or not 0 < width <= 255 or not per_extent:
+            raise ValueError("index geometry is not a valid layout")
+        view = memoryview(mapping)
+        if writable and view.readonly:
+            view.release()
+            raise TypeError("the daemon's index mapping must be writable")
+        if max(buckets_offset + 4 * buckets, meta_offset + 8 * capacity,
+               keys_offset + width * capacity) > len(view):
+            view.release()
+            raise ValueError("index regions run past the end of the mapping")
+        self.data = mapping
+        self.buckets = view[buckets_offset:buckets_offset + 4 * buckets].cast("I")
+        self.meta = view[meta_offset:meta_offset + 8 * capacity].cast("Q")
+        self.keys = view[keys_offset:keys_offset + width * capacity]
+        view.release()
+        self.keys_offset = keys_offset
+        self.width = width
+        self.mask = buckets - 1
+        self.capacity = capacity
+        self.per_extent, self.extent_bytes, self.stride = per_extent, extent_bytes, stride
+
+    def find(self, key: bytes) -> tuple[int, int] | None:
+        return probe(self.buckets, self.meta, self.data, self.keys_offset, self.width,
+                     self.mask, key)
+
+    def offset(self, slot: int) -> int:
+        return slot // self.per_extent * self.extent_bytes + slot % self.per_extent * self.stride
+
+    def release(self) -> None:
+        for view in (self.buckets, self.meta, self.keys):
+            view.release()
+
+
+class PyLookups:
+    """The Python twin of `_native.Lookups` (see the module doc)."""
+
+    def __init__(self, hits: dict[bytes, int], stores: dict[bytes, Any], miss: Any, hit: Any,
+                 fallback: Callable[[bytes], Any]) -> None:
+        self._hits = hits
+        self._stores = stores
+        self._miss = miss
+        self._hit = hit
+        self._fallback = fallback
+        self._regions: _Regions | None = None
+        self.enabled = 0
+        self.lookups = self.hits = self.misses = 0
+
+    @property
+    def bound(self) -> bool:
+        return self._regions is not None
+
+    def bind(self, mapping: Any, *geometry: int) -> None:
+        self.unbind()
+        self._regions = _Regions(mapping, geometry, writable=False)  # type: ignore[arg-type]
+
+    def unbind(self) -> None:
+        self.enabled = 0
+        if self._regions is not None:
+            self._regions.release()
+            self._regions = None
+
+    def find(self, key: bytes) -> tuple[int, int] | None:
+        regions = self._regions
+        if regions is None:
+            return None
+        found = regions.find(key)
+        return None if found is None else (found[1] & 3, regions.offset(found[0]))
+
+    def lookup(self, key: bytes, _context: object = None) -> Any:
+        regions = self._regions
+        if not self.enabled or regions is None or type(key) is not bytes:
+            return self._fallback(key)
+        found = regions.find(key)
+        if found is not None:
+            if found[1] & 3 != STATE_READY:
+                return self._fallback(key)
+            self._hits[key] = regions.offset(found[0])
+            self.lookups += 1
+            self.hits += 1
+            return self._hit
+        if key in self._stores:
+            return self._fallback(key)
+        self.lookups += 1
+        self.misses += 1
+        return self._miss
+
+    def find_new(self, keys: Sequence[bytes], use_index: bool) -> list[bytes]:
+        stores, regions = self._stores, self._regions
+        find = regions.find if use_index and regions is not None else None
+        return [k for k in keys if k not in stores and (find is None or find(k) is None)]
+
+
+class PyIndexTable:
+    """The Python twin of `_native.IndexTable`: the daemon's writes, in the index's order
+    (a slot's key, then its meta word, then its bucket; to free: meta, then bucket)."""
+
+    def __init__(self, mapping: Any, *geometry: int) -> None:
+        self._r = _Regions(mapping, geometry, writable=True)  # type: ignore[arg-type]
+        self.overflows = 0
+
+    def find(self, key: bytes) -> int:
+        found = self._r.find(key)
+        return -1 if found is None else found[0]
+
+    def insert(self, slot: int, key: bytes) -> bool:
+        r = self._r
+        if not 0 <= slot < r.capacity:
+            raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
+        if not 0 < len(key) <= r.width:
+            return False
+        home = zlib.crc32(key) & r.mask
+        buckets = r.buckets
+        for probe_ in range(MAX_PROBE):
+            b = (home + probe_) & r.mask
+            if buckets[b] == 0:
+                r.keys[slot * r.width:slot * r.width + len(key)] = key
+                r.meta[slot] = meta_word(STATE_STORING, len(key),
+                                         meta_generation(r.meta[slot]) + 1)
+                buckets[b] = slot + 1
+                return True
+        self.overflows += 1
+        return False
+
+    def _home(self, slot: int, key_len: int) -> int:
+        r = self._r
+        off = slot * r.width
+        return zlib.crc32(r.keys[off:off + key_len]) & r.mask
+
+    def remove(self, slot: int) -> None:
+        r = self._r
+        if not 0 <= slot < r.capacity:
+            raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
+        word = r.meta[slot]
+        if word & 3 == STATE_FREE:
+            return
+        home = self._home(slot, meta_key_len(word))
+        r.meta[slot] = meta_word(STATE_FREE, 0, meta_generation(word) + 1)
+        buckets = r.buckets
+        for probe_ in range(MAX_PROBE):
+            b = (home + probe_) & r.mask
+            v = buckets[b]
+            if v == 0:
+                return
+            if v == slot + 1:
+                self._delete_bucket(b)
+                return
+
+    def _delete_bucket(self, hole: int) -> None:
+        """Backward-shift deletion: later entries of the run move up, no tombstones."""
+        r = self._r
+        buckets, mask, meta = r.buckets, r.mask, r.meta
+        j = hole
+        for _ in range(mask + 1):
+            j = (j + 1) & mask
+            v = buckets[j]
+            if v == 0:
+                break
+            home = self._home(v - 1, meta_key_len(meta[v - 1]))
+            # The entry at j may fill the hole unless its home lies cyclically in (hole, j].
+            if (hole < j and hole < home <= j) or (hole > j and (home > hole or home <= j)):
+                continue
+            buckets[hole] = v
+            hole = j
+        buckets[hole] = 0
+
+    def key_of(self, slot: int) -> bytes:
+        r = self._r
+        if not 0 <= slot < r.capacity:
+            raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
+        word = r.meta[slot]
+        if word & 3 == STATE_FREE:
+            return b""
+        off = slot * r.width
+        return bytes(r.keys[off:off + meta_key_len(word)])
+
+    def release(self) -> None:
+        self._r.release()
+
+
+def _load() -> Any:
+    if os.environ.get("KVD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from kvd_proto import _native
+    except ImportError:
+        return None
+    return _native
+
+
+_native = _load()
+NATIVE = _native is not None
+Lookups: Any = _native.Lookups if _native is not None else PyLookups
+IndexTable: Any = _native.IndexTable if _native is not None else PyIndexTable
+crc32: Callable[[bytes], int] = _native.crc32 if _native is not None else zlib.crc32
+STATES = (STATE_FREE, STATE_STORING, STATE_READY)
