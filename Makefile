@@ -20,11 +20,15 @@ $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-$(VENV)/.stamp-run: pyproject.toml | $(BIN)/activate
+# setup.py and the C source: an editable install builds kvd_proto._native in place, so a
+# changed source must be rebuilt (a stale build would run old code).
+NATIVE := setup.py kvd_proto/_native.c
+
+$(VENV)/.stamp-run: pyproject.toml $(NATIVE) | $(BIN)/activate
 	$(PIP) install -e .
 	@touch $@
 
-$(VENV)/.stamp-test: pyproject.toml | $(BIN)/activate
+$(VENV)/.stamp-test: pyproject.toml $(NATIVE) | $(BIN)/activate
 	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[test]'
 	@touch $@
@@ -75,4 +79,4 @@ fmt: $(VENV)/.stamp-test
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache kvd_proto/_native*.so

@@ -6,6 +6,7 @@ path."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def wheel(checkout: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
                           capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     (path,) = out.glob("*.whl")
-    assert path.name == f"kvd_offload-{VERSION}-py3-none-any.whl"
+    # A platform wheel: it carries kvd_proto._native, built for this Python.
+    assert re.fullmatch(rf"kvd_offload-{VERSION}-cp3\d+-cp3\d+-linux_\w+\.whl", path.name), path
     return path
 
 
@@ -65,6 +67,7 @@ def test_the_wheel_holds_the_three_packages_the_command_and_the_data(wheel: Path
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {
         "kvd_server", "kvd_client", "kvd_proto", f"kvd_offload-{VERSION}.dist-info"}
+    assert any(re.fullmatch(r"kvd_proto/_native\..*\.so", name) for name in names), names
     for data in ("kvd_server/default_config.toml", "kvd_proto/kvd.proto",
                  "kvd_proto/kvd_pb2.pyi", f"kvd_offload-{VERSION}.dist-info/licenses/LICENSE"):
         assert data in names, data
