@@ -1,9 +1,10 @@
 """An engine's messages to the daemon as channel records within every bound.
 
 One call of the session may name more keys than one record may carry (MAX_KEYS_PER_CALL, and
-a quarter of the up ring in bytes): each function here returns the records that carry it, in
-order. A key named twice in one call goes once (the daemon refuses a record that repeats a
-key, and would drop its other keys with it).
+a quarter of the up ring in bytes: `per_record` keys, from the namespace's key width): each
+function here returns the records that carry it, in order. A key named twice in one call goes
+once (the daemon refuses a record that repeats a key, and would drop its other keys with it).
+The common call (one record's worth of distinct keys) is encoded at once, without copies.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ from kvd_proto.wire import MAX_KEYS_PER_CALL
 PER_KEY_OVERHEAD = 32        # a key's length byte, position, index and offset, at most
 
 
-def _chunk(keys: Sequence[bytes], max_record: int) -> int:
-    longest = max(map(len, keys)) if keys else 1
-    return max(1, min(MAX_KEYS_PER_CALL, (max_record - 1024) // (longest + PER_KEY_OVERHEAD)))
+def per_record(max_record: int, key_width: int) -> int:
+    """How many keys of at most `key_width` bytes one record of `max_record` bytes carries."""
+    return max(1, min(MAX_KEYS_PER_CALL, (max_record - 1024) // (key_width + PER_KEY_OVERHEAD)))
+
+
+def _distinct(keys: Sequence[bytes]) -> bool:
+    return len(set(keys)) == len(keys)
 
 
 def _unique(keys: Sequence[bytes], *columns: Sequence[int] | None
             ) -> tuple[list[bytes], list[list[int] | None]]:
     """`keys` without repeats (first kept), with the matching entries of each column."""
-    keys = list(keys)
-    if len(set(keys)) == len(keys):
-        return keys, [None if c is None else list(c) for c in columns]
     first: dict[bytes, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
@@ -35,55 +37,63 @@ def _unique(keys: Sequence[bytes], *columns: Sequence[int] | None
                                      for c in columns]
 
 
+def _ranges(n: int, step: int) -> range:
+    return range(0, max(1, n), step)
+
+
 def store(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
-          granted: Sequence[tuple[bytes, int]], max_record: int) -> list[bytes]:
-    """StoreGranted: what the engine offered and which granted slot holds which new key."""
-    keys, (positions,) = _unique(keys, positions or None)
-    where = {key: i for i, key in enumerate(keys)}
-    slots = {key: offset for key, offset in granted}
-    step = _chunk(keys, max_record)
+          new: Sequence[bytes], slots: Sequence[int], limit: int) -> list[bytes]:
+    """StoreGranted: what the engine offered (`keys`) and the granted slot of each new key
+    (`new[i]` into `slots[i]`; `new` in the order of `keys`)."""
+    if len(keys) <= limit and _distinct(keys):
+        if len(new) == len(keys):
+            index: Sequence[int] = range(len(keys))
+        else:
+            fresh = set(new)
+            index = [i for i, key in enumerate(keys) if key in fresh]
+        return [rec.encode_store(keys, req_id, positions, index, slots)]
+    keys, (positions,) = _unique(keys, positions)
+    slot_of = dict(zip(new, slots, strict=True))
     out = []
-    for start in range(0, max(1, len(keys)), step):
-        part = keys[start:start + step]
-        mine = [(i - start, slots[k]) for k in part if k in slots
-                for i in (where[k],)]
+    for start in _ranges(len(keys), limit):
+        part = keys[start:start + limit]
+        mine = [i for i, k in enumerate(part) if k in slot_of]
         out.append(rec.encode_store(part, req_id,
-                                    positions[start:start + step] if positions else None,
-                                    mine))
+                                    positions[start:start + limit] if positions else None,
+                                    mine, [slot_of[part[i]] for i in mine]))
     return out
 
 
 def pin(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
-        offsets: Sequence[int], max_record: int) -> list[bytes]:
-    keys, (positions, offsets_) = _unique(keys, positions or None, offsets)
+        offsets: Sequence[int], limit: int) -> list[bytes]:
+    if len(keys) <= limit and _distinct(keys):
+        return [rec.encode_pin(keys, req_id, positions, offsets)]
+    keys, (positions, offsets_) = _unique(keys, positions, offsets)
     assert offsets_ is not None
-    step = _chunk(keys, max_record)
-    return [rec.encode_pin(keys[i:i + step], req_id,
-                           positions[i:i + step] if positions else None, offsets_[i:i + step])
-            for i in range(0, max(1, len(keys)), step)]
+    return [rec.encode_pin(keys[i:i + limit], req_id,
+                           positions[i:i + limit] if positions else None, offsets_[i:i + limit])
+            for i in _ranges(len(keys), limit)]
+
+
+def _split(keys: Sequence[bytes], limit: int) -> list[Sequence[bytes]]:
+    if len(keys) <= limit and _distinct(keys):
+        return [keys]
+    keys, _ = _unique(keys)
+    return [keys[i:i + limit] for i in _ranges(len(keys), limit)]
 
 
 def complete_store(keys: Sequence[bytes], success: bool, req_id: str, epoch: int,
-                   max_record: int) -> list[bytes]:
-    keys, _ = _unique(keys)
-    step = _chunk(keys, max_record)
-    return [rec.encode_complete_store(keys[i:i + step], success, req_id, epoch)
-            for i in range(0, max(1, len(keys)), step)]
+                   limit: int) -> list[bytes]:
+    return [rec.encode_complete_store(part, success, req_id, epoch)
+            for part in _split(keys, limit)]
 
 
-def complete_load(keys: Sequence[bytes], req_id: str, epoch: int,
-                  max_record: int) -> list[bytes]:
-    keys, _ = _unique(keys)
-    step = _chunk(keys, max_record)
-    return [rec.encode_complete_load(keys[i:i + step], req_id, epoch)
-            for i in range(0, max(1, len(keys)), step)]
+def complete_load(keys: Sequence[bytes], req_id: str, epoch: int, limit: int) -> list[bytes]:
+    return [rec.encode_complete_load(part, req_id, epoch) for part in _split(keys, limit)]
 
 
-def touch(keys: Sequence[bytes], req_id: str, max_record: int) -> list[bytes]:
-    keys, _ = _unique(keys)
-    step = _chunk(keys, max_record)
-    return [rec.encode_touch(keys[i:i + step], req_id)
-            for i in range(0, max(1, len(keys)), step)]
+def touch(keys: Sequence[bytes], req_id: str, limit: int) -> list[bytes]:
+    return [rec.encode_touch(part, req_id) for part in _split(keys, limit)]
 
 
 def return_slots(offsets: Sequence[int]) -> list[bytes]:

@@ -117,7 +117,7 @@ class OffloadSession:
         self._index: IndexReader | None = None
         self._marks: Marks | None = None
         self._channel: SessionChannel | None = None
-        self._max_record = 0
+        self._per_record = 1          # keys one record carries (this session's key width)
         self._reset_epoch = 0
         self._pool_id = ""
         # step state (scheduler thread)
@@ -248,7 +248,8 @@ class OffloadSession:
             self._handoff = None
         self._index, self._marks, self._channel = handoff.index, handoff.marks, handoff.channel
         self._lookups.bind(handoff.index.mapping, *handoff.index.header.geometry)
-        self._max_record = handoff.channel.writer.max_record
+        self._per_record = messages.per_record(handoff.channel.writer.max_record,
+                                               handoff.index.header.key_width)
         self._reserve.size_for(handoff.index.header.capacity)
         self._reserve.slots.extend(handoff.offsets)
         self._pool_id = self.client.pool_id or ""
@@ -348,20 +349,24 @@ class OffloadSession:
         that was not). The slots stay readable until `unpin`."""
         if not self._in_step:
             self._begin()
-        offsets: list[int | None] = list(map(self._hits.get, keys))
-        if None in offsets:
+        if not keys:
+            return []
+        found = self._lookups.offsets_of(keys)
+        if found is not None:                    # the common case: every key was a HIT
+            offsets: list[int | None] = found
+            loaded, loaded_offsets = keys, found
+        else:
+            offsets = list(map(self._hits.get, keys))
             loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
             loaded_offsets = [o for o in offsets if o is not None]
-        else:
-            loaded, loaded_offsets = list(keys), offsets
-        if not loaded:
-            return offsets
-        self._loads.pin(loaded, (self._step_epoch, self._reset_epoch, req_id))
-        pos = list(positions) if positions and len(positions) == len(keys) else None
+            if not loaded:
+                return offsets
+        self._loads.pin(loaded, (self._step_epoch, self._reset_epoch, req_id))  # type: ignore
+        pos = positions if positions and len(positions) == len(keys) else None
         if pos and len(loaded) != len(keys):
             pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
         self._put(messages.pin(loaded, req_id, pos, loaded_offsets,  # type: ignore[arg-type]
-                               self._max_record))
+                               self._per_record))
         return offsets
 
     def unpin(self, keys: Sequence[bytes], req_id: str = "") -> None:
@@ -372,7 +377,7 @@ class OffloadSession:
         if not self._loads.holding:
             self._publish_idle()
         for reset, group in by_reset.items():
-            self._put(messages.complete_load(group, req_id, reset, self._max_record))
+            self._put(messages.complete_load(group, req_id, reset, self._per_record))
 
     # ----------------------------------------------------------------- stores
     def reserve(self, keys: Sequence[bytes], req_id: str = "",
@@ -401,8 +406,8 @@ class OffloadSession:
         else:
             for key, offset in granted[:max(0, room)]:
                 stores[key] = (offset, shared)
-        pos = list(positions) if positions and len(positions) == len(keys) else None
-        self._put(messages.store(keys, req_id, pos, granted, self._max_record))
+        pos = positions if positions and len(positions) == len(keys) else None
+        self._put(messages.store(keys, req_id, pos, new, slots, self._per_record))
         return granted
 
     def complete_store(self, keys: Sequence[bytes], req_id: str = "",
@@ -427,12 +432,12 @@ class OffloadSession:
                 continue
             by_reset.setdefault(shared.reset_epoch, []).append(key)
         for reset, group in by_reset.items():
-            self._put(messages.complete_store(group, success, req_id, reset, self._max_record))
+            self._put(messages.complete_store(group, success, req_id, reset, self._per_record))
 
     # ---------------------------------------------------------- request scope
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         if keys:
-            self._put(messages.touch(keys, req_id, self._max_record))
+            self._put(messages.touch(keys, req_id, self._per_record))
 
     def request_finished(self, req_id: str) -> None:
         self._put([rec.encode_request_finished(req_id)])
@@ -457,7 +462,7 @@ class OffloadSession:
         """Every copy that was in flight at the last reset has finished: release their slots
         at the daemon (it kept them, as zombies, until now)."""
         for reset, keys in self._stale_stores.items():
-            self._put(messages.complete_store(keys, False, "", reset, self._max_record))
+            self._put(messages.complete_store(keys, False, "", reset, self._per_record))
         for reset, keys in self._loads.reset_flushed().items():
             for key in keys:          # one per load: a key may have several in flight
                 self._put([rec.encode_complete_load([key], "", reset)])
@@ -578,7 +583,7 @@ class OffloadSession:
                 shared.reset_epoch = epoch
         deferred, self._deferred = self._deferred, []
         for key, req_id, success in deferred:
-            self._put(messages.complete_store([key], success, req_id, epoch, self._max_record))
+            self._put(messages.complete_store([key], success, req_id, epoch, self._per_record))
 
     def _forget_settled_stores(self) -> None:
         """Completed stores the daemon has read are answered by the index from now on (in

@@ -303,7 +303,34 @@ fail:
     return NULL;
 }
 
+/* offsets_of(keys) -> [offset, ...] from this step's hits, or None if a key is not one. */
+static PyObject *Lookups_offsets_of(Lookups *self, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *offset = PyDict_GetItemWithError(self->hits, items[i]);
+        if (offset == NULL) {
+            Py_DECREF(out);
+            Py_DECREF(seq);
+            if (PyErr_Occurred()) return NULL;
+            Py_RETURN_NONE;
+        }
+        PyList_SET_ITEM(out, i, Py_NewRef(offset));
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef Lookups_methods[] = {
+    {"offsets_of", (PyCFunction)Lookups_offsets_of, METH_O,
+     "offsets_of(keys) -> the offsets this step's HITs found, or None if a key was no HIT"},
     {"bind", (PyCFunction)Lookups_bind, METH_VARARGS,
      "bind(mapping, buckets_offset, buckets, meta_offset, capacity, keys_offset, key_width, "
      "per_extent, extent_bytes, stride): read this index from now on (disables lookups)"},
@@ -518,10 +545,66 @@ static PyTypeObject IndexTableType = {
     .tp_members = IndexTable_members,
 };
 
+/* ---------------------------------------------------------------- records */
+
+/* keys_block(keys) -> bytes: a record's keys field (kvd_proto/records.py): u32 count, u16 width
+ * (0 when the keys' lengths differ), u16 0; then the keys back to back, after one u8 length
+ * per key when the width is 0. */
+static PyObject *native_keys_block(PyObject *self, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = NULL;
+    if (n > 0xFFFFFFFF) {
+        PyErr_SetString(PyExc_ValueError, "too many keys for one record");
+        goto done;
+    }
+    Py_ssize_t total = 0, width = -1;
+    int fixed = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_Check(items[i])) {
+            PyErr_SetString(PyExc_TypeError, "keys must be bytes");
+            goto done;
+        }
+        Py_ssize_t len = PyBytes_GET_SIZE(items[i]);
+        if (len > 255) {
+            PyErr_SetString(PyExc_ValueError, "a key is longer than 255 bytes");
+            goto done;
+        }
+        if (width < 0) width = len;
+        else if (len != width) fixed = 0;
+        total += len;
+    }
+    if (n == 0 || width == 0) fixed = fixed && n == 0;
+    Py_ssize_t size = 8 + (fixed ? 0 : n) + total;
+    out = PyBytes_FromStringAndSize(NULL, size);
+    if (out == NULL) goto done;
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    uint32_t count = (uint32_t)n;
+    uint16_t w = fixed && n ? (uint16_t)width : 0, zero = 0;
+    memcpy(p, &count, 4);
+    memcpy(p + 4, &w, 2);
+    memcpy(p + 6, &zero, 2);
+    p += 8;
+    if (!fixed)
+        for (Py_ssize_t i = 0; i < n; i++) *p++ = (unsigned char)PyBytes_GET_SIZE(items[i]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len = PyBytes_GET_SIZE(items[i]);
+        memcpy(p, PyBytes_AS_STRING(items[i]), (size_t)len);
+        p += len;
+    }
+done:
+    Py_DECREF(seq);
+    return out;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
-    {"crc32", native_crc32, METH_O, "crc32(data) -> zlib.crc32(data)"}, {NULL}};
+    {"crc32", native_crc32, METH_O, "crc32(data) -> zlib.crc32(data)"},
+    {"keys_block", native_keys_block, METH_O, "keys_block(keys) -> a record's keys field"},
+    {NULL}};
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvd_proto._native",

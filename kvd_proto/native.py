@@ -15,6 +15,7 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
 from __future__ import annotations
 
 import os
+import struct
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,6 +150,10 @@ class PyLookups:
         self.misses += 1
         return self._miss
 
+    def offsets_of(self, keys: Sequence[bytes]) -> list[int] | None:
+        offsets = list(map(self._hits.get, keys))
+        return None if None in offsets else offsets  # type: ignore[return-value]
+
     def find_new(self, keys: Sequence[bytes], use_index: bool) -> list[bytes]:
         stores, regions = self._stores, self._regions
         find = regions.find if use_index and regions is not None else None
@@ -242,6 +247,18 @@ class PyIndexTable:
         self._r.release()
 
 
+def py_keys_block(keys: Sequence[bytes]) -> bytes:
+    """The Python twin of `_native.keys_block`: a record's keys field (kvd_proto/records)."""
+    n = len(keys)
+    if not n:
+        return struct.pack("<IHH", 0, 0, 0)
+    width = len(keys[0])
+    joined = b"".join(keys)
+    if width and len(joined) == n * width and max(map(len, keys)) == width:
+        return struct.pack("<IHH", n, width, 0) + joined
+    return struct.pack("<IHH", n, 0, 0) + bytes(map(len, keys)) + joined
+
+
 def _load() -> Any:
     if os.environ.get("KVD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
@@ -257,4 +274,6 @@ NATIVE = _native is not None
 Lookups: Any = _native.Lookups if _native is not None else PyLookups
 IndexTable: Any = _native.IndexTable if _native is not None else PyIndexTable
 crc32: Callable[[bytes], int] = _native.crc32 if _native is not None else zlib.crc32
+keys_block: Callable[[Sequence[bytes]], bytes] = \
+    _native.keys_block if _native is not None else py_keys_block
 STATES = (STATE_FREE, STATE_STORING, STATE_READY)

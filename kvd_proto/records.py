@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvd_proto.channel import record
+from kvd_proto.native import keys_block
 from kvd_proto.wire import (
     MAX_EVENTS,
     MAX_GRANTED_SLOTS,
@@ -79,15 +80,7 @@ def _str(value: str) -> bytes:
     return _U16.pack(len(data)) + data
 
 
-def _keys(keys: Sequence[bytes]) -> bytes:
-    n = len(keys)
-    if not n:
-        return _KEYS.pack(0, 0, 0)
-    width = len(keys[0])
-    joined = b"".join(keys)
-    if len(joined) == n * width and max(map(len, keys)) == width:
-        return _KEYS.pack(n, width, 0) + joined
-    return _KEYS.pack(n, 0, 0) + bytes(map(len, keys)) + joined
+_keys = keys_block       # compiled where built (kvd_proto/native.py)
 
 
 def _i64s(values: Sequence[int] | None) -> bytes:
@@ -97,12 +90,12 @@ def _i64s(values: Sequence[int] | None) -> bytes:
 
 
 def encode_store(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
-                 granted: Sequence[tuple[int, int]]) -> bytes:
-    """`granted`: (index into `keys`, slot offset) of each key stored into a granted slot."""
-    index = array("I", [i for i, _ in granted])
-    offsets = array("Q", [o for _, o in granted])
+                 index: Sequence[int], offsets: Sequence[int]) -> bytes:
+    """`index[i]`: the position in `keys` of a key stored into the granted slot at
+    `offsets[i]`."""
     return record(STORE, b"".join((_str(req_id), _keys(keys), _i64s(positions),
-                                   _U32.pack(len(index)), index.tobytes(), offsets.tobytes())))
+                                   _U32.pack(len(index)), array("I", index).tobytes(),
+                                   array("Q", offsets).tobytes())))
 
 
 def encode_complete_store(keys: Sequence[bytes], success: bool, req_id: str,

@@ -104,8 +104,10 @@ class ChannelHub:
     """Every session's channel and the schedule they are read on (see the module doc)."""
 
     def __init__(self, handle: RecordHandler, *, on_broken: Callable[[object, str], None],
-                 heartbeat: Callable[[object], None]) -> None:
+                 heartbeat: Callable[[object], None],
+                 header: ChannelHeader | None = None) -> None:
         self.service = handle
+        self.header = header or ChannelHeader()     # every channel's ring sizes
         self._handle = handle
         self._on_broken = on_broken          # end a session that broke its ring's rules
         self._heartbeat = heartbeat          # a session heard from (liveness)
@@ -128,7 +130,7 @@ class ChannelHub:
         channel = self._channels.get(session_id)
         if channel is not None:
             return channel
-        channel = Channel(session, session_id)
+        channel = Channel(session, session_id, self.header)
         self._channels[session_id] = channel
         loop = self._event_loop()
         if loop is not None:

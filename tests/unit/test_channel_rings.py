@@ -1,0 +1,171 @@
+"""A session's channel without a daemon (kvd_proto/channel.py): records go through both rings
+in order and byte for byte, across the ring's end; the header is checked; and a side that
+reads strictly (the daemon) turns every impossible position or length the other side could
+write into a RingError instead of a wrong read, a hang or a crash."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd_proto.channel import (
+    DAEMON_IDLE,
+    DOWN_HEAD,
+    HEADER_BYTES,
+    PAD,
+    RECORD_HEADER,
+    UP_HEAD,
+    UP_TAIL,
+    ChannelHeader,
+    ChannelView,
+    RingError,
+    record,
+)
+
+SMALL = ChannelHeader(4096, 8192)
+
+
+def mapped(header: ChannelHeader = SMALL) -> mmap.mmap:
+    m = mmap.mmap(-1, header.file_bytes)
+    m[:len(header.pack())] = header.pack()
+    return m
+
+
+def views(header: ChannelHeader = SMALL) -> tuple[ChannelView, ChannelView, mmap.mmap]:
+    """(engine's view, daemon's view, the memory both map)."""
+    m = mapped(header)
+    return (ChannelView(memoryview(m), header, engine=True),
+            ChannelView(memoryview(m), header, engine=False), m)
+
+
+def drain(view: ChannelView) -> list[tuple[int, bytes]]:
+    out = []
+    while (item := view.reader.read()) is not None:
+        out.append(item)
+    view.reader.commit()
+    return out
+
+
+def test_a_header_round_trips_and_a_foreign_one_is_refused():
+    assert ChannelHeader.unpack(SMALL.pack()) == SMALL
+    assert SMALL.up_max_record == 1024 and SMALL.down_max_record == 2048
+    assert SMALL.file_bytes == HEADER_BYTES + 4096 + 8192
+    with pytest.raises(ValueError, match="not a kvd channel"):
+        ChannelHeader.unpack(b"KVDIDX01" + SMALL.pack()[8:])
+    with pytest.raises(ValueError, match="power of two"):
+        ChannelHeader.unpack(ChannelHeader(4096 + 8, 8192).pack())
+    with pytest.raises(ValueError, match="shorter"):
+        ChannelHeader.unpack(b"KVD")
+
+
+def test_records_go_up_and_down_in_order_and_are_read_after_publishing():
+    engine, daemon, _ = views()
+    assert engine.writer.write(record(5, b"first"))
+    assert engine.writer.write(record(6, b""))
+    assert drain(daemon) == []                           # not published yet
+    engine.writer.publish()
+    assert drain(daemon) == [(5, b"first"), (6, b"")]
+    assert daemon.writer.write(record(1, b"answer"))
+    daemon.writer.publish()
+    assert drain(engine) == [(1, b"answer")]
+    # The producer sees the consumer's head: all room is back.
+    assert engine.writer.free() == 4096 and daemon.writer.free() == 8192
+
+
+def test_a_record_never_wraps_a_filler_ends_the_ring():
+    engine, daemon, m = views()
+    big = record(3, bytes(range(200)) * 3)               # 608 bytes
+    for _ in range(7):                                   # the 7th does not fit at 3648
+        assert engine.writer.write(big)
+        engine.writer.publish()
+        assert drain(daemon) == [(3, bytes(range(200)) * 3)]
+    assert engine.writer.tail == 7 * 608 + 448           # round, past a 448-byte filler
+    length, kind, _ = RECORD_HEADER.unpack_from(m, HEADER_BYTES + 6 * 608)
+    assert (length, kind) == (448, PAD)
+
+
+def test_a_full_ring_takes_nothing_until_the_consumer_reads():
+    engine, daemon, _ = views()
+    rec = record(2, bytes(1016))                          # 1024: the up ring's largest
+    assert [engine.writer.write(rec) for _ in range(5)] == [True] * 4 + [False]
+    engine.writer.publish()
+    assert len(drain(daemon)) == 4
+    assert engine.writer.write(rec)
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.writer.write(record(2, bytes(1024)))      # over a quarter of the ring
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.writer.write(b"\0" * 12)                  # not a multiple of 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 700)), min_size=1, max_size=60),
+       st.integers(1, 7))
+def test_write_many_is_the_same_stream_as_one_record_at_a_time(sizes, batch):
+    """Any sizes, any batching, reads interleaved: the daemon reads exactly what was sent."""
+    engine, daemon, _ = views()
+    sent = [(kind, bytes([n % 251]) * n) for kind, n in sizes]
+    records = [record(kind, payload) for kind, payload in sent]
+    got: list[tuple[int, bytes]] = []
+    i = 0
+    for _ in range(10 * len(records) + 10):
+        if i == len(records):
+            break
+        ends = engine.writer.write_many(records[i:i + batch])
+        assert ends == sorted(ends) and (not ends or ends[-1] == engine.writer.tail)
+        i += len(ends)
+        engine.writer.publish()
+        got += drain(daemon)
+    got += drain(daemon)
+    assert i == len(records) and got == sent
+
+
+def _publish_raw(m: mmap.mmap, tail: int, at: int, data: bytes) -> None:
+    m[HEADER_BYTES + at:HEADER_BYTES + at + len(data)] = data
+    struct.pack_into("<Q", m, UP_TAIL, tail)
+
+
+@pytest.mark.parametrize("garbage", [
+    "tail past the ring", "tail behind the head", "short record", "length zero",
+    "length past the tail", "record over the limit", "filler not at the end",
+])
+def test_a_strict_reader_refuses_every_impossible_ring(garbage):
+    _, daemon, m = views()
+    if garbage == "tail past the ring":
+        struct.pack_into("<Q", m, UP_TAIL, 4096 + 8)
+    elif garbage == "tail behind the head":
+        struct.pack_into("<Q", m, UP_TAIL, 2**64 - 8)
+    elif garbage == "short record":
+        _publish_raw(m, 4, 0, b"\x04\0\0\0")
+    elif garbage == "length zero":
+        _publish_raw(m, 8, 0, RECORD_HEADER.pack(0, 1, 0))
+    elif garbage == "length past the tail":
+        _publish_raw(m, 16, 0, RECORD_HEADER.pack(64, 1, 0) + bytes(8))
+    elif garbage == "record over the limit":
+        _publish_raw(m, 2048, 0, RECORD_HEADER.pack(2048, 1, 0))
+    else:
+        _publish_raw(m, 64, 0, RECORD_HEADER.pack(64, PAD, 0))
+    with pytest.raises(RingError):
+        daemon.reader.read()
+
+
+def test_a_lenient_reader_reads_nothing_from_garbage_and_a_strict_writer_refuses_it():
+    engine, daemon, m = views()
+    struct.pack_into("<Q", m, DOWN_HEAD, 10**6)          # the engine's head: garbage
+    with pytest.raises(RingError):
+        daemon.writer.free()
+    struct.pack_into("<Q", m, UP_HEAD, 10**6)            # the daemon's head: the engine
+    assert engine.writer.free() == 0                     # trusts it, writes nothing
+    assert not engine.writer.write(record(1, b""))
+
+
+def test_the_idle_flag_is_the_daemons_word():
+    engine, daemon, m = views()
+    assert not engine.daemon_idle
+    daemon.set_daemon_idle(True)
+    assert engine.daemon_idle and struct.unpack_from("<Q", m, DAEMON_IDLE)[0] == 1
+    daemon.set_daemon_idle(False)
+    assert not engine.daemon_idle

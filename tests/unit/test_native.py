@@ -1,0 +1,148 @@
+"""The index loops, compiled (kvd_proto._native) and their pure-Python twins
+(kvd_proto/native.py): on the same operations they write the same bytes into the index and give
+the same answers, and the engine's lookups answer HIT / MISS at once and hand everything else
+to the fallback, with the counts the daemon is told. The twins run everywhere; the compiled
+types where the extension was built (in CI it is: `make test` builds it)."""
+
+from __future__ import annotations
+
+import mmap
+import random
+import zlib
+
+import pytest
+
+from kvd_proto import native
+from kvd_proto.index_layout import STATE_READY, STATE_STORING, Header, buckets_for
+from kvd_proto.native import PyIndexTable, PyLookups
+
+try:
+    from kvd_proto import _native
+except ImportError:                      # no compiler at install: the twins only
+    _native = None
+
+WIDTH = 40
+needs_native = pytest.mark.skipif(_native is None, reason="kvd_proto._native was not built "
+                                  "(no C compiler or Python headers at install)")
+
+
+def layout(capacity: int = 64) -> Header:
+    return Header(capacity=capacity, buckets=buckets_for(capacity), key_width=WIDTH,
+                  per_extent=16, stride=8192, extent_bytes=16 * 8192 + 4096)
+
+
+def fresh(h: Header) -> mmap.mmap:
+    m = mmap.mmap(-1, h.file_bytes)
+    m[:len(h.pack())] = h.pack()
+    return m
+
+
+def tables(h: Header) -> list[tuple[object, mmap.mmap]]:
+    out = []
+    kinds = [PyIndexTable] + ([_native.IndexTable] if _native is not None else [])
+    for kind in kinds:
+        m = fresh(h)
+        out.append((kind(m, *h.geometry), m))
+    return out
+
+
+def test_the_switch_names_what_is_in_use():
+    compiled = native.IndexTable is not PyIndexTable
+    assert compiled == native.NATIVE
+    assert native.crc32(b"kvd") == zlib.crc32(b"kvd")
+
+
+@needs_native
+def test_the_compiled_crc_is_zlibs():
+    rng = random.Random(3)
+    for n in range(0, 300, 7):
+        data = rng.randbytes(n)
+        assert _native.crc32(data) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_both_write_the_same_index_and_answer_alike(seed):
+    """Random inserts, removals (backward-shift deletion through long probe runs: a small
+    index) and lookups: every answer and every byte of the index equal."""
+    h = layout(48)
+    pairs = tables(h)
+    rng = random.Random(seed)
+    keys = [rng.randbytes(rng.randint(1, WIDTH)) for _ in range(200)] + [b"x" * (WIDTH + 1)]
+    where: dict[bytes, int] = {}
+    free = list(range(h.capacity))
+    for _ in range(3000):
+        key = rng.choice(keys)
+        if key in where and rng.random() < 0.5:
+            slot = where.pop(key)
+            for table, _ in pairs:
+                table.remove(slot)
+            free.append(slot)
+        elif key not in where and free:
+            slot = free.pop(rng.randrange(len(free)))
+            answers = {table.insert(slot, key) for table, _ in pairs}
+            assert len(answers) == 1
+            if answers.pop():
+                where[key] = slot
+            else:
+                free.append(slot)
+        probe = rng.choice(keys)
+        assert len({table.find(probe) for table, _ in pairs}) == 1
+        assert pairs[0][0].find(probe) == where.get(probe, -1)
+    for slot in range(h.capacity):
+        assert len({table.key_of(slot) for table, _ in pairs}) == 1
+    maps = [bytes(m) for _, m in pairs]
+    assert all(m == maps[0] for m in maps)
+
+
+@pytest.mark.parametrize("kind", ["python", "compiled"])
+def test_lookups_answer_hits_and_misses_and_leave_the_rest_to_the_fallback(kind):
+    if kind == "compiled" and _native is None:
+        pytest.skip("kvd_proto._native was not built")
+    h = layout()
+    m = fresh(h)
+    writer = PyIndexTable(m, *h.geometry)
+    ready, storing, own, absent = b"r" * 36, b"s" * 36, b"o" * 36, b"a" * 36
+    writer.insert(3, ready)
+    writer.insert(17, storing)
+    meta = memoryview(m)[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
+    meta[3] = meta[3] & ~3 | STATE_READY
+    hits: dict[bytes, int] = {}
+    stores = {own: (0, None)}
+    fell: list[bytes] = []
+    lookups_type = PyLookups if kind == "python" else _native.Lookups
+    lk = lookups_type(hits, stores, "MISS", "HIT", lambda k: fell.append(k) or "SLOW")
+    assert lk.lookup(ready) == "SLOW" and fell == [ready]     # not bound, not enabled
+    lk.bind(m, *h.geometry)
+    assert lk.bound and lk.lookup(ready) == "SLOW"            # bound, not enabled
+    lk.enabled = 1
+    assert lk.lookup(ready) == "HIT" and hits == {ready: h.offset_of(3)}
+    assert lk.lookup(absent, object()) == "MISS"
+    assert lk.lookup(storing) == "SLOW" and lk.lookup(own) == "SLOW"
+    assert (lk.lookups, lk.hits, lk.misses) == (2, 1, 1)      # the slow ones count there
+    assert lk.find(ready) == (STATE_READY, h.offset_of(3))
+    assert lk.find(storing) == (STATE_STORING, h.offset_of(17))
+    assert lk.find(absent) is None
+    assert lk.find_new([ready, own, absent, storing], True) == [absent]
+    assert lk.find_new([ready, own, absent], False) == [ready, absent]
+    lk.unbind()
+    assert not lk.bound and not lk.enabled and lk.lookup(ready) == "SLOW"
+    meta.release()
+    writer.release()
+    m.close()                              # unbound: the mapping is free to close
+
+
+@needs_native
+def test_the_compiled_types_refuse_a_mapping_their_geometry_does_not_fit():
+    h = layout()
+    with pytest.raises(ValueError, match="past the end"):
+        _native.IndexTable(mmap.mmap(-1, 4096), *h.geometry)
+    bad = list(h.geometry)
+    bad[1] = 100                                              # buckets: not a power of two
+    with pytest.raises(ValueError, match="not a valid layout"):
+        _native.IndexTable(fresh(h), *bad)
+    table = _native.IndexTable(fresh(h), *h.geometry)
+    with pytest.raises(IndexError):
+        table.remove(h.capacity)
+    table.release()
+    with pytest.raises(ValueError, match="released"):
+        table.find(b"k")

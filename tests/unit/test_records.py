@@ -1,0 +1,123 @@
+"""The channel's records (kvd_proto/records.py): every kind decodes to what was encoded, and a
+record that breaks the encoding or a bound is refused with a message that names the field;
+random bytes never raise anything else (the daemon decodes what any engine wrote)."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd_proto import records as rec
+from kvd_proto.channel import RECORD_HEADER
+from kvd_proto.wire import MAX_GRANTED_SLOTS, MAX_KEY_BYTES, MAX_KEYS_PER_CALL
+
+KEYS = [bytes([i]) * 36 for i in range(5)]
+MIXED = [b"a", b"bb" * 30, bytes(range(128)), b"ccc"]
+
+
+def roundtrip_up(data: bytes) -> rec.UpRecord:
+    length, kind, _ = RECORD_HEADER.unpack_from(data)
+    return rec.decode_up(kind, data[RECORD_HEADER.size:length])
+
+
+def roundtrip_down(data: bytes) -> rec.DownRecord:
+    length, kind, _ = RECORD_HEADER.unpack_from(data)
+    return rec.decode_down(kind, data[RECORD_HEADER.size:length])
+
+
+@pytest.mark.parametrize("keys", [KEYS, MIXED, []], ids=["fixed-width", "mixed", "none"])
+def test_every_up_record_decodes_to_what_was_encoded(keys):
+    positions = list(range(10, 10 + len(keys))) or None     # none: encoded as "no positions"
+    granted = [(i, 4096 * (i + 1)) for i in range(0, len(keys), 2)]
+    index, offsets_ = [i for i, _ in granted], [o for _, o in granted]
+    assert roundtrip_up(rec.encode_store(keys, "req-1", positions, index, offsets_)) == \
+        rec.Store("req-1", keys, positions, [keys[i] for i in index], offsets_)
+    assert roundtrip_up(rec.encode_store(keys, "", None, [], [])) == \
+        rec.Store("", keys, None, [], [])
+    assert roundtrip_up(rec.encode_complete_store(keys, False, "r", 7)) == \
+        rec.CompleteStore(keys, False, "r", 7)
+    offsets = [8192 * i for i in range(len(keys))]
+    assert roundtrip_up(rec.encode_pin(keys, "rq", positions, offsets)) == \
+        rec.Pin(keys, "rq", positions, offsets)
+    assert roundtrip_up(rec.encode_complete_load(keys, "rq", 3)) == \
+        rec.CompleteLoad(keys, "rq", 3)
+    assert roundtrip_up(rec.encode_touch(keys, "ü")) == rec.Touch(keys, "ü")
+    assert roundtrip_up(rec.encode_request_finished("r9")) == rec.RequestFinished("r9")
+    assert roundtrip_up(rec.encode_reserve(300, True)) == rec.Reserve(300, True)
+    assert roundtrip_up(rec.encode_reset(2**63)) == rec.Reset(2**63)
+    assert roundtrip_up(rec.encode_take_events(5)) == rec.TakeEvents(5)
+    assert roundtrip_up(rec.encode_counters(9, 4, 5)) == rec.Counters(9, 4, 5)
+    assert roundtrip_up(rec.encode_release_held("s1-ab")) == rec.ReleaseHeld("s1-ab")
+    assert roundtrip_up(rec.encode_return_slots(offsets)) == rec.ReturnSlots(offsets)
+
+
+def test_every_down_record_decodes_to_what_was_encoded():
+    assert roundtrip_down(rec.encode_granted([0, 4096])) == rec.Granted([0, 4096])
+    assert roundtrip_down(rec.encode_reset_done(3, 4, 5)) == rec.ResetDone(3, 4, 5)
+    events = [(tuple(KEYS), False, False), (tuple(MIXED), True, True), ((), True, False)]
+    assert roundtrip_down(rec.encode_events(events, True)) == rec.Events(events, True)
+    assert roundtrip_down(rec.encode_rejected(rec.PIN, "INVALID_ARGUMENT", "x" * 999)) == \
+        rec.Rejected(rec.PIN, "INVALID_ARGUMENT", "x" * 256)
+    with pytest.raises(rec.RecordError, match="unknown answer kind"):
+        rec.decode_down(99, b"")
+
+
+def _payload(data: bytes) -> bytes:
+    length, _, _ = RECORD_HEADER.unpack_from(data)
+    return data[RECORD_HEADER.size:length]
+
+
+def _keys_field(n: int, width: int, body: bytes = b"") -> bytes:
+    return struct.pack("<IHH", n, width, 0) + body
+
+
+@pytest.mark.parametrize("kind, payload, field", [
+    (77, b"", "unknown record kind"),
+    (rec.REQUEST_FINISHED, b"\x05\x00ab", "req_id runs past"),
+    (rec.REQUEST_FINISHED, struct.pack("<H", 300) + b"x" * 300, "more than 256"),
+    (rec.REQUEST_FINISHED, b"\x02\x00\xff\xfe", "not UTF-8"),
+    (rec.REQUEST_FINISHED, b"\x00\x00extra", "left over"),
+    (rec.TOUCH, b"\0\0" + _keys_field(MAX_KEYS_PER_CALL + 1, 1), "MAX_KEYS_PER_CALL"),
+    (rec.TOUCH, b"\0\0" + _keys_field(1, MAX_KEY_BYTES + 1), "key width"),
+    (rec.TOUCH, b"\0\0" + _keys_field(2, 0, b"\x01\x00ab"), "empty key"),
+    (rec.TOUCH, b"\0\0" + _keys_field(2, 1, b"aa"), "names a key twice"),
+    (rec.TOUCH, b"\0\0" + _keys_field(3, 4, b"abc"), "keys runs past"),
+    (rec.RESERVE, struct.pack("<II", MAX_GRANTED_SLOTS + 1, 0), "MAX_GRANTED_SLOTS"),
+    (rec.RESERVE, struct.pack("<II", 1, 2), "unknown flags"),
+    (rec.COUNTERS, struct.pack("<QQQ", 1, 1, 1), "are not lookups"),
+    (rec.COMPLETE_STORE, struct.pack("<QB", 0, 2), "success is 2"),
+    (rec.TAKE_EVENTS, struct.pack("<I", 10**6), "max_events"),
+    (rec.RETURN_SLOTS, struct.pack("<I", MAX_GRANTED_SLOTS + 1), "return_slots"),
+])
+def test_a_broken_record_is_refused_naming_what_is_wrong(kind, payload, field):
+    with pytest.raises(rec.RecordError, match=field):
+        rec.decode_up(kind, payload)
+
+
+def test_a_store_naming_a_slot_for_a_key_it_did_not_offer_is_refused():
+    good = _payload(rec.encode_store(KEYS[:2], "r", None, [0, 1], [0, 4096]))
+    # one granted index past the offered keys, then one named twice
+    past = good[:-24] + struct.pack("<II", 0, 2) + good[-16:]
+    with pytest.raises(rec.RecordError, match="outside the offered keys"):
+        rec.decode_up(rec.STORE, past)
+    twice = good[:-24] + struct.pack("<II", 1, 1) + good[-16:]
+    with pytest.raises(rec.RecordError, match="named twice"):
+        rec.decode_up(rec.STORE, twice)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(sorted(rec.UP_KINDS) + [0, 13, 65535]), st.binary(max_size=300))
+def test_random_bytes_are_a_record_or_a_record_error(kind, payload):
+    with contextlib.suppress(rec.RecordError):       # anything else fails the test
+        rec.decode_up(kind, payload)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=MAX_KEY_BYTES), max_size=40, unique=True),
+       st.text(max_size=40))
+def test_any_keys_and_request_round_trip(keys, req_id):
+    assert roundtrip_up(rec.encode_touch(keys, req_id)) == rec.Touch(keys, req_id)

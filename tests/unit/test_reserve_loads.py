@@ -1,0 +1,155 @@
+"""The engine's bookkeeping without a daemon: the reserve of granted slots sizes itself from
+what the engine stores (kvd_client/reserve.py), and the loads in flight decide the epoch the
+engine publishes (kvd_client/loads.py) however the engine finishes them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd_client.loads import LoadTracker
+from kvd_client.reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, StoreReserve
+from kvd_proto.wire import MAX_GRANTED_SLOTS
+
+
+def step(reserve: StoreReserve, demand: int, refill: int | None = None) -> list[int] | None:
+    """One engine step: grants applied, `demand` slots taken, the target sent."""
+    reserve.begin_step()
+    got = reserve.take(demand) if demand else []
+    reserve.end_step()
+    if refill is not None:
+        reserve.granted(list(range(10**6, 10**6 + refill)))
+    return got
+
+
+def test_a_new_reserve_holds_its_initial_size_until_it_sees_stores():
+    r = StoreReserve()
+    assert (r.floor, r.target) == (DEFAULT_FLOOR, DEFAULT_INITIAL)
+    assert r.to_send() == (DEFAULT_INITIAL, False)
+    assert r.to_send() is None                       # the daemon knows it
+    for _ in range(10):
+        step(r, 0)
+    assert r.target == DEFAULT_INITIAL and r.to_send() is None
+
+
+def test_the_target_follows_peak_demand_and_what_the_refill_lags_behind():
+    r = StoreReserve()
+    r.granted(list(range(1000)))
+    for _ in range(5):
+        step(r, 40, refill=40)                       # refilled at once: lag 0
+    assert r.target == int(1.5 * 40)
+    for _ in range(5):
+        step(r, 40)                                  # refills stop: 200 taken, unreplaced
+    assert r.target == 1.5 * (40 + 160)              # the deficit seen at a step's start
+    r.granted(list(range(200)))                      # caught up
+    for _ in range(64):                              # a window later, demand fell to 0
+        step(r, 0, refill=0)
+    assert r.target == DEFAULT_FLOOR
+    assert r.to_send() == (DEFAULT_FLOOR, False)
+
+
+def test_a_declined_store_asks_the_daemon_to_evict_now():
+    r = StoreReserve(floor=4, initial=4)
+    r.granted([0, 4096])
+    assert r.take(3) is None and r.declined == 1 and len(r) == 2
+    r.end_step()
+    target, evict = r.to_send()
+    assert evict and target >= int(1.5 * 3)
+    assert r.to_send() is None                       # once
+
+
+def test_demand_takes_the_reserve_to_a_quarter_of_the_pool_but_never_below_the_floor():
+    r = StoreReserve()
+    r.size_for(400)
+    for _ in range(3):
+        step(r, 500)
+    assert r.target == 100
+    big_floor = StoreReserve(floor=300)
+    big_floor.size_for(400)
+    assert big_floor.cap == 300 and big_floor.target == 300
+    huge = StoreReserve()
+    huge.size_for(10**9)
+    assert huge.cap == MAX_GRANTED_SLOTS
+
+
+def test_slots_far_above_the_target_go_back_after_the_lower_target():
+    r = StoreReserve(floor=8, initial=8)
+    r.granted(list(range(100)))
+    assert r.surplus() == []                         # the daemon has not heard the target
+    assert r.to_send() == (8, False)
+    back = r.surplus()
+    assert len(back) == 92 and len(r) == 8 and set(back) == set(range(8, 100))
+
+
+def test_a_new_session_starts_from_nothing():
+    r = StoreReserve()
+    r.granted([1, 2, 3])
+    r.to_send()
+    r.clear()
+    assert len(r) == 0 and r.to_send() == (r.target, False)
+
+
+# --- loads ------------------------------------------------------------------------------
+
+
+def keys(*names: str) -> list[bytes]:
+    return [n.encode() for n in names]
+
+
+def test_a_load_finished_with_its_keys_in_any_order_ends_whole():
+    t = LoadTracker()
+    t.pin(keys("a", "b", "c"), (5, 1, "r1"))
+    assert t.holding and t.floor(9) == 5 and len(t) == 3
+    by_reset, unknown = t.unpin(keys("c", "a", "b"), "r1")
+    assert by_reset == {1: keys("c", "a", "b")} and unknown == 0
+    assert not t.holding and t.floor(9) == 9 and len(t) == 0
+
+
+def test_keys_several_requests_load_are_held_until_each_load_ends():
+    t = LoadTracker()
+    t.pin(keys("a", "b"), (5, 1, "r1"))
+    t.pin(keys("a", "b"), (7, 1, "r2"))              # a shared prefix, a later step
+    assert t.floor(9) == 5
+    t.unpin(keys("b", "a"), "r2")                    # the later one finishes first
+    assert t.floor(9) == 5, "the earlier load's epoch must stay published"
+    t.unpin(keys("a", "b"), "r1")
+    assert not t.holding
+
+
+def test_a_load_finished_in_parts_or_without_its_request_goes_key_by_key():
+    t = LoadTracker()
+    t.pin(keys("a", "b", "c"), (5, 1, "r1"))
+    t.pin(keys("a"), (7, 2, "r2"))
+    by_reset, unknown = t.unpin(keys("a", "zz"), "")  # no request named: the newest load
+    assert by_reset == {2: keys("a")} and unknown == 1
+    assert t.floor(9) == 5
+    by_reset, _ = t.unpin(keys("a", "b"), "r1")
+    assert by_reset == {1: keys("a", "b")} and t.holding
+    by_reset, _ = t.unpin(keys("c"), "r1")
+    assert by_reset == {1: keys("c")} and not t.holding and len(t) == 0
+
+
+def test_loads_in_flight_at_a_reset_stay_protected_until_it_is_flushed():
+    t = LoadTracker()
+    t.pin(keys("a", "b"), (5, 1, "r1"))
+    t.reset()
+    assert t.holding and t.floor(9) == 5 and len(t) == 0
+    t.pin(keys("c"), (8, 2, "r2"))
+    assert {e: sorted(k) for e, k in t.reset_flushed().items()} == {1: keys("a", "b")}
+    assert t.floor(9) == 8
+    t.unpin(keys("c"), "r2")
+    assert not t.holding
+
+
+@pytest.mark.parametrize("finish", ["whole", "parts"])
+def test_the_same_request_loading_the_same_keys_twice_ends_one_load_at_a_time(finish):
+    t = LoadTracker()
+    t.pin(keys("a", "b"), (5, 1, "r1"))
+    t.pin(keys("a", "b"), (6, 1, "r1"))              # reloaded after a preemption
+    if finish == "whole":
+        t.unpin(keys("a", "b"), "r1")
+    else:
+        t.unpin(keys("a"), "r1")
+        t.unpin(keys("b"), "r1")
+    assert t.floor(9) == 5, "the newest ends first: the older epoch stays published"
+    t.unpin(keys("b", "a"), "r1")
+    assert not t.holding
