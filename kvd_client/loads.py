@@ -62,11 +62,13 @@ class LoadTracker:
             return step_epoch
         return min(step_epoch, *self._epochs, *self._stale_epochs)
 
-    def pin(self, loaded: list[bytes], epochs: Load) -> None:
-        """Loads of `loaded` started under `epochs` (a key named twice loads once)."""
+    def pin(self, loaded: Sequence[bytes], epochs: Load) -> bool:
+        """Loads of `loaded` started under `epochs` (a key named twice loads once); whether
+        the keys were distinct."""
         keys = frozenset(loaded)
         self._pins.setdefault((epochs[2], keys), []).append(_Pin(epochs, keys))
         self._epochs[epochs[0]] += len(keys)
+        return len(keys) == len(loaded)
 
     def _release(self, reclaim: int, n: int) -> None:
         epochs = self._epochs
@@ -77,8 +79,9 @@ class LoadTracker:
             del epochs[reclaim]
 
     def unpin(self, keys: Sequence[bytes], req_id: str) -> tuple[dict[int, list[bytes]], int]:
-        """Loads of `keys` finished: (keys per reset epoch, to complete at the daemon; keys
-        that were not loading, e.g. loads of an earlier session)."""
+        """Loads of `keys` finished: (keys per reset epoch, to complete at the daemon, each
+        list without repeats; keys that were not loading, e.g. loads of an earlier
+        session)."""
         if not keys:
             return {}, 0
         whole = frozenset(keys)
@@ -88,7 +91,7 @@ class LoadTracker:
             if not pins:
                 del self._pins[(req_id, whole)]
             self._release(pin.epochs[0], len(whole))
-            return {pin.epochs[1]: list(keys)}, 0
+            return {pin.epochs[1]: keys if isinstance(keys, list) else list(keys)}, 0
         return self._unpin_each(keys, req_id)
 
     def _unpin_each(self, keys: Sequence[bytes], req_id: str
@@ -106,7 +109,7 @@ class LoadTracker:
                     holders.setdefault(key, []).append((where, pin))
         by_reset: dict[int, list[bytes]] = {}
         unknown = 0
-        for key in keys:
+        for key in dict.fromkeys(keys):          # a key named twice ends one load
             held = [h for h in holders.get(key, ()) if key in h[1].loading()]
             if not held:
                 unknown += 1

@@ -65,8 +65,9 @@ def store(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
 
 
 def pin(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
-        offsets: Sequence[int], limit: int) -> list[bytes]:
-    if len(keys) <= limit and _distinct(keys):
+        offsets: Sequence[int], limit: int, distinct: bool | None = None) -> list[bytes]:
+    """`distinct`: whether the caller knows the keys to be distinct (None: check)."""
+    if len(keys) <= limit and (_distinct(keys) if distinct is None else distinct):
         return [rec.encode_pin(keys, req_id, positions, offsets)]
     keys, (positions, offsets_) = _unique(keys, positions, offsets)
     assert offsets_ is not None
@@ -75,8 +76,9 @@ def pin(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
             for i in _ranges(len(keys), limit)]
 
 
-def _split(keys: Sequence[bytes], limit: int) -> list[Sequence[bytes]]:
-    if len(keys) <= limit and _distinct(keys):
+def _split(keys: Sequence[bytes], limit: int,
+           distinct: bool | None = None) -> list[Sequence[bytes]]:
+    if len(keys) <= limit and (_distinct(keys) if distinct is None else distinct):
         return [keys]
     keys, _ = _unique(keys)
     return [keys[i:i + limit] for i in _ranges(len(keys), limit)]
@@ -88,8 +90,10 @@ def complete_store(keys: Sequence[bytes], success: bool, req_id: str, epoch: int
             for part in _split(keys, limit)]
 
 
-def complete_load(keys: Sequence[bytes], req_id: str, epoch: int, limit: int) -> list[bytes]:
-    return [rec.encode_complete_load(part, req_id, epoch) for part in _split(keys, limit)]
+def complete_load(keys: Sequence[bytes], req_id: str, epoch: int, limit: int,
+                  distinct: bool | None = None) -> list[bytes]:
+    return [rec.encode_complete_load(part, req_id, epoch)
+            for part in _split(keys, limit, distinct)]
 
 
 def touch(keys: Sequence[bytes], req_id: str, limit: int) -> list[bytes]:

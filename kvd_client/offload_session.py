@@ -361,12 +361,12 @@ class OffloadSession:
             loaded_offsets = [o for o in offsets if o is not None]
             if not loaded:
                 return offsets
-        self._loads.pin(loaded, (self._step_epoch, self._reset_epoch, req_id))  # type: ignore
+        distinct = self._loads.pin(loaded, (self._step_epoch, self._reset_epoch, req_id))
         pos = positions if positions and len(positions) == len(keys) else None
         if pos and len(loaded) != len(keys):
             pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
         self._put(messages.pin(loaded, req_id, pos, loaded_offsets,  # type: ignore[arg-type]
-                               self._per_record))
+                               self._per_record, distinct))
         return offsets
 
     def unpin(self, keys: Sequence[bytes], req_id: str = "") -> None:
@@ -377,17 +377,25 @@ class OffloadSession:
         if not self._loads.holding:
             self._publish_idle()
         for reset, group in by_reset.items():
-            self._put(messages.complete_load(group, req_id, reset, self._per_record))
+            self._put(messages.complete_load(group, req_id, reset, self._per_record,
+                                             distinct=True))
 
     # ----------------------------------------------------------------- stores
     def reserve(self, keys: Sequence[bytes], req_id: str = "",
                 positions: Sequence[int] | None = None) -> list[tuple[bytes, int]] | None:
         """Slots for the offered keys that are new: [(key, offset)] (keys stored or being
         stored already are left out), or None when the reserve cannot hold them all now."""
+        stored = self.store_slots(keys, req_id, positions)
+        return None if stored is None else list(zip(*stored, strict=True))
+
+    def store_slots(self, keys: Sequence[bytes], req_id: str = "",
+                    positions: Sequence[int] | None = None
+                    ) -> tuple[list[bytes], list[int]] | None:
+        """`reserve` as two lists: the new keys and their slots' offsets (what an engine's
+        store spec wants), or None when the reserve cannot hold them all now."""
         self._begin()
-        index = self._index
-        if index is None or not self.client.available:
-            return []
+        if self._index is None or not self.client.available:
+            return [], []
         stores = self._stores
         # Until the daemon has done a reset this session asked for, the index still shows
         # what the reset drops: only this session's own later stores count as present.
@@ -395,20 +403,21 @@ class OffloadSession:
         slots = self._reserve.take(len(new))
         if slots is None:
             return None
+        if not new:
+            return new, slots
         # During a reset this session asked for, the stores' epoch is the reset's answer:
         # UNKNOWN_EPOCH until it arrives.
         shared = _Stores(UNKNOWN_EPOCH if self._reset_pending else self._reset_epoch,
                          self._seq)
-        granted = list(zip(new, slots, strict=True))
-        room = MAX_LOCAL_STORES - len(stores)
-        if len(granted) <= room:
+        if len(new) <= MAX_LOCAL_STORES - len(stores):
             stores.update(zip(new, zip(slots, [shared] * len(new), strict=True), strict=True))
         else:
-            for key, offset in granted[:max(0, room)]:
+            for key, offset in zip(new[:max(0, MAX_LOCAL_STORES - len(stores))], slots,
+                                   strict=False):
                 stores[key] = (offset, shared)
         pos = positions if positions and len(positions) == len(keys) else None
         self._put(messages.store(keys, req_id, pos, new, slots, self._per_record))
-        return granted
+        return new, slots
 
     def complete_store(self, keys: Sequence[bytes], req_id: str = "",
                        success: bool = True) -> None:

@@ -38,7 +38,7 @@ class StoreReserve:
         self.cap = MAX_GRANTED_SLOTS              # see `size_for`
         self.target = self.initial
         self.sent = -1                            # the target the daemon last heard
-        self.slots: deque[int] = deque()
+        self.slots: list[int] = []                # taken from the end (a slice)
         self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)
         self._deficit: deque[int] = deque(maxlen=DEMAND_WINDOW)
         self._step_demand = 0
@@ -63,9 +63,12 @@ class StoreReserve:
             self.declined += 1
             self.urgent = True
             return None
-        slots = self.slots
         self._unreplaced += n
-        return [slots.popleft() for _ in range(n)]
+        if not n:
+            return []
+        taken = self.slots[-n:]
+        del self.slots[-n:]
+        return taken
 
     def begin_step(self) -> None:
         """The step starts (after the daemon's grants were applied): the slots taken and not

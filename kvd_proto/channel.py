@@ -46,7 +46,7 @@ DOWN_TAIL = 3 * LINE        # daemon: bytes appended to the down ring
 DOWN_HEAD = 4 * LINE        # engine: bytes of the down ring consumed
 DAEMON_IDLE = 5 * LINE      # daemon: 1 while it waits for the eventfd instead of polling
 
-DEFAULT_UP_BYTES = 2 << 20
+DEFAULT_UP_BYTES = 256 << 10
 DEFAULT_DOWN_BYTES = 2 << 20
 RECORD_HEADER = struct.Struct("<IHH")
 PAD = 0                     # the filler record at a ring's end

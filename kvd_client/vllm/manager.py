@@ -83,12 +83,13 @@ class KvdOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
         keys = list(keys)
-        granted = self.session.reserve(keys, req_context.req_id,
-                                       self._positions(keys, req_context))
-        if granted is None:
+        stored = self.session.store_slots(keys, req_context.req_id,
+                                          self._positions(keys, req_context))
+        if stored is None:
             return None            # the reserve is short: vLLM offers these again later
-        spec = KvdSlotsSpec([offset for _, offset in granted], self.session.pool_id)
-        return PrepareStoreOutput(keys_to_store=[key for key, _ in granted], store_spec=spec,
+        new, offsets = stored
+        return PrepareStoreOutput(keys_to_store=new,
+                                  store_spec=KvdSlotsSpec(offsets, self.session.pool_id),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
