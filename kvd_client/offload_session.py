@@ -504,11 +504,7 @@ class OffloadSession:
         surplus = reserve.surplus()
         if surplus:
             self._put(messages.return_slots(surplus), essential=False)
-        counts = (self.lookups_total, self.hits_total, self.misses_total)
-        if counts != self._reported:
-            delta = [now - then for now, then in zip(counts, self._reported, strict=True)]
-            self._reported = counts
-            self._put([rec.encode_counters(*delta)], essential=False)
+        self._report_counts()
         if self.enable_events and self._essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
         self._essential = False
@@ -522,6 +518,14 @@ class OffloadSession:
             self._flush()
         self._receive()
         return bool(self._reset_pending) or self._outbox.unread(self._channel)
+
+    def _report_counts(self) -> None:
+        """The lookups answered since the last report, for the daemon's stats."""
+        counts = (self.lookups_total, self.hits_total, self.misses_total)
+        if counts != self._reported:
+            delta = [now - then for now, then in zip(counts, self._reported, strict=True)]
+            self._reported = counts
+            self._put([rec.encode_counters(*delta)], essential=False)
 
     def _put(self, records: list[bytes], essential: bool = True) -> None:
         if not self.client.available or self._channel is None:
@@ -624,7 +628,8 @@ class OffloadSession:
         if not self._closed:
             self._closed = True
             if self._channel is not None and self.client.available:
-                self._outbox.flush(self._channel)     # its last completions
+                self._report_counts()
+                self._outbox.flush(self._channel)     # its last completions and counts
             self._close_connection()
             with self._lock:
                 stale, self._handoff = self._handoff, None

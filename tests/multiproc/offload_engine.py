@@ -222,7 +222,8 @@ def _tail(stderr: Any) -> str:
 
 class EngineProcess:
     """An engine process driven by commands: `lookup`, `pin`, `read`, `unpin`, `end_step`,
-    `settle`, `reserve` (and write), `complete`, `store`, `load`, `close` (see `_serve`)."""
+    `settle`, `reserve` (and write), `complete`, `store`, `load`, `counts` (the lookups it
+    answered), `close` (see `_serve`)."""
 
     def __init__(self, socket: str, model: str, reserve: int = 4) -> None:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in kill()
@@ -327,6 +328,9 @@ def _serve(socket: str, model: str, reserve: int) -> int:
             elif op == "load":
                 states, bad = load(session, keys)
                 answer = {"states": [s.value for s in states], "bad": [k.hex() for k in bad]}
+            elif op == "counts":
+                answer = {"lookups": session.lookups_total, "hits": session.hits_total,
+                          "misses": session.misses_total}
             elif op == "close":
                 close_session(session)
                 print(json.dumps({}), flush=True)
