@@ -139,6 +139,79 @@ def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64,
             "p50_seconds": lat[len(lat) // 2], "p99_seconds": lat[int(len(lat) * 0.99)]}
 
 
+STEP_KEYS = 16          # per engine step: a store of 16 new keys, a load of 16 stored ones
+MAX_LEAD = 64           # steps an engine may run ahead of what the daemon has read
+
+
+def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) -> None:
+    """An engine process on the fast path (the real OffloadSession over its channel): every
+    step it looks up, loads (pin, unpin) and ends the request of 16 blocks stored two steps
+    before, and stores 16 new ones (reserve, complete): 5 records, 64 keys of daemon work.
+    No bytes are copied (the daemon's side is measured). It runs at most MAX_LEAD steps
+    ahead of what the daemon has read, so what is counted is what the daemon processed."""
+    from kvd_client.client import KvdClient
+    from kvd_client.offload_session import OffloadSession
+    from kvd_proto.wire import KvLayout
+
+    client = KvdClient(sock, model="bench-channel", engine_id=f"bench-{seed}",
+                       layout=KvLayout(BLOCK, 1, BLOCK, 16, "bf16", VLLM_KEY_WIDTH))
+    session = OffloadSession(client)
+    assert client.wait_available(30)
+    prefix = seed.to_bytes(4, "big") + b"chan".ljust(24, b".")
+    stored: list[list[bytes]] = []
+    step = 0
+    start.wait(120)
+    end = time.monotonic() + seconds
+    acked_at_end = 0
+    while True:
+        now = time.monotonic()
+        if now >= end:
+            acked_at_end = session.acked_steps
+            break
+        if step - session.acked_steps > MAX_LEAD:
+            session.has_pending_work()            # reads the daemon's position
+            time.sleep(0.0002)
+            continue
+        req = f"r{step}"
+        if len(stored) >= 2:
+            keys = stored[-2]
+            hits = [k for k in keys if session.lookup(k) is not None and
+                    session.hit_offset(k) is not None]
+            session.pin(hits, req)
+            session.unpin(hits, req)
+        new = [prefix + (step * STEP_KEYS + i).to_bytes(8, "big") for i in range(STEP_KEYS)]
+        granted = session.reserve(new, req)
+        if granted:
+            session.complete_store([k for k, _ in granted], req)
+        stored.append(new)
+        session.request_finished(req)
+        session.end_step()
+        step += 1
+    out.put((acked_at_end, step, session.messages_sent))
+    session.close()
+    client.close()
+
+
+def channel_throughput(sock: str, clients: int, seconds: float = 3.0) -> dict:
+    """Engine steps per second the daemon processed from `clients` fast-path engines, each
+    stepping as fast as the daemon reads (see `_channel_engine`)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    start = ctx.Barrier(clients + 1)
+    procs = [ctx.Process(target=_channel_engine, args=(sock, seconds, i, q, start))
+             for i in range(clients)]
+    for p in procs:
+        p.start()
+    start.wait(120)
+    results = [q.get(timeout=seconds + 60) for _ in procs]
+    for p in procs:
+        p.join(10)
+    acked = sum(r[0] for r in results)
+    return {"clients": clients, "transport": "channel", "keys_per_step": 4 * STEP_KEYS,
+            "steps_per_second": acked / seconds,
+            "records_per_step": sum(r[2] for r in results) / max(1, sum(r[1] for r in results))}
+
+
 def lookup_samples(s: Session, resident_prefix: bytes, resident: int, n: int,
                    seed: int) -> list[float]:
     """Latencies of n 64-key lookup steps over keys resident in `s`'s namespace."""
@@ -239,6 +312,11 @@ def run(quick: bool = False) -> dict:
             out["throughput"].append({**runs[1], "runs_steps_per_second":
                                       [t["steps_per_second"] for t in runs]})
             out["throughput_unary"] = [throughput(sock, 8, seconds=seconds, stream=False)]
+            runs = sorted((channel_throughput(sock, 8, seconds=seconds) for _ in range(3)),
+                          key=lambda t: t["steps_per_second"])
+            out["throughput_channel"] = [channel_throughput(sock, 1, seconds=seconds),
+                                         {**runs[1], "runs_steps_per_second":
+                                          [t["steps_per_second"] for t in runs]}]
         finally:
             for p in (proc, small_proc):
                 p.terminate()
@@ -247,4 +325,13 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2))
+    if "--channel" in sys.argv:            # only the fast-path engines' throughput
+        with tempfile.TemporaryDirectory(prefix="kvd-b-", dir="/tmp") as work:
+            proc, sock = start_daemon(work, "512MiB", "--extent-size", "64MiB")
+            try:
+                print(json.dumps([channel_throughput(sock, c) for c in (1, 8)], indent=2))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    else:
+        print(json.dumps(run(quick="--quick" in sys.argv), indent=2))

@@ -212,6 +212,11 @@ class OffloadSession:
         return self._reserve.target
 
     @property
+    def acked_steps(self) -> int:
+        """Steps whose every record the daemon has read (as of the last answers read)."""
+        return self._acked + 1
+
+    @property
     def messages_sent(self) -> int:
         """Records written to the daemon so far (every session of this engine)."""
         return self._outbox.sent

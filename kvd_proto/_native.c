@@ -505,6 +505,17 @@ static PyObject *IndexTable_remove(IndexTable *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* set_ready(slot): a slot being stored becomes readable (same generation). */
+static PyObject *IndexTable_set_ready(IndexTable *self, PyObject *arg) {
+    unsigned long long slot = PyLong_AsUnsignedLongLong(arg);
+    if (slot == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (check_slot(self, slot) < 0) return NULL;
+    uint64_t w = self->g.meta[slot];
+    if ((w & 3) == STATE_STORING)
+        __atomic_store_n(&self->g.meta[slot], (w & ~(uint64_t)3) | STATE_READY, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
 static PyObject *IndexTable_key_of(IndexTable *self, PyObject *arg) {
     unsigned long long slot = PyLong_AsUnsignedLongLong(arg);
     if (slot == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
@@ -525,6 +536,7 @@ static PyMethodDef IndexTable_methods[] = {
     {"insert", (PyCFunction)IndexTable_insert, METH_VARARGS, "insert(slot, key) -> bool"},
     {"remove", (PyCFunction)IndexTable_remove, METH_O, "remove(slot)"},
     {"key_of", (PyCFunction)IndexTable_key_of, METH_O, "key_of(slot) -> bytes (empty if free)"},
+    {"set_ready", (PyCFunction)IndexTable_set_ready, METH_O, "set_ready(slot): storing -> ready"},
     {"release", (PyCFunction)IndexTable_release, METH_NOARGS, "let go of the mapping"},
     {NULL}};
 

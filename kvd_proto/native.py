@@ -9,7 +9,8 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
   HIT (recording the slot's offset in `hits`) or MISS where the index alone decides, and calls
   `fallback(key)` otherwise (not `enabled`, a store in flight, the engine's own store);
   `find(key)` and `find_new(keys, use_index)` probe without answering.
-- `IndexTable`: the daemon's find / insert / remove / key_of on its writable mapping.
+- `IndexTable`: the daemon's find / insert / set_ready / remove / key_of on its writable
+  mapping.
 """
 
 from __future__ import annotations
@@ -232,6 +233,14 @@ class PyIndexTable:
             buckets[hole] = v
             hole = j
         buckets[hole] = 0
+
+    def set_ready(self, slot: int) -> None:
+        r = self._r
+        if not 0 <= slot < r.capacity:
+            raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
+        word = r.meta[slot]
+        if word & 3 == STATE_STORING:
+            r.meta[slot] = word & ~3 | STATE_READY
 
     def key_of(self, slot: int) -> bytes:
         r = self._r

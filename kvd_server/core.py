@@ -469,9 +469,11 @@ class KvdCore:
         ns = self.namespace_of(s)
         self._check_epoch(ns, epoch)
         mgr = ns.mgr
+        pins = s.pins
+        released: list[bytes] = []
         for key in keys:
             pk = (epoch, key)
-            count = s.pins.get(pk)
+            count = pins.get(pk)
             if not count:
                 lease = s.leases.get(key)
                 if lease is not None and lease[1] == epoch:
@@ -481,11 +483,13 @@ class KvdCore:
                     mgr.unpin(key, epoch)
                 continue  # never touch another session's pin or lease
             if count == 1:
-                del s.pins[pk]
+                del pins[pk]
             else:
-                s.pins[pk] = count - 1
-            mgr.complete_load((key,), None, epoch)
-            self.completed_load_bytes += ns.layout.block_bytes
+                pins[pk] = count - 1
+            released.append(key)
+        if released:
+            mgr.complete_load(released, None, epoch)
+            self.completed_load_bytes += len(released) * ns.layout.block_bytes
         stale = epoch < ns.epoch
         if stale:
             NamespaceTable.maybe_release(ns)

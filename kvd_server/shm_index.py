@@ -27,13 +27,8 @@ from kvd_proto.index_layout import (
     RECLAIM_EPOCH_OFFSET,
     RESET_EPOCH_OFFSET,
     STATE_FREE,
-    STATE_READY,
-    STATE_STORING,
     Header,
     buckets_for,
-    meta_generation,
-    meta_key_len,
-    meta_word,
 )
 from kvd_proto.native import IndexTable
 
@@ -124,9 +119,8 @@ class ShmIndex:
         return self._table.overflows
 
     def set_ready(self, slot: int) -> None:
-        word = self._meta[slot]
-        if word & 3 == STATE_STORING:
-            self._meta[slot] = meta_word(STATE_READY, meta_key_len(word), meta_generation(word))
+        """A slot being stored becomes readable (same generation: a reader's memo holds)."""
+        self._table.set_ready(slot)
 
     def remove(self, slot: int) -> None:
         """Unpublish `slot` (meta first, then its bucket; backward-shift deletion)."""
@@ -151,6 +145,13 @@ class ShmIndex:
         """The slot `key` is published in (storing or ready), or -1: the daemon's own key ->
         slot lookup (the index is its only key store)."""
         return self._table.find(key)
+
+    def find_function(self):  # noqa: ANN201 - a bound method of the native or Python table
+        """`find` itself, one call less for the daemon's per-key loops."""
+        return self._table.find
+
+    def set_ready_function(self):  # noqa: ANN201 - likewise
+        return self._table.set_ready
 
     def key_of(self, slot: int) -> bytes:
         """The key published in `slot` (empty when none is)."""

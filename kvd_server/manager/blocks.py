@@ -25,7 +25,8 @@ class BlockTable:
     """key -> slot (the shared index; `_spill` for the rare key it cannot hold) and per-slot
     state. The manager is its only writer; what it publishes engines see at once."""
 
-    __slots__ = ("index", "capacity", "state", "state_array", "count", "_spill", "_spill_keys")
+    __slots__ = ("index", "capacity", "state", "state_array", "count", "_spill", "_spill_keys",
+                 "find", "_ready")
 
     def __init__(self, index: ShmIndex, capacity: int) -> None:
         self.index = index
@@ -38,14 +39,17 @@ class BlockTable:
         # probe limit): kept here so the manager still knows them; engines never see them.
         self._spill: dict[bytes, int] = {}
         self._spill_keys: dict[int, bytes] = {}
+        # find(key) -> the slot of `key`'s resident block, or -1: the index's own probe (one
+        # C call where built) while no key spilled; `_find_spilled` once one has.
+        self.find = index.find_function()
+        self._ready = index.set_ready_function()
 
     def __len__(self) -> int:
         return self.count
 
-    def find(self, key: bytes) -> int:
-        """The slot of `key`'s resident block, or -1."""
+    def _find_spilled(self, key: bytes) -> int:
         slot = self.index.find(key)
-        if slot < 0 and self._spill:
+        if slot < 0:
             return self._spill.get(key, -1)
         return slot
 
@@ -61,12 +65,13 @@ class BlockTable:
         if not self.index.insert(slot, key):
             self._spill[key] = slot
             self._spill_keys[slot] = key
+            self.find = self._find_spilled
         self.state[slot] = STORING
         self.count += 1
 
     def set_ready(self, slot: int) -> None:
         self.state[slot] = READY
-        self.index.set_ready(slot)
+        self._ready(slot)
 
     def drop(self, slot: int) -> None:
         """The block in `slot` is gone (unpublished; the slot itself is the caller's)."""
@@ -74,6 +79,8 @@ class BlockTable:
             key = self._spill_keys.pop(slot, None)
             if key is not None:
                 del self._spill[key]
+                if not self._spill:
+                    self.find = self.index.find_function()
         self.index.remove(slot)
         self.state[slot] = ABSENT
         self.count -= 1
@@ -97,4 +104,5 @@ class BlockTable:
         self.state_array[np.flatnonzero(self.state_array)] = ABSENT   # only touched pages
         self._spill.clear()
         self._spill_keys.clear()
+        self.find = self.index.find_function()
         self.count = 0

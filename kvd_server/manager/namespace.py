@@ -203,8 +203,13 @@ class NamespaceManager:
         seen = state.seen
         fresh = [k for k in dict.fromkeys(keys) if k not in seen]
         fresh = fresh[:self._room(len(seen), len(fresh))]
-        for key in fresh:
-            state.key_groups.setdefault(group_of(key), []).append(key)
+        if fresh:
+            groups = state.key_groups
+            if len(fresh[0]) >= 4 and len({k[-4:] for k in fresh}) == 1:
+                groups.setdefault(group_of(fresh[0]), []).extend(fresh)  # one group: usual
+            else:
+                for key in fresh:
+                    groups.setdefault(group_of(key), []).append(key)
         seen.update(fresh)
         if fresh:
             slots = None if slot_of is None else [slot_of[k] for k in fresh]

@@ -96,14 +96,21 @@ class LRUPolicy(Policy):
                 self._refill(self.front_size)
 
     def _renew(self, keys: Iterable[bytes]) -> None:
-        table, ranks, state = self.table, self.ranks, self.table.state
+        """Fresh, increasing ranks for `keys` in order (each its own order, position 0)."""
+        find, ranks, state = self.table.find, self.ranks, self.table.state
+        threshold = self._threshold
         for key in keys:
-            slot = table.find(key)
+            slot = find(key)
             if slot < 0:
                 continue
-            ranks[slot] = _rank(self._new_order())
-            if state[slot] == READY:
+            if self._next_rank >= self.max_order:
+                self._renumber()
+                threshold = self._threshold
+            self._next_rank += 1
+            rank = ranks[slot] = self._next_rank * _POS + _POS - 1      # _rank(order)
+            if state[slot] == READY and rank <= threshold:
                 self._push(slot, key)
+                threshold = self._threshold                  # a refill may have moved it
 
     # -- hooks --
     def insert(self, key: bytes, slot: int, req: RequestState) -> None:
@@ -121,9 +128,11 @@ class LRUPolicy(Policy):
 
     def on_request_access(self, keys: Sequence[bytes], req: RequestState,
                           slots: Sequence[int] | None = None) -> None:
-        request_rank = self._request_rank(req)
+        base = self._request_rank(req) * _POS + _POS - 1
         find, ranks, state = self.table.find, self.ranks, self.table.state
         positions = req.positions
+        threshold = self._threshold
+        top = _POS - 1
         for i, key in enumerate(keys):
             position = positions.get(key)
             if position is None:
@@ -131,12 +140,13 @@ class LRUPolicy(Policy):
             slot = find(key) if slots is None else slots[i]
             if slot < 0:
                 continue
-            rank = _rank(request_rank, position)
+            rank = base - (position if 0 <= position < top else (top if position > 0 else 0))
             if ranks[slot] >= rank:
                 continue
             ranks[slot] = rank
-            if state[slot] == READY:
+            if state[slot] == READY and rank <= threshold:
                 self._push(slot, key)
+                threshold = self._threshold                  # a refill may have moved it
 
     def on_request_finished(self, key_groups: Sequence[Sequence[bytes]],
                             insertion_only: set[bytes], reused: set[bytes],
