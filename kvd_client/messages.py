@@ -98,8 +98,3 @@ def complete_load(keys: Sequence[bytes], req_id: str, epoch: int, limit: int,
 
 def touch(keys: Sequence[bytes], req_id: str, limit: int) -> list[bytes]:
     return [rec.encode_touch(part, req_id) for part in _split(keys, limit)]
-
-
-def return_slots(offsets: Sequence[int]) -> list[bytes]:
-    step = MAX_KEYS_PER_CALL
-    return [rec.encode_return_slots(offsets[i:i + step]) for i in range(0, len(offsets), step)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from kvd_proto import records as rec
 from kvd_proto.wire import MAX_GRANTED_SLOTS
 
 DEMAND_WINDOW = 64           # steps over which the peak demand and the largest deficit count
@@ -104,6 +105,19 @@ class StoreReserve:
         if len(self.slots) <= 2 * self.target or self.sent != self.target:
             return []
         return [self.slots.pop() for _ in range(len(self.slots) - self.target)]
+
+    def step_records(self) -> list[bytes]:
+        """Close the step (`end_step`); what to tell the daemon: the target when it changed
+        (or a store was declined), then the slots given back."""
+        self.end_step()
+        out = []
+        told = self.to_send()
+        if told is not None:
+            out.append(rec.encode_reserve(*told))
+        surplus = self.surplus()
+        for i in range(0, len(surplus), MAX_GRANTED_SLOTS):
+            out.append(rec.encode_return_slots(surplus[i:i + MAX_GRANTED_SLOTS]))
+        return out
 
     def clear(self) -> None:
         """A new session: no slot of the old one is ours any more, and it has heard nothing."""

@@ -11,9 +11,7 @@ or hostile client cannot disturb another engine's state.
 from __future__ import annotations
 
 import enum
-import heapq
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +29,7 @@ from kvd_server.errors import (
 )
 from kvd_server.extents import ExtentAllocator
 from kvd_server.fastpath import FastPath
+from kvd_server.leases import Leases
 from kvd_server.manager import Lookup, OffloadEvent
 from kvd_server.namespaces import (
     Held,
@@ -41,7 +40,6 @@ from kvd_server.namespaces import (
     pid_alive,
 )
 from kvd_server.sessions import (
-    MAX_LEASES_PER_SESSION,
     MAX_OPEN_REQUESTS_PER_SESSION,
     MAX_PENDING_STORES_PER_SESSION,
     MAX_PINS_PER_SESSION,
@@ -130,58 +128,6 @@ class TransferStats:
     store_seconds: float = 0.0
 
 
-class ExpiryWheel:
-    """Lease deadlines in 100 ms ticks: one entry per live lease, whatever the renewals.
-
-    A renewal moves the lease to its new tick; a lease that ends early (loaded, released, its
-    session gone) is taken out of its tick, so memory follows the leases held, not the calls
-    made (a heap entry per renewal grew without bound under a client renewing in a loop).
-    """
-
-    TICK_S = 0.1
-
-    def __init__(self) -> None:
-        self._ticks: dict[int, set[tuple[str, bytes]]] = {}
-        self._order: list[int] = []          # heap of the ticks in _ticks
-
-    def _tick(self, expiry: float) -> int:
-        return math.ceil(expiry / self.TICK_S)
-
-    def add(self, token: str, key: bytes, expiry: float) -> None:
-        tick = self._tick(expiry)
-        entries = self._ticks.get(tick)
-        if entries is None:
-            entries = self._ticks[tick] = set()
-            heapq.heappush(self._order, tick)
-        entries.add((token, key))
-
-    def discard(self, token: str, key: bytes, expiry: float) -> None:
-        tick = self._tick(expiry)
-        entries = self._ticks.get(tick)
-        if entries is not None:
-            entries.discard((token, key))
-            if not entries:
-                del self._ticks[tick]      # an emptied set keeps its table: drop it
-
-    def move(self, token: str, key: bytes, old: float, new: float) -> None:
-        if self._tick(old) != self._tick(new):
-            self.discard(token, key, old)
-            self.add(token, key, new)
-
-    def due(self, now: float) -> list[tuple[str, bytes]]:
-        """Take out every entry whose tick has passed."""
-        out: list[tuple[str, bytes]] = []
-        limit = self._tick(now)
-        while self._order and self._order[0] <= limit:
-            out.extend(self._ticks.pop(heapq.heappop(self._order), ()))
-        if len(self._order) > 4 * len(self._ticks) + 64:   # ticks emptied and dropped early
-            self._order = sorted(self._ticks)
-        return out
-
-    def __len__(self) -> int:
-        return sum(len(e) for e in self._ticks.values())
-
-
 class KvdCore:
     """Everything the daemon knows, minus the bytes (those live in the pool)."""
 
@@ -197,8 +143,7 @@ class KvdCore:
         self.sessions = SessionTable(config, clock)
         self.namespaces = NamespaceTable(extents, config.manager.policy, config.tenants)
         self.quarantine = SlotQuarantine(alive)
-        self._lease_timers = ExpiryWheel()
-        self.leases_expired_total = 0
+        self.leases = Leases()
         self.resets_total = 0
         self.transfers = TransferStats()
         # Bytes of blocks whose copies completed, counted by the daemon itself (block size x
@@ -306,7 +251,7 @@ class KvdCore:
                      s.id, reason, what, len(held.pins), len(held.slots))
         else:
             log.info("session %s ended (%s) before registering", s.id, reason)
-        self._drop_leases(s)
+        self.leases.drop(s)
         s.pins.clear()
         s.pending.clear()
 
@@ -321,11 +266,9 @@ class KvdCore:
                  s.id, session_id, *released)
         return released
 
-    def _drop_leases(self, s: Session) -> None:
-        """Forget a session's leases and their timers (their refs are the caller's)."""
-        for key, (expiry, _) in s.leases.items():
-            self._lease_timers.discard(s.token, key, expiry)
-        s.leases.clear()
+    @property
+    def leases_expired_total(self) -> int:
+        return self.leases.expired_total
 
     def forgive(self, seconds: float) -> None:
         """Credit every session with `seconds` of heartbeat: the daemon was not listening."""
@@ -336,21 +279,7 @@ class KvdCore:
         now = self.clock()
         if self.quarantine:
             self.quarantine.release_due()
-        for token, key in self._lease_timers.due(now):
-            s = self.sessions.get(token)
-            if s is None:
-                continue
-            lease = s.leases.get(key)
-            if lease is None:
-                continue
-            if lease[0] > now:     # renewed into a later tick meanwhile
-                self._lease_timers.add(token, key, lease[0])
-                continue
-            del s.leases[key]
-            if s.ns is not None:
-                s.ns.mgr.unpin(key, lease[1])
-                NamespaceTable.maybe_release(s.ns)
-            self.leases_expired_total += 1
+        self.leases.expire(now, self.sessions.get)
         for s, why in self.sessions.expired():
             self.close_session(s, why, reaped=True)
         for ns in self.namespaces:
@@ -399,7 +328,7 @@ class KvdCore:
             if state is Lookup.HIT:
                 hits += 1
                 if offsets is not None:
-                    slot = self._lease(s, ns, key, expiry, epoch)
+                    slot = self.leases.grant(s, mgr, key, expiry, epoch)
                     if slot is not None:
                         offset = ns.slots.offset(slot)
             elif state is Lookup.MISS:
@@ -412,29 +341,6 @@ class KvdCore:
         ns.hits_total += hits
         ns.misses_total += misses
         return LookupAnswer(states, epoch, offsets, lease_s)
-
-    def _lease(self, s: Session, ns: Namespace, key: bytes, expiry: float,
-               epoch: int) -> int | None:
-        """Lease a ready block to `s` until `expiry` (renewing its lease); its slot."""
-        current = s.leases.get(key)
-        if current is not None and current[1] == epoch:
-            if expiry > current[0]:
-                s.leases[key] = (expiry, epoch)
-                self._lease_timers.move(s.token, key, current[0], expiry)
-        else:
-            if len(s.leases) >= MAX_LEASES_PER_SESSION:
-                raise ResourceExhausted(f"session holds {len(s.leases)} leases already; load "
-                                        "or let them expire")
-            if current is not None:  # a lease from an older epoch: release its zombie ref
-                ns.mgr.unpin(key, current[1])
-            if current is not None:
-                self._lease_timers.discard(s.token, key, current[0])
-            if not ns.mgr.pin(key):
-                s.leases.pop(key, None)
-                return None
-            s.leases[key] = (expiry, epoch)
-            self._lease_timers.add(s.token, key, expiry)
-        return ns.mgr.slot_of(key)
 
     @staticmethod
     def check_pin_room(s: Session, more: int) -> None:
@@ -451,14 +357,11 @@ class KvdCore:
         mgr = ns.mgr
         epoch = mgr.epoch
         slots = mgr.prepare_load(keys, self.request_key(s, req_id), positions or None)
-        leases = s.leases
         pins = s.pins
+        take_back = self.leases.take_back if s.leases else None
         for key in keys:
-            lease = leases.get(key)
-            if lease is not None and lease[1] == epoch:  # the pin just taken replaces it
-                del leases[key]
-                self._lease_timers.discard(s.token, key, lease[0])
-                mgr.unpin(key, epoch)
+            if take_back is not None:
+                take_back(s, mgr, key, epoch)        # the pin just taken replaces a lease
             pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
         offset = ns.slots.offset
         return LoadAnswer([offset(slot) for slot in slots], epoch)
@@ -475,12 +378,8 @@ class KvdCore:
             pk = (epoch, key)
             count = pins.get(pk)
             if not count:
-                lease = s.leases.get(key)
-                if lease is not None and lease[1] == epoch:
-                    # Leased by this session and not loaded: the engine gives the lease back.
-                    del s.leases[key]
-                    self._lease_timers.discard(s.token, key, lease[0])
-                    mgr.unpin(key, epoch)
+                # Leased by this session and not loaded: the engine gives the lease back.
+                self.leases.take_back(s, mgr, key, epoch)
                 continue  # never touch another session's pin or lease
             if count == 1:
                 del pins[pk]
@@ -572,9 +471,7 @@ class KvdCore:
         # Leases die with the epoch: release their zombie refs now.
         for s in self.sessions:
             if s.ns is ns and s.leases:
-                for key, (_, epoch) in s.leases.items():
-                    ns.mgr.unpin(key, epoch)
-                self._drop_leases(s)
+                self.leases.release(s, ns.mgr)
         NamespaceTable.maybe_release(ns)
         self.resets_total += 1
         log.info("namespace %s reset: %d blocks dropped, epoch %d -> %d", ns.id, dropped, old,

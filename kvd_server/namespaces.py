@@ -17,7 +17,7 @@ from kvd_server.config import TenantsConfig
 from kvd_server.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd_server.extents import ExtentAllocator, NamespaceSlots, TenantBudget
 from kvd_server.manager import NamespaceManager
-from kvd_server.manager.namespace import RecencyBudget
+from kvd_server.manager.requests import RecencyBudget
 from kvd_server.shm_index import Reclamation, ShmIndex
 
 MAX_NAMESPACES = 1024

@@ -2,16 +2,16 @@
 daemon needs (lease pins, epochs, zombies).
 
 Block states: storing (invisible to lookups as HIT) -> ready (unpinned, evictable) -> pinned
-(being loaded or leased); kept per slot in a `BlockTable`, keys in the shared index. Eviction is all-or-nothing and never touches
-storing, pinned or offered blocks. `reset()` drops every block at once; a block still being
-copied (pinned or storing) keeps its slot as a *zombie* of the old epoch until the copy's
-completion with that epoch arrives, so no new store can overwrite memory an engine still
-reads or writes.
+(being loaded or leased); kept per slot in a `BlockTable`, keys in the shared index. Eviction
+is all-or-nothing and never touches storing, pinned or offered blocks. `reset()` drops every
+block at once; a block still being copied (pinned or storing) keeps its slot as a zombie of
+the old epoch (manager/zombies.py) until the copy's completion with that epoch arrives, so no
+new store can overwrite memory an engine still reads or writes. What each open request did
+is recorded apart (manager/requests.py), so are the events (manager/events.py).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,8 +20,10 @@ from kvd_server.errors import NotReady
 from kvd_server.shm_index import ShmIndex
 
 from .blocks import ABSENT, READY, STORING, BlockTable
+from .events import EventQueue
+from .offers import OfferCounts
 from .policies import RequestState, make_policy
-from .policies.base import group_of
+from .requests import MAX_KEYS_PER_REQUEST, RecencyBudget, RequestLog
 from .types import (
     BlockCounts,
     Lookup,
@@ -30,49 +32,7 @@ from .types import (
     SlotSource,
     StoreGrant,
 )
-
-# Bounds that keep a misbehaving client from growing the daemon without limit.
-MAX_PENDING_EVENTS = 100_000
-MAX_OPEN_REQUESTS = 100_000
-MAX_KEYS_PER_REQUEST = 65_536   # a request longer than this records no further recency
-MAX_TRACKED_KEYS = 1 << 20      # keys recorded over all open requests of one namespace
-
-
-class RecencyBudget:
-    """How many keys open requests may record, shared by every namespace of a daemon.
-
-    A request's recorded accesses (keys, positions, what it inserted or reused) live until it
-    finishes; a client that never finishes its requests, or offers endless keys under one,
-    would otherwise grow the daemon without bound. Past the budget, accesses are not
-    recorded: eviction order degrades, memory does not grow.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, n: int) -> int:
-        granted = max(0, min(n, self.limit - self.used))
-        self.used += granted
-        return granted
-
-    def give(self, n: int) -> None:
-        self.used -= n
-
-
-def event_bytes(event: OffloadEvent) -> int:
-    """About what an event costs on the wire (keys with their framing, plus the flags)."""
-    return sum(len(k) + 3 for k in event.keys) + 8
-
-
-class Zombie:
-    """A block dropped by a reset while being copied: its slot waits for that copy."""
-
-    __slots__ = ("slot", "ref")
-
-    def __init__(self, slot: int, ref: int) -> None:
-        self.slot = slot
-        self.ref = ref          # -1: a store in flight; n > 0: n loads in flight
+from .zombies import Zombies
 
 
 @dataclass(slots=True)
@@ -104,21 +64,13 @@ class NamespaceManager:
         self.policy = make_policy(policy, slots.capacity(), self.table)
         self.epoch = 0
         self.counters = ManagerCounters()
-        self._events: deque[OffloadEvent] | None = deque() if enable_events else None
+        self._events = EventQueue() if enable_events else None
         self._storing = 0
         self._evictable = 0
-        self._zombies: dict[tuple[int, bytes], Zombie] = {}
-        self._requests: dict[Hashable, RequestState] = {}
-        if hasattr(self.policy, "open_requests"):
-            self.policy.open_requests = self._requests.values()
-        self._tracked = 0                     # keys recorded by the open requests
-        self._budget = budget
-        self._generation = 0
-        self.store_threshold = store_threshold
-        self.max_tracker_size = max_tracker_size
-        self._offers: OrderedDict[bytes, int] | None = (
-            OrderedDict() if store_threshold >= 2 else None
-        )
+        self._zombies = Zombies()
+        self.requests = RequestLog(self.policy, budget)
+        self._offers = OfferCounts(store_threshold, max_tracker_size) \
+            if store_threshold >= 2 else None
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -147,94 +99,13 @@ class NamespaceManager:
         return not len(self.table) and not self._zombies
 
     # --------------------------------------------------------- request scope
-    def _request(self, req: Hashable | None) -> RequestState:
-        if req is None:
-            return RequestState(self._generation)
-        state = self._requests.get(req)
-        if state is None or state.generation != self._generation or state.finished:
-            if state is not None:
-                self._drop(req)
-            if len(self._requests) >= MAX_OPEN_REQUESTS:
-                # Oldest open request: its accesses are dropped, not applied.
-                self._drop(next(iter(self._requests)))
-            state = RequestState(self._generation)
-            self._requests[req] = state
-        return state
-
-    def _drop(self, req: Hashable) -> RequestState | None:
-        """Forget an open request and give what it recorded back to the budgets."""
-        state = self._requests.pop(req, None)
-        if state is not None:
-            self._release(len(state.seen) + len(state.positions))
-        return state
-
-    def _room(self, state_keys: int, wanted: int) -> int:
-        """How many of `wanted` new entries a request holding `state_keys` may record."""
-        room = min(wanted, MAX_KEYS_PER_REQUEST - state_keys, MAX_TRACKED_KEYS - self._tracked)
-        if room > 0 and self._budget is not None:
-            room = self._budget.take(room)
-        room = max(room, 0)
-        self._tracked += room
-        return room
-
-    def _release(self, n: int) -> None:
-        self._tracked -= n
-        if self._budget is not None:
-            self._budget.give(n)
-
-    def _set_positions(self, state: RequestState, keys: Sequence[bytes],
-                       positions: Sequence[int] | None) -> None:
-        if not positions:
-            return
-        if len(positions) != len(keys):
-            raise ValueError(f"{len(positions)} positions for {len(keys)} keys")
-        known = state.positions
-        pairs = dict(zip(keys, positions, strict=True))
-        fresh = [k for k in pairs if k not in known]
-        allowed = self._room(len(known), len(fresh))
-        for key in fresh[allowed:]:
-            del pairs[key]
-        known.update(pairs)
-
-    def _record(self, keys: Sequence[bytes], state: RequestState,
-                reused: Sequence[bytes] = (), slot_of: dict[bytes, int] | None = None) -> None:
-        """A request's accesses; `slot_of` (key -> slot, -1 when not resident), when the
-        caller found them already, spares the policy looking them up again."""
-        seen = state.seen
-        fresh = [k for k in dict.fromkeys(keys) if k not in seen]
-        fresh = fresh[:self._room(len(seen), len(fresh))]
-        if fresh:
-            groups = state.key_groups
-            if len(fresh[0]) >= 4 and len({k[-4:] for k in fresh}) == 1:
-                groups.setdefault(group_of(fresh[0]), []).extend(fresh)  # one group: usual
-            else:
-                for key in fresh:
-                    groups.setdefault(group_of(key), []).append(key)
-        seen.update(fresh)
-        if fresh:
-            slots = None if slot_of is None else [slot_of[k] for k in fresh]
-            self.policy.on_request_access(fresh, state, slots)
-        # Re-reading a block this request inserted is not a second use.
-        state.reused.update(k for k in reused if k in seen and k not in state.inserted)
-
     def request_finished(self, req: Hashable) -> None:
         """Apply the request's recorded accesses to the policy in prefix order."""
-        state = self._drop(req)
-        if state is None or state.generation != self._generation or state.finished:
-            return
-        state.finished = True
-        groups = []
-        for group in sorted(state.key_groups):
-            keys = state.key_groups[group]
-            if all(k in state.positions for k in keys):
-                keys = sorted(keys, key=state.positions.__getitem__)
-            groups.append(tuple(keys))
-        self.policy.on_request_finished(tuple(groups), state.inserted - state.reused,
-                                        state.reused, state)
+        self.requests.finished(req)
 
     def forget_request(self, req: Hashable) -> None:
         """Drop a request's accesses without applying them (its session died)."""
-        self._drop(req)
+        self.requests.drop(req)
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes], req: Hashable | None = None,
@@ -253,11 +124,12 @@ class NamespaceManager:
     def _load(self, keys: Sequence[bytes], slots: Sequence[int], req: Hashable | None,
               positions: Sequence[int] | None) -> None:
         """Pin readable blocks found in `slots`, and record the request's access to them."""
-        state = self._request(req)
-        self._set_positions(state, keys, positions)
+        requests = self.requests
+        state = requests.get(req)
+        requests.set_positions(state, keys, positions)
         for slot in slots:
             self._pin(slot)
-        self._record(keys, state, reused=keys, slot_of=dict(zip(keys, slots, strict=True)))
+        requests.record(keys, state, reused=keys, slot_of=dict(zip(keys, slots, strict=True)))
 
     def _pin(self, slot: int) -> None:
         blocks = self.table.state
@@ -296,18 +168,9 @@ class NamespaceManager:
 
     def _release_zombie(self, epoch: int, key: bytes, *, loading: bool,
                         hold: list[int] | None = None) -> None:
-        zkey = (epoch, key)
-        block = self._zombies.get(zkey)
-        if block is None:
-            return
-        if loading and block.ref > 0:
-            block.ref -= 1
-            if block.ref > 0:
-                return
-        elif loading or block.ref >= 0:
-            return  # a store completion for a pinned zombie, or the reverse: not ours
-        del self._zombies[zkey]
-        self._free_or_hold(block.slot, hold)
+        slot = self._zombies.release(epoch, key, loading=loading)
+        if slot is not None:
+            self._free_or_hold(slot, hold)
 
     def _free_or_hold(self, slot: int, hold: list[int] | None) -> None:
         if hold is None:
@@ -316,38 +179,18 @@ class NamespaceManager:
             hold.append(slot)  # the caller frees it later (quarantine)
 
     def touch(self, keys: Sequence[bytes], req: Hashable | None = None) -> None:
-        self.policy.touch(keys, self._request(req))
+        self.policy.touch(keys, self.requests.get(req))
 
     # ----------------------------------------------------------------- stores
-    def _count_offers(self, keys: Sequence[bytes]) -> None:
-        """Offer counting for store_threshold, without evicting this offer's own entries."""
-        offers = self._offers
-        assert offers is not None
-        seen = set()
-        for key in keys:
-            if key in offers:
-                offers.move_to_end(key)
-                offers[key] += 1
-                seen.add(key)
-        unprotected = len(offers) - len(seen)
-        for key in keys:
-            if key in offers:
-                continue
-            if len(offers) >= self.max_tracker_size:
-                if unprotected == 0:
-                    continue
-                offers.popitem(last=False)
-                unprotected -= 1
-            offers[key] = 1
-
     def _classify_offer(self, keys: Sequence[bytes], req: Hashable | None,
                         positions: Sequence[int] | None) -> tuple[RequestState, list[bytes]]:
         """vLLM's prepare_store bookkeeping of an offer: positions, offer counts, ghost hits,
         request accesses; returns the request and the offered keys that are new."""
-        state = self._request(req)
-        self._set_positions(state, keys, positions)
+        requests = self.requests
+        state = requests.get(req)
+        requests.set_positions(state, keys, positions)
         if self._offers is not None:
-            self._count_offers(keys)
+            self._offers.count(keys)
         new: list[bytes] = []
         ready_existing: list[bytes] = []
         find, blocks = self.table.find, self.table.state
@@ -360,7 +203,7 @@ class NamespaceManager:
                 ready_existing.append(key)
         if self._offers is not None:
             offered = len(new)
-            new = [k for k in new if self._offers.get(k, 0) >= self.store_threshold]
+            new = self._offers.due(new)
             self.counters.stores_skipped_total += offered - len(new)
         misses = [k for k in new if k not in state.store_misses]
         if misses:
@@ -369,8 +212,8 @@ class NamespaceManager:
                 state.store_misses.update(misses)
         recorded = set(new)
         recorded.update(ready_existing)
-        self._record([k for k in keys if k in recorded], state, reused=ready_existing,
-                     slot_of=slot_of)
+        requests.record([k for k in keys if k in recorded], state, reused=ready_existing,
+                        slot_of=slot_of)
         return state, new
 
     def _shortfall(self, n: int, owed: int, at_once: bool) -> int:
@@ -517,10 +360,7 @@ class NamespaceManager:
     def _settle_lost(self, key: bytes, slot: int, hold: list[int] | None) -> bool:
         """A completion from before a reset for a slot that is no zombie of the key (a losing
         duplicate): free it. False when the slot is the zombie's (release it the usual way)."""
-        for (_, zkey), block in self._zombies.items():
-            if zkey == key and block.slot == slot:
-                return False
-        if self.table.state[slot] != ABSENT:
+        if self._zombies.holds(key, slot) or self.table.state[slot] != ABSENT:
             return False
         self._free_or_hold(slot, hold)
         return True
@@ -568,13 +408,9 @@ class NamespaceManager:
 
     # ----------------------------------------------------------------- events
     def _emit(self, event: OffloadEvent) -> None:
-        events = self._events
-        if events is None:
-            return
-        if len(events) >= MAX_PENDING_EVENTS:
-            events.popleft()
-            self.counters.events_dropped_total += 1
-        events.append(event)
+        if self._events is not None:
+            self._events.emit(event)
+            self.counters.events_dropped_total = self._events.dropped_total
 
     def pending_events(self) -> int:
         return len(self._events) if self._events is not None else 0
@@ -583,29 +419,10 @@ class NamespaceManager:
                     max_bytes: int | None = None) -> tuple[list[OffloadEvent], bool]:
         """Drain stored/removed events in order, at most `max_events` and about `max_bytes`
         of keys (always at least one event); `more` says whether any are left."""
-        events = self._events
-        if not events:
+        if self._events is None:
             return [], False
-        out: list[OffloadEvent] = []
-        limit = len(events) if max_events is None else max_events
-        budget = max_bytes
-        while events and len(out) < limit:
-            event = events[0]
-            if event.metadata_only:
-                # A retry may already own the key again: then the clean-up is moot.
-                keys = tuple(k for k in event.keys if self.table.find(k) < 0)
-                if not keys:
-                    events.popleft()
-                    continue
-                event = OffloadEvent(keys, removed=True, metadata_only=True)
-            if budget is not None:
-                cost = event_bytes(event)
-                if out and cost > budget:
-                    break
-                budget -= cost
-            events.popleft()
-            out.append(event)
-        return out, bool(events)
+        find = self.table.find
+        return self._events.take(lambda key: find(key) < 0, max_events, max_bytes)
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> int:
@@ -618,7 +435,7 @@ class NamespaceManager:
         for slot, state in zip(resident[states != READY].tolist(),
                                states[states != READY].tolist(), strict=True):
             ref = -1 if state == STORING else state - READY
-            self._zombies[(old, table.key_of(slot))] = Zombie(slot, ref)
+            self._zombies.add(old, table.key_of(slot), slot, ref)
         freed = resident[states == READY].tolist()
         self.policy.clear()
         table.clear()
@@ -629,9 +446,7 @@ class NamespaceManager:
                 self.slots.free(slot)
         self._storing = 0
         self._evictable = 0
-        for req in list(self._requests):
-            self._drop(req)
-        self._generation += 1
+        self.requests.new_generation()
         self.epoch += 1
         self.index.reset_epoch = self.epoch
         self.counters.resets_total += 1

@@ -95,7 +95,7 @@ def test_an_engine_stepping_flat_out_reaches_the_daemon_on_its_own_thread(daemon
             a.end_step()
         assert blocking[0] == 0, "a call to the daemon on the scheduler thread"
         assert declined <= 3, f"{declined} of {steps} steps found the reserve short"
-        channel = a._channel
+        channel = a._msgs.channel
         assert channel is not None and channel.wakes <= steps // 10, \
             f"{channel.wakes} eventfd writes in {steps} steps: the daemon should be polling"
         settle(a)

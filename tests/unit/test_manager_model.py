@@ -118,7 +118,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def slots_are_exclusive_and_accounted(self):
         live = [self.m.slot_of(k) for k in self.state]
-        zombies = [b.slot for b in self.m._zombies.values()]
+        zombies = self.m._zombies.slots()
         used = live + zombies
         assert len(used) == len(set(used)), "a slot is shared"
         assert all(0 <= s < CAPACITY for s in used)

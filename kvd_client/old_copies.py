@@ -1,0 +1,30 @@
+"""Copies an engine still runs for sessions that ended while its process lived on.
+
+After a reconnect the daemon keeps what the old session held (its pins and store slots) in
+quarantine: the engine's workers may still be copying with that session's offsets. The
+engine counts those copies as they finish; when the last one does, it tells the daemon
+(ReleaseHeld) to give everything back."""
+
+from __future__ import annotations
+
+
+class OldCopies:
+    def __init__(self) -> None:
+        self._sessions: list[str] = []        # ended sessions whose copies still run
+        self._copies = 0
+
+    def add(self, session_id: str | None, copies: int) -> None:
+        """A session ended with `copies` loads and stores in flight."""
+        if session_id and copies:
+            self._sessions.append(session_id)
+            self._copies += copies
+
+    def finished(self, n: int = 1) -> list[str]:
+        """`n` of those copies finished: the sessions to release once all have."""
+        if not self._copies or n <= 0:
+            return []
+        self._copies = max(0, self._copies - n)
+        if self._copies:
+            return []
+        released, self._sessions = self._sessions, []
+        return released

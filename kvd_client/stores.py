@@ -1,0 +1,124 @@
+"""The engine's own stores, from the slots it took until the daemon has heard they finished.
+
+Until then the engine alone knows them: a lookup of such a key must not answer MISS (the
+block is on its way) and a completed one is a HIT before the daemon marks it READY in the
+index. Each store remembers its slot and what its `reserve` call shares: the reset epoch it
+belongs to (UNKNOWN_EPOCH while a reset this engine asked for is on its way: completions wait
+for the reset's answer) and the step whose records told the daemon of it. A completed store
+is forgotten once the daemon has read that step's records (the index answers from then on).
+A reset turns every store in flight stale: its completion is sent, failed, once the engine
+says the copies in flight at the reset have finished.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAX_LOCAL_STORES = 1 << 16
+UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
+
+
+@dataclass(slots=True)
+class Shared:
+    """What the stores of one `reserve` call share."""
+
+    reset_epoch: int
+    seq: int                    # the step whose records told the daemon about them
+
+
+Store = tuple[int, Shared]      # a store in flight: (slot offset, its call's record)
+
+
+class StoreTracker:
+    def __init__(self) -> None:
+        self.stores: dict[bytes, Store] = {}       # key -> store (kvd_proto.native reads it)
+        self.completed: set[bytes] = set()         # of those, the copies that finished
+        # completed stores in completion order, (seq, key, store), to forget once the daemon
+        # has read them
+        self._settling: collections.deque[tuple[int, bytes, Store]] = collections.deque()
+        self._stale: dict[int, list[bytes]] = {}   # reset epoch -> keys in flight at a reset
+        self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
+
+    def __len__(self) -> int:
+        return len(self.stores)
+
+    def add(self, new: Sequence[bytes], slots: Sequence[int], reset_epoch: int,
+            seq: int) -> None:
+        """Stores of `new` into `slots`, told to the daemon with step `seq`'s records."""
+        stores = self.stores
+        shared = Shared(reset_epoch, seq)
+        if len(new) <= MAX_LOCAL_STORES - len(stores):
+            stores.update(zip(new, zip(slots, [shared] * len(new), strict=True), strict=True))
+        else:
+            for key, offset in zip(new[:max(0, MAX_LOCAL_STORES - len(stores))], slots,
+                                   strict=False):
+                stores[key] = (offset, shared)
+
+    def complete(self, keys: Sequence[bytes], req_id: str, success: bool
+                 ) -> tuple[dict[int, list[bytes]], int]:
+        """Stores of `keys` finished: (keys per reset epoch to complete at the daemon; keys
+        that were no store of this session). Those of an unknown epoch wait (`reset_done`)."""
+        by_reset: dict[int, list[bytes]] = {}
+        stores, completed, settling = self.stores, self.completed, self._settling
+        unknown = 0
+        for key in keys:
+            store = stores.get(key)
+            if store is None:
+                unknown += 1
+                continue
+            shared = store[1]
+            if success:
+                completed.add(key)           # lookups answer HIT from now on
+                settling.append((shared.seq, key, store))
+            else:
+                del stores[key]
+                completed.discard(key)
+            if shared.reset_epoch == UNKNOWN_EPOCH:
+                self._deferred.append((key, req_id, success))
+                continue
+            by_reset.setdefault(shared.reset_epoch, []).append(key)
+        return by_reset, unknown
+
+    def settle(self, acked: int) -> None:
+        """Completed stores the daemon has read are answered by the index from now on (in
+        completion order: one not read yet keeps the later ones a little longer, which only
+        sends their lookups down the slow path)."""
+        settling, stores = self._settling, self.stores
+        while settling and settling[0][0] <= acked:
+            _, key, store = settling.popleft()
+            if stores.get(key) is store:
+                del stores[key]
+                self.completed.discard(key)
+
+    def reset(self) -> None:
+        """A reset: every store in flight is stale (its slot waits at the daemon)."""
+        for key, (_, shared) in self.stores.items():
+            self._stale.setdefault(shared.reset_epoch, []).append(key)
+        self._clear()
+
+    def reset_done(self, epoch: int) -> list[tuple[bytes, str, bool]]:
+        """The daemon did the reset: stores made meanwhile belong to `epoch`; the completions
+        that waited for it, to send now."""
+        for _, shared in self.stores.values():
+            if shared.reset_epoch == UNKNOWN_EPOCH:
+                shared.reset_epoch = epoch
+        deferred, self._deferred = self._deferred, []
+        return deferred
+
+    def reset_flushed(self) -> dict[int, list[bytes]]:
+        """The copies in flight at the last reset finished: the stale stores to fail."""
+        stale, self._stale = self._stale, {}
+        return stale
+
+    def _clear(self) -> None:
+        self.stores.clear()
+        self.completed.clear()
+        self._settling.clear()
+
+    def clear(self) -> None:
+        """A new session: nothing of the old one is tracked here any more."""
+        self._clear()
+        self._stale.clear()
+        self._deferred.clear()
