@@ -680,6 +680,15 @@ def render_stats(snap: StatsSnapshot) -> str:
         ("stored", f"{format_size(transfers.store_bytes_total)} in "
                    f"{transfers.store_seconds_total:.2f}s"),
     ])
+    channels = snap.channels
+    records = sum(channels.records_total.values())
+    lines += [""] + _rows("channels", [
+        ("open", channels.open),
+        ("records_total", f"{records} ({channels.rejected_total} refused)"),
+        ("broken_total", channels.broken_total),
+        ("index loops", "compiled" if channels.native else "pure Python (no C compiler at "
+                                                            "install: slower)"),
+    ])
     if snap.tenants:
         lines += [""] + _rows("tenants", [
             (_cut(name, 21), f"{format_size(t.used_bytes)} of "

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from kvd_server.stats import (
     BlockStats,
+    ChannelStats,
     NamespaceStats,
     PoolStats,
     ServerStats,
@@ -137,6 +138,7 @@ class StatsCollector(Collector):
         yield from _namespaces(snap.namespaces)
         yield from _tenants(snap.tenants)
         yield from _transfers(snap.transfers)
+        yield from _channels(snap.channels)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -292,6 +294,22 @@ def _transfers(transfers: TransferTotals) -> Iterator[Metric]:
                    transfers.load_seconds_total)
     yield _counter("kvd_transfer_store_seconds", "Seconds spent storing (client reports).",
                    transfers.store_seconds_total)
+
+
+def _channels(channels: ChannelStats) -> Iterator[Metric]:
+    yield _gauge("kvd_channels", "Sessions' channels open (engines on the shared-index "
+                 "protocol).", channels.open)
+    records = CounterMetricFamily("kvd_channel_records", "Channel records applied, by kind.",
+                                  labels=["kind"])
+    for kind, n in sorted(channels.records_total.items()):
+        records.add_metric([kind], float(n))
+    yield records
+    yield _counter("kvd_channel_rejected", "Channel records refused (answered REJECTED).",
+                   channels.rejected_total)
+    yield _counter("kvd_channels_broken", "Sessions ended for breaking their channel's rings.",
+                   channels.broken_total)
+    yield _gauge("kvd_native", "1 when the shared index's loops run compiled (kvd_proto."
+                 "_native), 0 on the pure-Python twins.", 1 if channels.native else 0)
 
 
 class MetricsServer:

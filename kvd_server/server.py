@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.channel import ChannelHeader
+from kvd_proto.native import NATIVE
 from kvd_proto.paths import SocketState, attach_path, grpc_target, probe_socket
 from kvd_proto.wire import TRANSPORT_MESSAGE_BYTES, channel_options
 from kvd_server import __version__, notify
@@ -40,7 +41,7 @@ from kvd_server.front_door import FrontDoor
 from kvd_server.pool import HostPool, PoolError, check_fits
 from kvd_server.service import AdminService, EngineService, RpcRecorder
 from kvd_server.sessions import Session
-from kvd_server.stats import DaemonFacts, StatsSnapshot, build_snapshot
+from kvd_server.stats import ChannelStats, DaemonFacts, StatsSnapshot, build_snapshot
 from kvd_server.tenant_pools import DEFAULT_TENANT, TenantPools
 from kvd_server.units import format_duration, format_size
 
@@ -122,6 +123,7 @@ class Daemon:
         self._rpc = RpcRecorder()
         self._engine: EngineService | None = None
         self._channels: ChannelHub | None = None
+        self._channel_service: ChannelService | None = None
         self._stop = asyncio.Event()
         self._stop_prefault = threading.Event()   # read by the pre-fault thread
         self._drain_timeout = config.server.drain_timeout
@@ -144,7 +146,17 @@ class Daemon:
             backing=cfg.pool.backing, path=cfg.pool.path or None,
             prefault_bytes_done=self.pool.prefaulted_bytes, mlocked=self.pool.mlocked,
             step_calls_total=engine.step_calls if engine else 0,
-            step_ops_total=engine.step_ops if engine else 0, rpc=self._rpc.counts))
+            step_ops_total=engine.step_ops if engine else 0, rpc=self._rpc.counts,
+            channels=self._channel_stats()))
+
+    def _channel_stats(self) -> ChannelStats:
+        hub, service = self._channels, self._channel_service
+        if hub is None or service is None:
+            return ChannelStats(native=NATIVE)
+        return ChannelStats(open=len(hub), native=NATIVE,
+                            records_total=dict(sorted(service.records.items())),
+                            rejected_total=service.rejected_total,
+                            broken_total=hub.broken_total)
 
     def request_drain(self, timeout: float | None = None) -> bool:
         """Start draining (idempotent): False when a drain is already under way."""
@@ -204,6 +216,10 @@ class Daemon:
                  format_duration(cfg.manager.liveness_timeout), cfg.server.max_sessions)
         log.info("metrics: %s", f"http://{cfg.server.metrics_address}:{cfg.server.metrics_port}"
                  "/metrics" if cfg.server.metrics_port else "off")
+        if not NATIVE:
+            log.warning("the shared index's loops run in pure Python (kvd_proto._native was "
+                        "not built: no C compiler or Python headers at install, or "
+                        "KVD_NATIVE=0); kvd works, more slowly per key")
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.request_drain():
@@ -251,7 +267,8 @@ class Daemon:
                                idle_timeout=cfg.server.idle_timeout)
         await self._door.start()
 
-        service = ChannelService(core, ChannelHeader().down_max_record)
+        service = self._channel_service = ChannelService(core,
+                                                         ChannelHeader().down_max_record)
         self._channels = ChannelHub(
             service, heartbeat=core.heartbeat,
             on_broken=lambda s, why: core.close_session(s, why, reaped=True))  # type: ignore
@@ -340,7 +357,8 @@ class Daemon:
         """A session ends: what its channel still holds is applied, then it goes."""
         if self._channels is not None:
             self._channels.close(session.id)
-            self._channels.service.forget(session.id)
+            if self._channel_service is not None:
+                self._channel_service.forget(session.id)
 
     async def _prepare_pool(self) -> None:
         cfg = self.config.pool

@@ -142,6 +142,17 @@ class RpcCount:
 
 
 @dataclass(slots=True)
+class ChannelStats:
+    """The sessions' channels (the shared-index protocol without gRPC)."""
+
+    open: int = 0
+    native: bool = False                 # the index loops are compiled (kvd_proto/native.py)
+    records_total: dict[str, int] = field(default_factory=dict)   # applied, by kind
+    rejected_total: int = 0              # refused (answered REJECTED)
+    broken_total: int = 0                # sessions ended for breaking their ring
+
+
+@dataclass(slots=True)
 class StatsSnapshot:
     server: ServerStats = field(default_factory=ServerStats)
     pool: PoolStats = field(default_factory=PoolStats)
@@ -152,6 +163,7 @@ class StatsSnapshot:
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     stats: Totals = field(default_factory=Totals)
     transfers: TransferTotals = field(default_factory=TransferTotals)
+    channels: ChannelStats = field(default_factory=ChannelStats)
     rpc: dict[str, RpcCount] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,6 +191,7 @@ class DaemonFacts:
     step_calls_total: int = 0
     step_ops_total: int = 0
     rpc: dict[str, RpcCount] = field(default_factory=dict)
+    channels: ChannelStats = field(default_factory=ChannelStats)
 
 
 def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnapshot:
@@ -243,6 +256,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
             completed_store_bytes_total=core.completed_store_bytes,
             load_bytes_total=t.load_bytes, load_seconds_total=t.load_seconds,
             store_bytes_total=t.store_bytes, store_seconds_total=t.store_seconds),
+        channels=facts.channels,
         rpc=dict(sorted(facts.rpc.items())),
     )
 

@@ -66,6 +66,12 @@ def test_fast_path_lookups_and_hits_show_in_kvd_stats_as_the_engines_counted(dae
         assert doc["stats"]["hits_total"] == want[1]
         assert daemon.stats()["rpc"].get("Lookup", {}).get("calls_total", 0) == 0, \
             "the engines looked up through gRPC"
+        channels = doc["channels"]
+        assert channels["open"] >= 2 and channels["rejected_total"] == 0
+        assert channels["records_total"].get("store", 0) >= 1, channels
+        assert channels["records_total"].get("counters", 0) >= 1, channels
+        text = daemon.kvd("stats").stdout
+        assert "channels" in text, text
     finally:
         other.close()
         close_session(a)

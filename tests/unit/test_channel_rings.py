@@ -169,3 +169,23 @@ def test_the_idle_flag_is_the_daemons_word():
     assert engine.daemon_idle and struct.unpack_from("<Q", m, DAEMON_IDLE)[0] == 1
     daemon.set_daemon_idle(False)
     assert not engine.daemon_idle
+
+
+def test_the_documented_layout_and_record_kinds_are_the_codes():
+    """docs/attach.md is what a client in another language is written from."""
+    import pathlib
+    import re
+
+    from kvd_proto import records as rec
+    from kvd_proto.channel import DOWN_TAIL, UP_HEAD
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "attach.md").read_text()
+    section = doc.split("## The channel", 1)[1].split("## Warm restart", 1)[0]
+    for name, offset in (("UP_TAIL", UP_TAIL), ("UP_HEAD", UP_HEAD), ("DOWN_TAIL", DOWN_TAIL),
+                         ("DOWN_HEAD", DOWN_HEAD), ("DAEMON_IDLE", DAEMON_IDLE)):
+        assert f"{name} @{offset}" in section, name
+    up, down = section.split("| kind | down record", 1)
+    rows = {int(k): n for k, n in re.findall(r"^\| (\d+) \| ([A-Z_]+)", up, re.M)}
+    assert {k: n.lower() for k, n in rows.items()} == rec.UP_KINDS
+    rows = {int(k): n for k, n in re.findall(r"^\| (\d+) \| ([A-Z_]+)", down, re.M)}
+    assert {k: n.lower() for k, n in rows.items()} == rec.DOWN_KINDS
