@@ -233,6 +233,9 @@ class OffloadSession:
                 self._hits[key] = offset              # ours, completed: the daemon catches up
                 counts.hits += 1
                 return self._hit
+            if self._stores.failed.get(key) == offset:
+                counts.misses += 1                    # ours, failed: the daemon catches up
+                return self._miss
             return self._pending
         store = self._stores.stores.get(key)
         if store is not None and store[1].seq > self._msgs.acked:
@@ -318,6 +321,8 @@ class OffloadSession:
         # Until the daemon has done a reset this session asked for, the index still shows
         # what the reset drops: only this session's own later stores count as present.
         new = self._lookups.find_new(keys, not self._reset_pending)
+        if self._stores.failed and len(new) < len(keys):
+            new = self._new_after_failures(keys)
         slots = self._reserve.take(len(new))
         if slots is None:
             return None
@@ -331,10 +336,25 @@ class OffloadSession:
         self._put(messages.store(keys, req_id, pos, new, slots, self._per_record))
         return new, slots
 
+    def _new_after_failures(self, keys: Sequence[bytes]) -> list[bytes]:
+        """`find_new` where some of this session's stores failed and the daemon has not read
+        it yet: a key the index shows being stored into the failed slot is new again."""
+        stores, failed, find = self._stores.stores, self._stores.failed, self._lookups.find
+        use_index = not self._reset_pending
+        new = []
+        for key in keys:
+            if key in stores:
+                continue
+            found = find(key) if use_index else None
+            if found is None or (found[0] != STATE_READY and failed.get(key) == found[1]):
+                new.append(key)
+        return new
+
     def complete_store(self, keys: Sequence[bytes], req_id: str = "",
                        success: bool = True) -> None:
-        """Stores of `keys` finished (every worker wrote its share)."""
-        by_reset, unknown = self._stores.complete(keys, req_id, success)
+        """Stores of `keys` finished (every worker wrote its share). A failed one is gone for
+        this engine at once: its lookups answer MISS and an offer stores it again."""
+        by_reset, unknown = self._stores.complete(keys, req_id, success, self._msgs.seq)
         self._finished_old_copies(unknown)
         for reset, group in by_reset.items():
             self._put(messages.complete_store(group, success, req_id, reset, self._per_record))

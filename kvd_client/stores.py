@@ -8,6 +8,10 @@ for the reset's answer) and the step whose records told the daemon of it. A comp
 is forgotten once the daemon has read that step's records (the index answers from then on).
 A reset turns every store in flight stale: its completion is sent, failed, once the engine
 says the copies in flight at the reset have finished.
+
+A store that failed is gone for the engine at once: until the daemon has read the failure, the
+index still shows the key being stored into that slot, and `failed` says that this state is
+the engine's own dead store (its lookups answer MISS, a new offer of the key stores it again).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class StoreTracker:
         self._settling: collections.deque[tuple[int, bytes, Store]] = collections.deque()
         self._stale: dict[int, list[bytes]] = {}   # reset epoch -> keys in flight at a reset
         self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
+        # key -> the slot of its store that failed, until the daemon has read the failure
+        self.failed: dict[bytes, int] = {}
+        self._failing: collections.deque[tuple[int, bytes, int]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self.stores)
@@ -56,10 +63,12 @@ class StoreTracker:
                                    strict=False):
                 stores[key] = (offset, shared)
 
-    def complete(self, keys: Sequence[bytes], req_id: str, success: bool
+    def complete(self, keys: Sequence[bytes], req_id: str, success: bool, seq: int = 0
                  ) -> tuple[dict[int, list[bytes]], int]:
         """Stores of `keys` finished: (keys per reset epoch to complete at the daemon; keys
-        that were no store of this session). Those of an unknown epoch wait (`reset_done`)."""
+        that were no store of this session). Those of an unknown epoch wait (`reset_done`).
+        `seq`: the step whose records tell the daemon (a failure is the engine's own until
+        then, see the module doc)."""
         by_reset: dict[int, list[bytes]] = {}
         stores, completed, settling = self.stores, self.completed, self._settling
         unknown = 0
@@ -75,6 +84,9 @@ class StoreTracker:
             else:
                 del stores[key]
                 completed.discard(key)
+                if len(self.failed) < MAX_LOCAL_STORES:
+                    self.failed[key] = store[0]
+                    self._failing.append((seq, key, store[0]))
             if shared.reset_epoch == UNKNOWN_EPOCH:
                 self._deferred.append((key, req_id, success))
                 continue
@@ -91,6 +103,11 @@ class StoreTracker:
             if stores.get(key) is store:
                 del stores[key]
                 self.completed.discard(key)
+        failing, failed = self._failing, self.failed
+        while failing and failing[0][0] <= acked:
+            _, key, offset = failing.popleft()
+            if failed.get(key) == offset:
+                del failed[key]
 
     def reset(self) -> None:
         """A reset: every store in flight is stale (its slot waits at the daemon)."""
@@ -116,6 +133,8 @@ class StoreTracker:
         self.stores.clear()
         self.completed.clear()
         self._settling.clear()
+        self.failed.clear()
+        self._failing.clear()
 
     def clear(self) -> None:
         """A new session: nothing of the old one is tracked here any more."""

@@ -50,10 +50,20 @@ class KvdOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _positions(keys: Sequence[bytes], ctx: ReqContext) -> list[int] | None:
-        # ReqContext.get_offload_key_position(k) is a dict lookup behind a method call; read
-        # the dict itself where this vLLM has it (a third of the call's cost per key).
-        table = getattr(ctx, "_offload_key_positions", None)
-        position = table.get if isinstance(table, dict) else ctx.get_offload_key_position
+        """The keys' token positions (vLLM's public ReqContext.get_offload_key_position),
+        which the daemon uses only to order a request's blocks for eviction. The keys of one
+        call are almost always consecutive chunks: then three reads (first, middle, last)
+        give them all; otherwise every key is read."""
+        position = ctx.get_offload_key_position
+        n = len(keys)
+        if n < 3:
+            positions = [position(k) for k in keys]
+            return None if None in positions else positions  # type: ignore[return-value]
+        first, middle, last = position(keys[0]), position(keys[n // 2]), position(keys[-1])
+        if first is not None and last is not None and middle is not None:
+            step, rest = divmod(last - first, n - 1)
+            if step > 0 and not rest and middle == first + step * (n // 2):
+                return list(range(first, last + 1, step))
         positions = list(map(position, keys))
         return None if None in positions else positions  # type: ignore[return-value]
 

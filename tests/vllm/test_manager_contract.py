@@ -1,0 +1,95 @@
+"""vLLM's OffloadingManager contract, through vLLM's own classes against a real daemon: what
+kvd's manager answers where vLLM's CPU manager's answer is observable to the scheduler."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+from kvd_client.vllm.manager import KvdOffloadingManager
+
+CHUNK_TOKENS = 16
+
+
+def keys_for(tag: str, n: int) -> list[bytes]:
+    return [make_offload_key(hashlib.sha256(f"{tag}/{i}".encode()).digest(), 0)
+            for i in range(n)]
+
+
+def context(req_id: str, keys: list[bytes], first: int = 0) -> ReqContext:
+    ctx = ReqContext(req_id=req_id)
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, (first + i + 1) * CHUNK_TOKENS)
+    return ctx
+
+
+def step(manager: KvdOffloadingManager) -> None:
+    manager.on_schedule_end(None)  # type: ignore[arg-type]
+
+
+def wait_read(manager: KvdOffloadingManager) -> None:
+    """Steps until the daemon has read every record sent (bounded)."""
+    deadline = time.monotonic() + 10
+    while manager.has_pending_work():
+        assert time.monotonic() < deadline, "the daemon did not read the engine's records"
+        step(manager)
+        time.sleep(0.005)
+
+
+def test_a_failed_store_is_a_miss_at_once_and_offered_again_it_is_stored(engines):
+    manager = engines().manager
+    keys = keys_for("failed", 4)
+    ctx = context("r-failed", keys)
+    manager.lookup(keys[0], ctx)              # the step's first call
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and list(out.keys_to_store) == keys
+    step(manager)
+    wait_read(manager)                        # the index shows the keys being stored
+    assert manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+    # The copies failed: this engine knows now, before the daemon has read it.
+    manager.complete_store(keys, ctx, success=False)
+    assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 4
+    again = manager.prepare_store(keys, ctx)
+    assert again is not None and list(again.keys_to_store) == keys, \
+        "vLLM's retry of the failed blocks was dropped"
+    manager.complete_store(keys, ctx, success=True)
+    step(manager)
+    wait_read(manager)
+    assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
+    step(manager)
+
+
+class PublicOnly(ReqContext):
+    """A ReqContext whose private position table cannot be read: only the public method."""
+
+    calls = 0
+
+    def get_offload_key_position(self, key):  # noqa: ANN001, ANN201
+        PublicOnly.calls += 1
+        return object.__getattribute__(self, "_offload_key_positions").get(key)
+
+    def __getattribute__(self, name: str):  # noqa: ANN204
+        if name == "_offload_key_positions":
+            raise AssertionError("kvd read vLLM's private ReqContext._offload_key_positions")
+        return super().__getattribute__(name)
+
+
+def test_positions_come_from_vllms_public_api_only(engines):
+    manager = engines().manager
+    keys = keys_for("public", 40)
+    ctx = PublicOnly(req_id="r-public")
+    table = object.__getattribute__(ctx, "_offload_key_positions")   # as vLLM sets them
+    for i, key in enumerate(keys):
+        table[key] = (i + 1) * CHUNK_TOKENS
+    manager.lookup(keys[0], ctx)
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and list(out.keys_to_store) == keys
+    assert 0 < PublicOnly.calls <= len(keys)
+    # Not consecutive: every key's position is read, and all are passed on.
+    assert KvdOffloadingManager._positions(keys[:3] + keys[10:12], ctx) == \
+        [16, 32, 48, 176, 192]
+    assert KvdOffloadingManager._positions(keys[:10], ctx) == [16 * i for i in range(1, 11)]
+    manager.complete_store(keys, ctx, success=True)
+    step(manager)
