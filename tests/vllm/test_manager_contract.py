@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import time
 
+import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
 from kvd_client.vllm.manager import KvdOffloadingManager
@@ -93,3 +94,31 @@ def test_positions_come_from_vllms_public_api_only(engines):
     assert KvdOffloadingManager._positions(keys[:10], ctx) == [16 * i for i in range(1, 11)]
     manager.complete_store(keys, ctx, success=True)
     step(manager)
+
+
+def test_an_unsupported_vllm_fails_at_engine_start_saying_what_is_missing(caplog):
+    import types
+
+    from vllm.v1.kv_offload import base, config
+
+    from kvd_client.vllm import compat
+
+    assert compat.check() == compat._version()
+    assert compat.missing() == []
+    old = types.ModuleType("vllm.v1.kv_offload.base")
+    for name in compat.NAMES["vllm.v1.kv_offload.base"]:
+        if name != "ScheduleEndContext":
+            setattr(old, name, getattr(base, name))
+    old.OffloadingManager = type("OffloadingManager", (), {"lookup": None})
+    modules = {"vllm.v1.kv_offload.base": old, "vllm.v1.kv_offload.config": config}
+    with pytest.raises(compat.UnsupportedVllm) as err:
+        compat.check(modules, version="0.31.2")
+    text = str(err.value)
+    assert "vLLM 0.33.x" in text and "0.31.2" in text
+    assert "vllm.v1.kv_offload.base.ScheduleEndContext" in text
+    assert "OffloadingManager.prepare_store" in text
+    with pytest.raises(compat.UnsupportedVllm, match="vllm.v1.kv_offload.config"):
+        compat.check({"vllm.v1.kv_offload.base": base}, version="0.33.0")
+    with caplog.at_level("WARNING"):
+        assert compat.check(version="0.34.1") == "0.34.1"     # every name there: runs, warned
+    assert "untested" in caplog.text
