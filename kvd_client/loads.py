@@ -52,6 +52,11 @@ class LoadTracker:
         return sum(len(p.loading()) for pins in self._pins.values() for p in pins)
 
     @property
+    def in_flight(self) -> int:
+        """Blocks pinned and not unpinned (current loads; a handful of epochs to add)."""
+        return sum(self._epochs.values())
+
+    @property
     def holding(self) -> bool:
         """Whether any load (current or from before a reset) still holds back reuse."""
         return bool(self._epochs or self._stale_epochs)

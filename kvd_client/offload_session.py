@@ -96,6 +96,9 @@ class OffloadSession:
         self._loads = LoadTracker()
         self._stores = StoreTracker()
         self._events: list[Event] = []
+        # Events the daemon dropped before this session took them (nobody took them in time:
+        # the daemon bounds what waits), so what take_events returned is incomplete.
+        self.events_dropped = 0
         self._reset_pending = 0       # the token of the reset asked for (0: none)
         self._reset_tokens = 0
         self._old = OldCopies()
@@ -320,9 +323,7 @@ class OffloadSession:
             return [], []
         # Until the daemon has done a reset this session asked for, the index still shows
         # what the reset drops: only this session's own later stores count as present.
-        new = self._lookups.find_new(keys, not self._reset_pending)
-        if self._stores.failed and len(new) < len(keys):
-            new = self._new_after_failures(keys)
+        new = self.new_keys(keys)
         slots = self._reserve.take(len(new))
         if slots is None:
             return None
@@ -349,6 +350,32 @@ class OffloadSession:
             if found is None or (found[0] != STATE_READY and failed.get(key) == found[1]):
                 new.append(key)
         return new
+
+    def new_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys neither stored nor being stored, as `store_slots` decides (it starts the
+        step the same way: the daemon's answers applied); none without a daemon."""
+        self._begin()
+        if self._index is None or not self.client.available:
+            return []
+        new = self._lookups.find_new(keys, not self._reset_pending)
+        if self._stores.failed and len(new) < len(keys):
+            new = self._new_after_failures(keys)
+        return new
+
+    @property
+    def capacity(self) -> int:
+        """The namespace's slots (0 before the session has its index)."""
+        return 0 if self._index is None else self._index.header.capacity
+
+    @property
+    def stores_in_flight(self) -> int:
+        """This engine's stores not completed yet."""
+        return len(self._stores.stores) - len(self._stores.completed)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Blocks this engine is loading (pinned, not unpinned yet)."""
+        return self._loads.in_flight
 
     def complete_store(self, keys: Sequence[bytes], req_id: str = "",
                        success: bool = True) -> None:
@@ -459,11 +486,22 @@ class OffloadSession:
                 if answer.token == self._reset_pending:
                     self._reset_done(answer.epoch)
             elif isinstance(answer, rec.Events):
+                if answer.dropped:
+                    self._events_dropped(answer.dropped)
                 self._events.extend(Event(keys, removed, metadata_only)
                                     for keys, removed, metadata_only in answer.events)
             elif answer.kind == rec.RESET and self._reset_pending:    # refused (logged)
                 self._reset_done(self._reset_epoch)
         self._stores.settle(self._msgs.acked)
+
+    def _events_dropped(self, n: int) -> None:
+        """Counted in `events_dropped`; warned about once (it recurs while events are taken
+        too rarely, and a line per step would flood the engine's log)."""
+        if not self.events_dropped:
+            log.warning("kvd: the daemon dropped %d KV events nobody took in time (it bounds "
+                        "what waits per namespace): KV-event consumers missed some stored/"
+                        "removed blocks; counted in events_dropped, not logged again", n)
+        self.events_dropped += n
 
     def _reset_done(self, epoch: int) -> None:
         """The daemon did the reset: the stores made meanwhile belong to its new epoch."""

@@ -240,12 +240,14 @@ class TakeEventsRequest(_message.Message):
     def __init__(self, max_events: _Optional[int] = ...) -> None: ...
 
 class TakeEventsResponse(_message.Message):
-    __slots__ = ("events", "more")
+    __slots__ = ("events", "more", "events_dropped")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[OffloadEvent]
     more: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[OffloadEvent, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    events_dropped: int
+    def __init__(self, events: _Optional[_Iterable[_Union[OffloadEvent, _Mapping]]] = ..., more: _Optional[bool] = ..., events_dropped: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
@@ -534,12 +536,34 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., engine: _Optional[_Union[EngineIdentity, _Mapping]] = ..., namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ..., pins: _Optional[int] = ..., pending_stores: _Optional[int] = ..., leases: _Optional[int] = ..., age_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
-    __slots__ = ("sessions", "total")
+    __slots__ = ("sessions", "total", "reclaim_holders")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     total: int
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+    reclaim_holders: _containers.RepeatedCompositeFieldContainer[ReclaimHolder]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., total: _Optional[int] = ..., reclaim_holders: _Optional[_Iterable[_Union[ReclaimHolder, _Mapping]]] = ...) -> None: ...
+
+class ReclaimHolder(_message.Message):
+    __slots__ = ("namespace_id", "session_id", "pid", "live", "held_seconds", "published_epoch", "waiting_epoch", "slots_waiting")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WAITING_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    session_id: str
+    pid: int
+    live: bool
+    held_seconds: float
+    published_epoch: int
+    waiting_epoch: int
+    slots_waiting: int
+    def __init__(self, namespace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pid: _Optional[int] = ..., live: _Optional[bool] = ..., held_seconds: _Optional[float] = ..., published_epoch: _Optional[int] = ..., waiting_epoch: _Optional[int] = ..., slots_waiting: _Optional[int] = ...) -> None: ...
 
 class GetConfigRequest(_message.Message):
     __slots__ = ()

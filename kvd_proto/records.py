@@ -157,13 +157,18 @@ def encode_reset_done(token: int, epoch: int, dropped: int) -> bytes:
     return record(RESET_DONE, _RESET_DONE.pack(token, epoch, dropped))
 
 
-def encode_events(events: Sequence[tuple[Sequence[bytes], bool, bool]], more: bool) -> bytes:
-    """`events`: (keys, removed, metadata_only) each."""
+def encode_events(events: Sequence[tuple[Sequence[bytes], bool, bool]], more: bool,
+                  dropped: int = 0) -> bytes:
+    """`events`: (keys, removed, metadata_only) each; `dropped`: events of the namespace
+    dropped unseen since the previous answer, written only when not 0 (a reader that predates
+    the field skips only such an answer)."""
     parts = [_U32.pack(len(events))]
     for keys, removed, metadata_only in events:
         parts.append(_U8.pack(int(removed) | int(metadata_only) << 1))
         parts.append(_keys(keys))
     parts.append(_U8.pack(int(more)))
+    if dropped:
+        parts.append(_U64.pack(dropped))
     return record(EVENTS, b"".join(parts))
 
 
@@ -423,6 +428,7 @@ class ResetDone(NamedTuple):
 class Events(NamedTuple):
     events: list[tuple[tuple[bytes, ...], bool, bool]]    # (keys, removed, metadata_only)
     more: bool
+    dropped: int = 0      # events dropped unseen before these (nobody took them in time)
 
 
 class Rejected(NamedTuple):
@@ -450,7 +456,8 @@ def decode_down(kind: int, payload: bytes) -> DownRecord:
         for _ in range(c.u32("count")):
             flags = c.u8("flags")
             events.append((tuple(c.keys(unique=False)), bool(flags & 1), bool(flags & 2)))
-        out = Events(events, bool(c.u8("more")))
+        more = bool(c.u8("more"))
+        out = Events(events, more, c.u64("dropped") if c.at < len(c.data) else 0)
     else:
         out = Rejected(c.u16("kind"), c.text("code"), c.text("message"))
     c.end()

@@ -1,15 +1,17 @@
 """What the daemon answers on the attach socket, role by role (docs/attach.md).
 
 `engine` opens a session and hands over its tenant's pool file; `dataplane` hands over the
-pool only; `admin` issues an admin token to an admin peer; `report` takes a worker's transfer
-totals; `index` and `channel` hand a registered session its namespace's shared index (with its
-marks file) and its channel (rings + eventfd). The peer's identity is the kernel's
-(SO_PEERCRED); a refusal is a KvdError whose status name becomes the answer's `code`.
+pool only (a file-backed pool only to the daemon's uid and root: `pool.may_hold`); `admin`
+issues an admin token to an admin peer; `report` takes a worker's transfer totals; `index`
+and `channel` hand a registered session its namespace's shared index (with its marks file)
+and its channel (rings + eventfd). The peer's identity is the kernel's (SO_PEERCRED); a
+refusal is a KvdError whose status name becomes the answer's `code`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from kvd_proto import channel as channel_layout
@@ -22,7 +24,7 @@ from kvd_server.attach import AttachReply, PeerCred
 from kvd_server.channels import ChannelHub
 from kvd_server.core import KvdCore, TransferStats
 from kvd_server.errors import FailedPrecondition, PermissionDenied, Unauthenticated, Unavailable
-from kvd_server.pool import PoolError
+from kvd_server.pool import PoolError, may_hold
 from kvd_server.sessions import Session
 from kvd_server.tenant_pools import TenantPools
 
@@ -59,6 +61,14 @@ class AttachRoles:
             self.observe_transfer(r.load_sizes, r.store_sizes)
             return AttachReply(fields={"instance_id": core.instance_id})
         tenant = core.sessions.tenant_of(peer)
+        core.sessions.check_peer(peer)
+        backing = self.pools.config.backing
+        if not may_hold(backing, peer.uid):
+            raise FailedPrecondition(
+                f'pool.backing = "{backing}" hands the pool only to the daemon\'s uid '
+                f"({os.geteuid()}) and root, not to uid {peer.uid}: a pool file cannot be "
+                "sealed, so any engine holding it could truncate it under the others (SIGBUS); "
+                'run the daemon with pool.backing = "memfd" (the default) to serve other uids')
         try:
             pool = self.pools.for_tenant(tenant)   # only ever the peer's own tenant's file
         except (PoolError, OSError) as exc:

@@ -110,11 +110,13 @@ class ChannelService:
 
     def _events(self, s: Session, max_events: int) -> bytes:
         """One EVENTS answer within the down ring's record size: events too big for it are
-        split (same flags, the keys in order) and the rest carried to the next answer."""
+        split (same flags, the keys in order) and the rest carried to the next answer. It
+        says how many events the namespace dropped unseen since its previous answer."""
         budget = self.max_answer - EVENTS_HEADROOM
         queue = self._carry.pop(s.id, [])
+        dropped = 0
         if len(queue) < max_events:
-            taken, _ = self.core.take_events(s, max_events - len(queue), budget)
+            taken, _, dropped = self.core.take_events(s, max_events - len(queue), budget)
             queue.extend(taken)
         out: list[tuple[tuple[bytes, ...], bool, bool]] = []
         while queue and len(out) < max_events:
@@ -138,4 +140,4 @@ class ChannelService:
         more = bool(queue) or bool(self.core.namespace_of(s).mgr.pending_events())
         if queue:
             self._carry[s.id] = queue
-        return rec.encode_events(out, more)
+        return rec.encode_events(out, more, dropped)

@@ -671,6 +671,7 @@ def render_stats(snap: StatsSnapshot) -> str:
                    f"{totals.stores_failed_total} failed"),
         ("evictions_total", totals.evictions_total),
         ("store_rejections_total", totals.store_rejections_total),
+        ("events_dropped_total", totals.events_dropped_total),
         ("load pins", totals.pins),
         ("lookup leases", totals.leases),
         ("resets_total", totals.resets_total),
@@ -704,12 +705,27 @@ def render_stats(snap: StatsSnapshot) -> str:
             f"    tenant {ns.tenant}, slot {format_size(ns.slot_bytes)}, "
             f"ready {b.ready}, pinned {b.pinned}, storing {b.storing}, hits "
             f"{_pct(ns.hits_total, ns.lookups_total)}, epoch {ns.epoch}", WIDTH))
+        if ns.events_dropped_total:
+            lines.append(f"    events_dropped_total {ns.events_dropped_total} (nobody takes "
+                         "its events in time)")
+        holder = ns.reclaim_holder
+        if holder.session_id:
+            lines.append(_cut(_holder_line(holder.session_id, holder.pid, holder.live,
+                                           holder.held_seconds, holder.slots_waiting), WIDTH))
     lines += ["", "# rpc"]
     if snap.rpc:
         lines.append(f"{'method':<22}{'calls':>12}{'errors':>12}")
         for method, c in sorted(snap.rpc.items()):
             lines.append(f"{_cut(method, 21):<22}{c.calls_total:>12}{c.errors_total:>12}")
     return "\n".join(lines)
+
+
+def _holder_line(session_id: str, pid: int, live: bool, seconds: float, slots: int) -> str:
+    """Who holds back the reuse of a namespace's freed slots (its id and pid first: a cut
+    line still names it)."""
+    who = "session" if live else "ended session"
+    return (f"    reuse held by {who} {session_id} (pid {pid}) for {_uptime(seconds)}: "
+            f"{slots} freed slots wait")
 
 
 # `kvd sessions` columns: header, width within 80 columns, right-aligned.
@@ -735,6 +751,10 @@ def render_sessions(answer: kvd_pb2.ListSessionsResponse, wide: bool = False) ->
             for cell, width, (_, _, right) in zip(cells, widths, _SESSION_COLUMNS, strict=True)
         ).rstrip())
     lines.append(f"{answer.total} session(s)")
+    for h in answer.reclaim_holders:
+        lines.append(f"namespace {h.namespace_id}:")
+        line = _holder_line(h.session_id, h.pid, h.live, h.held_seconds, h.slots_waiting)
+        lines.append(line if wide else _cut(line, WIDTH))
     return "\n".join(lines)
 
 

@@ -90,10 +90,13 @@ class TenantsConfig:
     gids: dict[str, str] = field(default_factory=dict)
     quotas: dict[str, int] = field(default_factory=dict)  # tenant -> bytes of pool
     default_quota: int = 0                                # bytes; 0: no quota
+    max_namespaces: int = 64                              # per tenant
+    namespace_idle_timeout: float = 60.0                  # seconds; 0: at the next sweep
 
     def __hash__(self) -> int:  # dict fields: hash the sorted items instead
         return hash((tuple(sorted(self.uids.items())), tuple(sorted(self.gids.items())),
-                     tuple(sorted(self.quotas.items())), self.default_quota))
+                     tuple(sorted(self.quotas.items())), self.default_quota,
+                     self.max_namespaces, self.namespace_idle_timeout))
 
     def quota_of(self, tenant: str) -> int:
         """Bytes of pool the tenant may hold (0: no limit)."""
@@ -311,6 +314,9 @@ _SCHEMA: dict[str, _Key] = {
     "tenants.gids": _Key("map", _tenant_map),
     "tenants.quotas": _Key("sizemap", _quota_map),
     "tenants.default_quota": _Key("size", _size),
+    # At most the daemon-wide limit (namespaces.MAX_NAMESPACES).
+    "tenants.max_namespaces": _Key("int", _int(1, 1024)),
+    "tenants.namespace_idle_timeout": _Key("duration", _duration),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)

@@ -14,6 +14,7 @@ import enum
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,7 +31,7 @@ from kvd_server.errors import (
 from kvd_server.extents import ExtentAllocator
 from kvd_server.fastpath import FastPath
 from kvd_server.leases import Leases
-from kvd_server.manager import Lookup, OffloadEvent
+from kvd_server.manager import Lookup, NamespaceManager, OffloadEvent
 from kvd_server.namespaces import (
     Held,
     Namespace,
@@ -50,6 +51,9 @@ from kvd_server.sessions import (
 )
 
 log = logging.getLogger(__name__)
+# A completion naming an epoch this many resets behind the namespace finds no store bound
+# after those resets (see KvdCore._bound_after_reset): a bound on the search.
+MAX_RESETS_BEHIND = 64
 
 
 class DaemonState(enum.Enum):
@@ -103,6 +107,7 @@ class CompleteStoreResult(NamedTuple):
 class EventBatch(NamedTuple):
     events: list[OffloadEvent]
     more: bool
+    dropped: int = 0        # events dropped unseen since the namespace's previous answer
 
 
 class ResetAnswer(NamedTuple):
@@ -151,6 +156,10 @@ class KvdCore:
         self.completed_load_bytes = 0
         self.completed_store_bytes = 0
         self.fastpath = FastPath(self)
+        # Per namespace manager: the events_dropped_total its last TakeEvents answer covered
+        # (weak: an entry goes with its namespace).
+        self._events_reported: weakref.WeakKeyDictionary[NamespaceManager, int] = \
+            weakref.WeakKeyDictionary()
         # Called first when a session ends (while it is still live): its channel is read
         # one last time and closed.
         self.on_session_end: list[Callable[[Session], None]] = []
@@ -282,6 +291,7 @@ class KvdCore:
         self.leases.expire(now, self.sessions.get)
         for s, why in self.sessions.expired():
             self.close_session(s, why, reaped=True)
+        self.namespaces.collect_idle()      # idle empty namespaces give their index back
         for ns in self.namespaces:
             ns.slots.collect()              # slots every reader has moved past come back
 
@@ -426,18 +436,31 @@ class KvdCore:
         self._check_epoch(ns, epoch)
         own: list[bytes] = []
         own_slots: list[int] = []
+        late: dict[int, tuple[list[bytes], list[int]]] = {}
         mismatched = 0
         for i, key in enumerate(keys):
             pk = (epoch, key)
             slot = s.pending.get(pk)
+            if slot is None and epoch < ns.epoch:
+                pk = self._bound_after_reset(s, ns.epoch, epoch, key)
+                slot = None if pk is None else s.pending[pk]
             if slot is None:
                 continue  # not this session's store (or already completed): ignored
             if offsets is not None and ns.slots.offset(slot) != offsets[i]:
                 mismatched += 1
                 continue
             del s.pending[pk]
+            if pk[0] != epoch:
+                group = late.setdefault(pk[0], ([], []))
+                group[0].append(key)
+                group[1].append(slot)
+                continue
             own.append(key)
             own_slots.append(slot)
+        for bound, (late_keys, late_slots) in late.items():
+            # Stored under `epoch`, bound after a reset the engine had not seen yet: its bytes
+            # belong to the dropped epoch, so the store fails (slot freed, key absent).
+            ns.mgr.complete_store(late_keys, False, None, bound, slots=late_slots)
         if epoch < ns.epoch:
             ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
             NamespaceTable.maybe_release(ns)
@@ -448,6 +471,18 @@ class KvdCore:
             NamespaceTable.maybe_release(ns)
         return CompleteStoreResult(False, completed, mismatched)
 
+    @staticmethod
+    def _bound_after_reset(s: Session, current: int, epoch: int,
+                           key: bytes) -> tuple[int, bytes] | None:
+        """The pending store of `key` that a completion naming the older `epoch` means: the
+        engine stored it under `epoch` (the reset epoch it had read), and the daemon bound it
+        after a reset it had not heard of yet, at a later epoch. One store of a key per epoch
+        is pending at most, so the earliest later one is it (resets far behind: none)."""
+        for later in range(epoch + 1, min(current, epoch + MAX_RESETS_BEHIND) + 1):
+            if (later, key) in s.pending:
+                return later, key
+        return None
+
     def request_finished(self, s: Session, req_id: str) -> None:
         ns = self.namespace_of(s)
         ns.mgr.request_finished((s.id, req_id))
@@ -455,10 +490,16 @@ class KvdCore:
 
     def take_events(self, s: Session, max_events: int,
                     max_bytes: int = MAX_EVENT_ANSWER_BYTES) -> EventBatch:
-        # Events belong to the namespace: with several engines in one namespace, whichever
-        # asks drains them (vLLM's KV-event consumers dedupe by block hash).
-        events, more = self.namespace_of(s).mgr.take_events(max_events, max_bytes)
-        return EventBatch(events, more)
+        """Events belong to the namespace: with several engines in one namespace, whichever
+        asks drains them (vLLM's KV-event consumers dedupe by block hash), and whichever asks
+        first after some were dropped (nobody took them in time) is told how many, once."""
+        mgr = self.namespace_of(s).mgr
+        events, more = mgr.take_events(max_events, max_bytes)
+        dropped_total = mgr.counters.events_dropped_total
+        dropped = dropped_total - self._events_reported.get(mgr, 0)
+        if dropped:
+            self._events_reported[mgr] = dropped_total
+        return EventBatch(events, more, dropped)
 
     def reset_namespace(self, s: Session) -> ResetAnswer:
         ns = self.namespace_of(s)

@@ -39,10 +39,16 @@ class ExtentAllocator:
         self.owner: list[str | None] = [first_owner] * self.total
         self.on_move = on_move
 
-    def take(self, tenant: str = "default") -> int | None:
-        if not self._free:
+    def take(self, tenant: str = "default", index: int | None = None) -> int | None:
+        """A free extent for `tenant` (the one numbered `index`, if it is free); None if none."""
+        if index is None:
+            if not self._free:
+                return None
+            index = self._free.pop()
+        elif index in self._free:
+            self._free.remove(index)
+        else:
             return None
-        index = self._free.pop()
         previous = self.owner[index]
         if previous != tenant:
             self.owner[index] = tenant
@@ -107,6 +113,11 @@ class NamespaceSlots:
     extents first (extent by extent, in the order taken), then the LIFO free list, then a new
     extent. A namespace that needs room the free extents cannot give may `reclaim` extents
     from other namespaces through the table that owns it (fair share, namespaces.py).
+
+    An extent taken from this namespace whose freed slots still wait in limbo (engines may be
+    reading them) cannot change hands yet: it is *draining* (`drain`). None of its slots is
+    handed out again; as the last one leaves limbo the extent goes back to the pool and to
+    the namespace it was taken for (`adopt`), so the taker gets it without evicting again.
     """
 
     def __init__(self, extents: ExtentAllocator, slot_bytes: int,
@@ -133,13 +144,20 @@ class NamespaceSlots:
         self._used: dict[int, int] = {}     # extent -> slots of it in use now
         self._free: list[int] = []
         self._in_use = 0
+        self._retired: dict[int, int] = {}  # extent -> slots of it waiting in limbo
+        # Draining extents -> the namespace each is emptied for (None: the pool); their
+        # slots not in use are no capacity (`_draining_idle` of them).
+        self._draining: dict[int, NamespaceSlots | None] = {}
+        self._draining_idle = 0
+        self.incoming = 0                   # extents draining elsewhere for this namespace
+        self.closed = False                 # its namespace is gone: it adopts nothing
 
     # SlotSource
     def capacity(self) -> int:
         free = self.extents.free_extents()
         if self.budget is not None:
             free = self.budget.room(free)
-        return (len(self._held) + free) * self.per_extent
+        return (len(self._held) + free) * self.per_extent - self._draining_idle
 
     def free_count(self) -> int:
         self.collect()
@@ -166,16 +184,20 @@ class NamespaceSlots:
                 index = self.extents.take(self.tenant)
                 if index is None:  # free_count() said there was room: only a bug gets here
                     raise RuntimeError("pool ran out of extents during allocation")
-                self._held.append(index)
-                self._high[index] = 0
-                self._used[index] = 0
-                self._fresh.append(index)
-                if self.budget is not None:
-                    self.budget.held += 1
+                self._hold(index)
         for slot in out:
             self._used[slot // per] += 1
         self._in_use += n
         return out
+
+    def _hold(self, index: int) -> None:
+        self._held.append(index)
+        self._high[index] = 0
+        self._used[index] = 0
+        self._retired[index] = 0
+        self._fresh.append(index)
+        if self.budget is not None:
+            self.budget.held += 1
 
     def in_limbo(self) -> int:
         return self.limbo.in_limbo if self.limbo is not None else 0
@@ -185,18 +207,27 @@ class NamespaceSlots:
         has moved past it (it stays in use meanwhile)."""
         if self.limbo is not None and self.limbo.active:
             self.limbo.retire(slot)
+            self._retired[slot // self.per_extent] += 1
             return
         self._release(slot)
 
     def _release(self, slot: int) -> None:
-        self._free.append(slot)
-        self._used[slot // self.per_extent] -= 1
+        extent = slot // self.per_extent
+        self._used[extent] -= 1
         self._in_use -= 1
+        if self._draining and extent in self._draining:
+            self._draining_idle += 1
+            if not self._used[extent]:
+                self._drained(extent)
+            return
+        self._free.append(slot)
 
     def collect(self) -> None:
         """Reuse the retired slots every reader has moved past."""
         if self.limbo is not None:
+            per = self.per_extent
             for slot in self.limbo.collect():
+                self._retired[slot // per] -= 1
                 self._release(slot)
 
     def reset(self) -> bool:
@@ -228,8 +259,60 @@ class NamespaceSlots:
         return list(self._held)
 
     def used_in(self, extent: int) -> int:
-        """Slots of `extent` in use now."""
+        """Slots of `extent` in use now (those waiting in limbo included)."""
         return self._used.get(extent, 0)
+
+    def retired_in(self, extent: int) -> int:
+        """Slots of `extent` waiting in limbo."""
+        return self._retired.get(extent, 0)
+
+    def draining(self) -> int:
+        """Held extents being emptied for another namespace (or the pool)."""
+        return len(self._draining)
+
+    def is_draining(self, extent: int) -> bool:
+        return extent in self._draining
+
+    def drain(self, extent: int, taker: NamespaceSlots | None = None) -> bool:
+        """Give `extent` up (its blocks evicted already): back to the pool now if none of its
+        slots is in use (True); else no slot of it is handed out again and it goes to the
+        pool, then to `taker` (`adopt`), once its last slot leaves limbo (False)."""
+        self.collect()                      # what readers have moved past comes back now
+        if extent in self._draining:
+            return False
+        if not self._used[extent]:
+            self.release_extent(extent)
+            return True
+        per = self.per_extent
+        self._draining[extent] = taker
+        self._draining_idle += per - self._used[extent]
+        if taker is not None:
+            taker.incoming += 1
+        if extent in self._fresh:
+            self._fresh.remove(extent)
+        self._free = [s for s in self._free if s // per != extent]
+        return False
+
+    def _drained(self, extent: int) -> None:
+        """The last slot of a draining extent left limbo: hand the extent over."""
+        taker = self._draining.pop(extent)
+        self._draining_idle -= self.per_extent
+        self.release_extent(extent)
+        if taker is not None:
+            taker.incoming -= 1
+            taker.adopt(extent)
+
+    def adopt(self, extent: int) -> bool:
+        """Take the free extent `extent` (drained for this namespace), if it is still free,
+        this namespace still exists and its tenant's quota has room for it."""
+        budget = self.budget
+        if self.closed or (budget is not None and budget.room(1) == 0):
+            return False
+        index = self.extents.take(self.tenant, extent)
+        if index is None:
+            return False
+        self._hold(index)
+        return True
 
     def slots_in(self, extent: int) -> range:
         """Every slot id of `extent` that has been handed out since it was taken."""
@@ -244,6 +327,7 @@ class NamespaceSlots:
         self._held.remove(extent)
         del self._high[extent]
         del self._used[extent]
+        self._retired.pop(extent, None)
         if extent in self._fresh:
             self._fresh.remove(extent)
         self._free = [s for s in self._free if s // per != extent]
@@ -261,6 +345,7 @@ class NamespaceSlots:
         self._held.clear()
         self._high.clear()
         self._used.clear()
+        self._retired.clear()
         self._fresh.clear()
         self._free.clear()
         if self.budget is not None:

@@ -73,7 +73,7 @@ class FastPath:
         ns = self._ns(s)
         if ns.index is None or ns.reclaim is None:
             raise FailedPrecondition("this namespace has no shared index")
-        marks = ns.reclaim.add_reader(s.id)
+        marks = ns.reclaim.add_reader(s.id, s.peer.pid)     # named if it holds reuse back
         s.reader = True
         return ns.index.fd, marks.fd
 

@@ -207,6 +207,8 @@ _NS_COUNTERS = (
     ("kvd_evictions", "Blocks evicted to make room.", "evictions_total"),
     ("kvd_store_rejections", "prepare_store calls answered 'cannot store'.",
      "store_rejections_total"),
+    ("kvd_events_dropped", "Stored/removed events dropped unseen: nobody took them before "
+     "the namespace's event queue reached its bound.", "events_dropped_total"),
 )
 BLOCK_STATES = ("storing", "ready", "pinned", "zombie")
 
@@ -224,6 +226,10 @@ def _namespaces(namespaces: Sequence[NamespaceStats]) -> Iterator[Metric]:
                               labels=["namespace"])
     ns_blocks = GaugeMetricFamily("kvd_namespace_blocks", "Blocks of a namespace by state.",
                                   labels=["namespace", "state"])
+    held = GaugeMetricFamily("kvd_namespace_reclaim_held_seconds",
+                             "Seconds a reader's published epoch has held back the reuse of "
+                             "the namespace's oldest freed slot (0: none held); kvd stats "
+                             "names the reader.", labels=["namespace"])
     for label, ns in rows:
         info.add_metric([label], {"model": ns.model, "tenant": ns.tenant})
         for name, _, attr in _NS_COUNTERS:
@@ -235,11 +241,13 @@ def _namespaces(namespaces: Sequence[NamespaceStats]) -> Iterator[Metric]:
         slots.add_metric([label], float(ns.slots_capacity))
         for state in BLOCK_STATES:
             ns_blocks.add_metric([label, state], float(getattr(ns.blocks, state)))
+        held.add_metric([label], ns.reclaim_holder.held_seconds)
     yield info
     yield from counters.values()
     yield stores
     yield slots
     yield ns_blocks
+    yield held
 
 
 def _tenants(tenants: dict[str, TenantStats]) -> Iterator[Metric]:
@@ -275,6 +283,8 @@ def _bounded(namespaces: Sequence[NamespaceStats]) -> list[tuple[str, NamespaceS
                 if isinstance(value, int) and not isinstance(value, bool):
                     setattr(other, f.name, getattr(other, f.name) + value)
             other.blocks.add(ns.blocks)
+            other.reclaim_holder.held_seconds = max(other.reclaim_holder.held_seconds,
+                                                    ns.reclaim_holder.held_seconds)
         rows.append(("other", other))
     return rows
 

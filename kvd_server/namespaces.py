@@ -4,11 +4,18 @@ A namespace is model identity + KV layout + salt + tenant (the digest `namespace
 one `NamespaceManager` (the block index) over a `NamespaceSlots` (its extents cut into slots).
 Tenants' extent budgets (quotas) and the quarantine of slots a dead writer may still touch
 live here too, since both are about who holds which part of the pool. Pure logic, no I/O.
+
+A namespace costs memory while it exists even when it holds no block: its shared index is
+sized for the whole pool (slots x (key width + 16) bytes: 36 MiB for a 1 GiB pool of 4 KiB
+blocks with 128-byte keys), so a tenant may hold at most `tenants.max_namespaces`, and one with
+no session and no block is forgotten after `tenants.namespace_idle_timeout`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -19,8 +26,11 @@ from kvd_server.extents import ExtentAllocator, NamespaceSlots, TenantBudget
 from kvd_server.manager import NamespaceManager
 from kvd_server.manager.requests import RecencyBudget
 from kvd_server.shm_index import Reclamation, ShmIndex
+from kvd_server.units import format_duration, format_size
 
-MAX_NAMESPACES = 1024
+log = logging.getLogger(__name__)
+
+MAX_NAMESPACES = 1024                   # daemon-wide; tenants.max_namespaces is per tenant
 # Keys all open requests of all namespaces may record for recency (see RecencyBudget): about
 # 200 bytes each, so the daemon's request bookkeeping stays under ~800 MB whatever clients do.
 MAX_RECORDED_KEYS = 4 << 20
@@ -45,10 +55,17 @@ class Namespace:
     lookups_total: int = 0
     hits_total: int = 0
     misses_total: int = 0
+    idle_since: float | None = None     # when it was first seen with no session and no block
 
     @property
     def epoch(self) -> int:
         return self.mgr.epoch
+
+    @property
+    def unused(self) -> bool:
+        """No session, no block and no slot in use (granted, held or in limbo): forgetting it
+        loses nothing but its counters."""
+        return not self.sessions and self.mgr.is_empty() and not self.slots.in_use
 
 
 def namespace_id(model: str, layout: KvLayout, salt: str, tenant: str) -> str:
@@ -70,16 +87,19 @@ def namespace_id(model: str, layout: KvLayout, salt: str, tenant: str) -> str:
 class NamespaceTable:
     """Every namespace of the daemon and the tenants' extent budgets."""
 
-    def __init__(self, extents: ExtentAllocator, policy: str, tenants: TenantsConfig) -> None:
+    def __init__(self, extents: ExtentAllocator, policy: str, tenants: TenantsConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.extents = extents
         self.policy = policy
         self.tenants = tenants
+        self.clock = clock
         self._namespaces: dict[str, Namespace] = {}
         self._budgets: dict[str, TenantBudget] = {}     # tenant -> its extent quota
         self.recency = RecencyBudget(MAX_RECORDED_KEYS)
+        self.forgotten_total = 0
 
     def __iter__(self) -> Iterator[Namespace]:
-        return iter(self._namespaces.values())
+        return iter(list(self._namespaces.values()))
 
     def __len__(self) -> int:
         return len(self._namespaces)
@@ -98,6 +118,7 @@ class NamespaceTable:
         if ns is None:
             ns = self._create(ns_id, model, layout, salt, tenant)
         ns.sessions += 1
+        ns.idle_since = None
         return ns
 
     def leave(self, ns: Namespace) -> None:
@@ -106,10 +127,21 @@ class NamespaceTable:
 
     def _create(self, ns_id: str, model: str, layout: KvLayout, salt: str,
                 tenant: str) -> Namespace:
+        limit = self.tenants.max_namespaces
+        if self._count(tenant) >= limit:
+            self._collect(tenant)
+            held = self._count(tenant)
+            if held >= limit:
+                raise ResourceExhausted(
+                    f"tenant {tenant!r} has {held} namespaces, its limit (tenants.max_namespaces"
+                    f" = {limit}); end the sessions of models and layouts it no longer uses and "
+                    f"drop their blocks (kvd reset --namespace ID), or raise "
+                    f"tenants.max_namespaces")
         if len(self._namespaces) >= MAX_NAMESPACES:
             self._collect()
             if len(self._namespaces) >= MAX_NAMESPACES:
-                raise ResourceExhausted(f"{MAX_NAMESPACES} namespaces exist already")
+                raise ResourceExhausted(f"{MAX_NAMESPACES} namespaces exist already (the "
+                                        f"daemon's limit, whatever the tenant)")
         try:
             slots = NamespaceSlots(self.extents, layout.block_bytes, budget=self.budget(tenant),
                                    reclaimer=self._reclaim)
@@ -138,16 +170,51 @@ class NamespaceTable:
     def budgets(self) -> Iterator[TenantBudget]:
         return iter(self._budgets.values())
 
-    def _collect(self) -> None:
-        """Forget namespaces nobody uses that hold nothing."""
-        for ns_id in [i for i, ns in self._namespaces.items()
-                      if ns.sessions == 0 and ns.mgr.is_empty() and not ns.slots.in_use]:
-            ns = self._namespaces.pop(ns_id)
+    def _count(self, tenant: str) -> int:
+        return sum(1 for ns in self._namespaces.values() if ns.tenant == tenant)
+
+    def _collect(self, tenant: str | None = None) -> None:
+        """Forget namespaces nobody uses that hold nothing (of `tenant`, or all), idle or not:
+        a new namespace needs their place."""
+        self._forget([ns for ns in self._namespaces.values()
+                      if ns.unused and (tenant is None or ns.tenant == tenant)])
+
+    def collect_idle(self) -> int:
+        """Forget the namespaces unused (no session, no block) for `tenants.namespace_idle_
+        timeout`, so that their index memory goes back to the system; how many. The delay
+        spares an engine that restarts at once a new index (and its stats their counters)."""
+        now = self.clock()
+        timeout = self.tenants.namespace_idle_timeout
+        idle = []
+        for ns in self._namespaces.values():
+            if not ns.unused:
+                ns.idle_since = None
+                continue
+            if ns.idle_since is None:
+                ns.idle_since = now
+            if now - ns.idle_since >= timeout:
+                idle.append(ns)
+        if idle:
+            freed = self._forget(idle)
+            log.info("forgot %d namespaces with no session and no block for %s: closed their "
+                     "indexes (%s of sparse shared memory)", len(idle),
+                     format_duration(timeout), format_size(freed))
+        return len(idle)
+
+    def _forget(self, gone: list[Namespace]) -> int:
+        """Drop `gone` (all unused) and close their indexes; the index bytes given back."""
+        freed = 0
+        for ns in gone:
+            del self._namespaces[ns.id]
+            ns.slots.closed = True         # an extent draining for it goes to the pool
             ns.slots.release_extents()
             if ns.reclaim is not None:
                 ns.reclaim.close()
             if ns.index is not None:
+                freed += ns.index.header.file_bytes
                 ns.index.close()
+            self.forgotten_total += 1
+        return freed
 
     def _reclaim(self, asking: NamespaceSlots, n: int) -> bool:
         """Fair share of a full pool: a namespace that needs room and holds fewer extents than
@@ -155,38 +222,56 @@ class NamespaceTable:
         blocks) takes whole extents from the namespace furthest above its share, evicting the
         blocks in them; the least occupied extent whose blocks are all evictable goes first.
         A namespace at or above its share evicts its own blocks instead (its policy decides).
-        Tenant quotas still apply to the taker."""
-        if self.extents.free_extents() or (asking.budget is not None
-                                           and asking.budget.room(1) == 0):
+        Tenant quotas still apply to the taker.
+
+        An extent whose evicted slots wait in limbo (engines reading the victim's index may
+        still copy out of them) drains first and reaches the taker once they are released
+        (NamespaceSlots.drain): the taker gets what is free now (maybe nothing: "cannot
+        store", a smaller grant) and asks again; extents already draining for it count as
+        taken, so its retries evict nothing more. True when the taker's room grew."""
+        held = asking.extents_held()
+        if asking.incoming:
+            for ns in self._namespaces.values():
+                if ns.slots.draining():
+                    ns.slots.collect()     # a drained extent goes to its taker
+            if asking.extents_held() > held:
+                return True
+        budget = asking.budget
+        if self.extents.free_extents() or (budget is not None and budget.max_extents is not None
+                                           and budget.held + asking.incoming
+                                           >= budget.max_extents):
             return False
         active = [ns for ns in self._namespaces.values()
                   if ns.sessions or not ns.mgr.is_empty()]
         share = self.extents.total // max(1, len(active))
-        wanted = -(-n // asking.per_extent)
+        wanted = -(-n // asking.per_extent) - asking.incoming
         got = 0
         tried: set[str] = set()
-        while got < wanted and asking.extents_held() < share:
+        while got < wanted and asking.extents_held() + asking.incoming < share:
             victims = [ns for ns in active if ns.slots is not asking and ns.id not in tried
-                       and ns.slots.extents_held() > share]
+                       and ns.slots.extents_held() - ns.slots.draining() > share]
             if not victims:
                 break
-            victim = max(victims, key=lambda ns: ns.slots.extents_held())
-            if self._take_extent(victim):
+            victim = max(victims, key=lambda ns: ns.slots.extents_held() - ns.slots.draining())
+            if self._take_extent(victim, asking):
                 got += 1
             else:
                 tried.add(victim.id)       # every extent of it is busy (pinned, storing)
-        return got > 0
+        return asking.extents_held() > held or self.extents.free_extents() > 0
 
     @staticmethod
-    def _take_extent(victim: Namespace) -> bool:
-        """Empty one extent of `victim` (evicting its blocks) and give it back to the pool."""
+    def _take_extent(victim: Namespace, taker: NamespaceSlots) -> bool:
+        """Empty one extent of `victim` (evicting its blocks) for `taker`: back to the pool
+        now, or once its slots leave limbo (then straight to `taker`)."""
         slots = victim.slots
-        for extent in sorted(slots.held(), key=slots.used_in):
+        slots.collect()
+        candidates = [e for e in slots.held() if not slots.is_draining(e)]
+        for extent in sorted(candidates, key=lambda e: slots.used_in(e) - slots.retired_in(e)):
             resident = victim.mgr.resident_slots(slots.slots_in(extent))
-            if len(resident) != slots.used_in(extent):
-                continue       # zombies or held slots in it: not now
+            if len(resident) + slots.retired_in(extent) != slots.used_in(extent):
+                continue       # zombies, granted or held slots in it: not now
             if victim.mgr.evict_slots(resident):
-                slots.release_extent(extent)
+                slots.drain(extent, taker)
                 return True
         return False
 

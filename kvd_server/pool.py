@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -102,7 +103,8 @@ class HostPool:
     def create(cls, size: int, backing: str = "memfd", directory: str = "",
                persist: bool = False, name: str = "kvd-pool") -> HostPool:
         """A pool file of `size` bytes (sparse until pre-faulted): an anonymous sealed memfd,
-        or `directory/name` for a file-backed pool."""
+        or `directory/name` for a file-backed pool (a fresh file, unless `persist` adopts one
+        no other process holds: `_open_pool_file`)."""
         if size <= 0:
             raise PoolError(f"pool size must be positive, got {size}")
         size = (size + PAGE - 1) // PAGE * PAGE
@@ -122,8 +124,10 @@ class HostPool:
             if not os.access(d, os.W_OK):
                 raise PoolError(f"pool directory {directory} is not writable by uid {os.getuid()}")
             path = str(d / name)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            pool_id = _file_pool_id(path, persist)
+            fd, pool_id = _open_pool_file(path, persist)
+            log.info("pool file %s: handed only to engines of uid %d%s (a file cannot be "
+                     "sealed against an engine truncating it; memfd backing serves every uid)",
+                     path, os.geteuid(), " and root" if os.geteuid() else "")
         else:
             raise PoolError(f"unknown pool backing {backing!r}; use \"memfd\" or \"file\"")
         try:
@@ -243,6 +247,7 @@ class HostPool:
         return memoryview(self._map)
 
     def close(self) -> None:
+        remove = bool(self.path) and not self.persist and self._still_named(self.path)
         if self._map is not None:
             try:
                 self._map.close()
@@ -252,19 +257,116 @@ class HostPool:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self.path and not self.persist:
+        if remove and self.path:
             Path(self.path).unlink(missing_ok=True)
             Path(self.path + ".id").unlink(missing_ok=True)
 
+    def _still_named(self, path: str) -> bool:
+        """Whether `path` is still this pool's file (not one a newer daemon put there)."""
+        if self.fd < 0:
+            return False
+        try:
+            here, there = os.fstat(self.fd), os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
-def _file_pool_id(path: str, persist: bool) -> str:
-    """A persisted pool keeps its id across restarts (a sidecar file), so clients know."""
+
+def may_hold(backing: str, uid: int) -> bool:
+    """Whether a peer of `uid` may be handed the pool's descriptor.
+
+    Anyone for a sealed memfd. A file cannot be sealed and every writable descriptor of it can
+    ftruncate it, which SIGBUSes (or zeroes) every other engine's copies: only root and the
+    daemon's own uid, who can reach the daemon's memory anyway (ptrace, /proc/PID/fd).
+    """
+    return backing != "file" or uid in (0, os.geteuid())
+
+
+def _open_pool_file(path: str, persist: bool) -> tuple[int, str]:
+    """The descriptor and id of the pool file at `path`: never an inode that an engine of a
+    previous daemon may still copy from.
+
+    Such an engine looked up a HIT and copies the slot later; a new daemon storing into the
+    same file would hand that copy another key's bytes. So an existing file is adopted only
+    with `persist` and when no other process has it open or mapped; otherwise its name is
+    unlinked (a mapping keeps the old inode's bytes until it goes) and a fresh file is created
+    with a fresh id, so clients map the new memory instead of keeping the old.
+    """
     sidecar = Path(path + ".id")
-    if persist and sidecar.exists():
-        text = sidecar.read_text().strip()
-        if text:
-            return text
+    if persist:
+        fd = _adopt(path)
+        if fd is not None:
+            pool_id = _read_id(sidecar)
+            if not pool_id:
+                pool_id = secrets.token_hex(8)
+                _write_id(sidecar, pool_id)
+            log.info("pool file %s adopted (persist; no other process holds it), pool id %s",
+                     path, pool_id)
+            return fd, pool_id
+    try:
+        os.unlink(path)
+        log.info("pool file %s was left by a previous daemon: replaced by a fresh file (an "
+                 "engine still mapping the old one keeps its bytes until it unmaps it)", path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise PoolError(f"cannot replace the pool file {path} a previous daemon left: "
+                        f"{exc.strerror}; remove it, or choose another pool.path") from None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except OSError as exc:
+        also = " (another daemon on the same pool.path?)" if exc.errno == errno.EEXIST else ""
+        raise PoolError(f"cannot create the pool file {path}: {exc.strerror}{also}") from None
     pool_id = secrets.token_hex(8)
     if persist:
-        sidecar.write_text(pool_id + "\n")
-    return pool_id
+        _write_id(sidecar, pool_id)
+    else:
+        sidecar.unlink(missing_ok=True)
+    return fd, pool_id
+
+
+def _adopt(path: str) -> int | None:
+    """A read/write descriptor of the existing pool file at `path` when no process but this
+    one has it open or mapped (the kernel grants a write lease only then), else None."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, "not a regular file of the daemon's uid")
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    except OSError as exc:
+        os.close(fd)
+        why = "another process has it open or mapped" if exc.errno == errno.EAGAIN \
+            else exc.strerror
+        log.info("pool file %s not adopted (%s): a fresh one replaces it", path, why)
+        return None
+    return fd
+
+
+def _read_id(sidecar: Path) -> str:
+    """The persisted pool id ("" when absent or unreadable); never through a symlink."""
+    try:
+        fd = os.open(sidecar, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(64).decode("ascii", "replace").strip()
+    return text if text.isalnum() else ""
+
+
+def _write_id(sidecar: Path, pool_id: str) -> None:
+    """Persist the pool id beside the file (a fresh file, never through a symlink)."""
+    try:
+        sidecar.unlink(missing_ok=True)
+        fd = os.open(sidecar, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(pool_id + "\n")
+    except OSError as exc:
+        log.warning("could not keep the pool id in %s (%s): the next daemon gives the pool a "
+                    "new id", sidecar, exc.strerror)

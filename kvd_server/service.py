@@ -350,6 +350,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
             events=[kvd_pb2.OffloadEvent(keys=e.keys, removed=e.removed,
                                          metadata_only=e.metadata_only) for e in batch.events],
             more=batch.more,
+            events_dropped=batch.dropped,
         )
 
     def _reset(self, s: Session, req: kvd_pb2.ResetRequest) -> kvd_pb2.ResetResponse:
@@ -677,7 +678,21 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
             raise InvalidArgument(f"limit {request.limit} is more than {MAX_SESSIONS_LIMIT}")
         listed = self._core.session_list(request.limit or DEFAULT_SESSIONS_LIMIT)
         return kvd_pb2.ListSessionsResponse(sessions=[_session_info(v) for v in listed.sessions],
-                                            total=listed.total)
+                                            total=listed.total,
+                                            reclaim_holders=self._reclaim_holders())
+
+    def _reclaim_holders(self) -> list[kvd_pb2.ReclaimHolder]:
+        """Per namespace, the reader holding back its freed slots' reuse (one a namespace, so
+        bounded by MAX_NAMESPACES): an idle reader stalls every writer of its namespace."""
+        out = []
+        for ns in self._core.namespaces:
+            h = ns.reclaim.holder() if ns.reclaim is not None else None
+            if h is not None:
+                out.append(kvd_pb2.ReclaimHolder(
+                    namespace_id=ns.id, session_id=h.session_id, pid=h.pid, live=h.live,
+                    held_seconds=h.held_seconds, published_epoch=h.published_epoch,
+                    waiting_epoch=h.waiting_epoch, slots_waiting=h.slots_waiting))
+        return out
 
     async def ListSessions(self, request: kvd_pb2.ListSessionsRequest,
                            context: grpc.aio.ServicerContext) -> kvd_pb2.ListSessionsResponse:

@@ -7,7 +7,8 @@ synchronous pin: every reading session publishes, in a small marks file of its o
 reclaim epoch it may still act on; the daemon raises the reclaim epoch after freeing slots and
 reuses a freed slot only once every reader (and every ended reader whose process lives on)
 has published an epoch past it. A reader that stalls holds back reuse in its namespace; it
-never reads a reused slot.
+never reads a reused slot. Such a reader is named (`Reclamation.holder`: kvd stats,
+ListSessions) and, once it has held writers back for HOLD_WARN_S, warned about in the log.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +40,8 @@ log = logging.getLogger(__name__)
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _FENCE = threading.Lock()
+HOLD_WARN_S = 5.0       # a freed slot held back this long: its holder is named in a WARNING
+WARN_EVERY_S = 60.0     # at most one such warning per namespace this often
 
 
 def fence() -> None:
@@ -54,6 +60,7 @@ class ShmIndex:
                              key_width=key_width, per_extent=per_extent, stride=stride,
                              extent_bytes=extent_bytes)
         h = self.header
+        self.name = name            # kvd-index-<namespace id prefix>: the log names it
         if private:
             # Nobody else reads it (a manager without engines: tests, benchmarks): anonymous
             # memory, no descriptor to hand out or to leak.
@@ -189,17 +196,35 @@ class ReaderMarks:
         os.close(self.fd)
 
 
+@dataclass(slots=True, frozen=True)
+class ReclaimHolder:
+    """The reader whose published epoch holds back the reuse of a namespace's oldest freed
+    slots: an idle or stopped engine stalls every writer of its namespace, so it is named."""
+
+    session_id: str
+    pid: int                # its process (0: not known)
+    live: bool              # False: its session ended while its process lives on
+    published_epoch: int
+    waiting_epoch: int      # what the oldest freed slot waits for
+    slots_waiting: int      # freed slots not reusable yet
+    held_seconds: float     # since the oldest freed slot was freed
+
+
 class Reclamation:
     """Freed slots wait in limbo, tagged with the reclaim epoch raised after their free, until
     every reader has published that epoch or a later one."""
 
-    def __init__(self, index: ShmIndex) -> None:
+    def __init__(self, index: ShmIndex, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index
+        self.clock = clock
         self.readers: dict[str, ReaderMarks] = {}
         self.held: dict[str, int] = {}          # ended readers whose process lives on
+        self._pids: dict[str, int] = {}         # readers and held readers -> their process
         self._pending: list[int] = []
-        self._limbo: deque[tuple[int, list[int]]] = deque()
+        # (epoch, slots, when sealed): the seal time says how long a holder has held them.
+        self._limbo: deque[tuple[int, list[int], float]] = deque()
         self.in_limbo = 0
+        self._warn_after = 0.0                  # no warning before this (rate limit)
 
     @property
     def active(self) -> bool:
@@ -215,7 +240,7 @@ class Reclamation:
             return
         epoch = self.index.reclaim_epoch + 1
         self.index.reclaim_epoch = epoch
-        self._limbo.append((epoch, self._pending))
+        self._limbo.append((epoch, self._pending, self.clock()))
         self._pending = []
 
     def floor(self) -> int | None:
@@ -235,12 +260,54 @@ class Reclamation:
         while self._limbo and (floor is None or self._limbo[0][0] <= floor):
             out.extend(self._limbo.popleft()[1])
         self.in_limbo -= len(out)
+        if self._limbo:
+            self._check_held()
         return out
 
-    def add_reader(self, session_id: str) -> ReaderMarks:
+    def holder(self) -> ReclaimHolder | None:
+        """The reader holding back the oldest freed slot (the oldest mark behind it), or None
+        when no freed slot waits for anyone."""
+        if not self._limbo:
+            return None
+        waiting, _, since = self._limbo[0]
+        fence()
+        marks = [(m.published, sid, True) for sid, m in self.readers.items()]
+        marks += [(epoch, sid, False) for sid, epoch in self.held.items()]
+        behind = [m for m in marks if 0 < m[0] < waiting]
+        if not behind:
+            return None         # collected at the next sweep
+        epoch, session_id, live = min(behind)
+        return ReclaimHolder(session_id, self._pids.get(session_id, 0), live, epoch, waiting,
+                             self.in_limbo, max(0.0, self.clock() - since))
+
+    def _check_held(self) -> None:
+        """Warn (rate-limited) when the oldest freed slot has waited HOLD_WARN_S, naming who
+        holds it: otherwise writers starve with nothing in the log saying why."""
+        now = self.clock()
+        if now - self._limbo[0][2] < HOLD_WARN_S or now < self._warn_after:
+            return
+        h = self.holder()
+        if h is None:
+            return
+        self._warn_after = now + WARN_EVERY_S
+        if h.live:
+            who, what = "session", ("an engine with no load in flight should publish 0 or the "
+                                    "current epoch (docs/attach.md, \"Reclamation\")")
+        else:
+            who, what = "ended session", ("its process lives on (stopped, or still copying): "
+                                          "they come back when it exits or calls ReleaseHeld")
+        log.warning("namespace %s: %s %s (pid %d) has held back the reuse of %d freed slots "
+                    "for %.0f s (it published reclaim epoch %d, they wait for %d), so writers "
+                    "of this namespace may be refused slots: %s. Next warning in %.0f s at the "
+                    "earliest", self.index.name.removeprefix("kvd-index-"), who, h.session_id,
+                    h.pid, h.slots_waiting, h.held_seconds, h.published_epoch, h.waiting_epoch,
+                    what, WARN_EVERY_S)
+
+    def add_reader(self, session_id: str, pid: int = 0) -> ReaderMarks:
         marks = self.readers.get(session_id)
         if marks is None:
             marks = self.readers[session_id] = ReaderMarks(session_id)
+            self._pids[session_id] = pid
         return marks
 
     def end_reader(self, session_id: str, process_lives: bool) -> None:
@@ -253,11 +320,15 @@ class Reclamation:
         marks.close()
         if process_lives and published:
             self.held[session_id] = published
+        else:
+            self._pids.pop(session_id, None)
 
     def release_reader(self, session_id: str) -> bool:
+        self._pids.pop(session_id, None)
         return self.held.pop(session_id, None) is not None
 
     def close(self) -> None:
         for marks in self.readers.values():
             marks.close()
         self.readers.clear()
+        self._pids.clear()

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvd_server import __version__
 from kvd_server.core import KvdCore
+from kvd_server.namespaces import Namespace
 
 
 @dataclass(slots=True)
@@ -87,6 +88,21 @@ class OffloadCounters:
     stores_failed_total: int = 0
     evictions_total: int = 0
     store_rejections_total: int = 0
+    events_dropped_total: int = 0      # stored/removed events dropped: nobody took them
+
+
+@dataclass(slots=True)
+class ReclaimHolderStats:
+    """The reader whose published epoch holds back the reuse of a namespace's freed slots
+    (writers may be refused slots meanwhile); session_id "" when none does."""
+
+    session_id: str = ""
+    pid: int = 0
+    live: bool = True               # False: an ended session whose process lives on
+    held_seconds: float = 0.0       # since the oldest slot it holds back was freed
+    published_epoch: int = 0
+    waiting_epoch: int = 0
+    slots_waiting: int = 0
 
 
 @dataclass(slots=True)
@@ -102,6 +118,7 @@ class NamespaceStats(OffloadCounters):
     epoch: int = 0
     sessions: int = 0
     blocks: BlockStats = field(default_factory=BlockStats)
+    reclaim_holder: ReclaimHolderStats = field(default_factory=ReclaimHolderStats)
 
 
 NAMESPACE_COUNTERS = tuple(f.name for f in dataclasses.fields(OffloadCounters))
@@ -215,7 +232,9 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
             misses_total=ns.misses_total, stores_started_total=mc.stores_started_total,
             stores_completed_total=mc.stores_completed_total,
             stores_failed_total=mc.stores_failed_total, evictions_total=mc.evictions_total,
-            store_rejections_total=mc.store_rejections_total)
+            store_rejections_total=mc.store_rejections_total,
+            events_dropped_total=mc.events_dropped_total,
+            reclaim_holder=reclaim_holder(ns))
         for name in NAMESPACE_COUNTERS:
             setattr(totals, name, getattr(totals, name) + getattr(row, name))
         namespaces.append(row)
@@ -259,6 +278,15 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
         channels=facts.channels,
         rpc=dict(sorted(facts.rpc.items())),
     )
+
+
+def reclaim_holder(ns: Namespace) -> ReclaimHolderStats:
+    """Who holds back the reuse of `ns`'s freed slots (kvd_server/shm_index.Reclamation)."""
+    h = ns.reclaim.holder() if ns.reclaim is not None else None
+    if h is None:
+        return ReclaimHolderStats()
+    return ReclaimHolderStats(h.session_id, h.pid, h.live, h.held_seconds, h.published_epoch,
+                              h.waiting_epoch, h.slots_waiting)
 
 
 def _load(cls: type, value: Any) -> Any:

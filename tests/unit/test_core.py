@@ -364,3 +364,27 @@ def test_complete_load_without_a_pin_gives_back_the_sessions_lease_only():
     # key 0 is evictable again; key 1 is still protected by b's lease.
     answer, _ = core.prepare_store(a, keys(9), "r", None)
     assert answer.evicted_keys and keys(1)[0] not in answer.evicted_keys
+
+
+def test_a_store_bound_after_a_reset_the_engine_had_not_seen_fails_at_its_completion():
+    """The engine read reset epoch E, another session reset, then the daemon read the store:
+    it is bound at E + 1 while the engine completes it naming E. It must not stay "being
+    stored" forever (every reader PENDING, its slot held), nor serve bytes of the dropped
+    epoch: the completion fails it, its slot is free again and the key absent."""
+    core, _ = make_core()
+    a, b = session(core), session(core)
+    fp = core.fastpath
+    offsets = fp.grant(a, 4)
+    engine_epoch = a.ns.index.reset_epoch           # what the engine read at its step start
+    core.reset_namespace(b)                         # before the daemon reads a's store
+    answer = fp.store_granted(a, keys(1), "r", None, keys(1), offsets[:1])
+    assert answer.accepted == 1 and answer.epoch == engine_epoch + 1
+    free = a.ns.slots.free_count()
+    core.complete_store(a, keys(1), True, "r", engine_epoch)
+    assert a.pending == {}, "the store stayed pending: its slot is held for good"
+    assert core.lookup(b, keys(1)).states == [Lookup.MISS]
+    assert a.ns.slots.free_count() == free + 1
+    # A store made knowing the new epoch completes as ever.
+    answer = fp.store_granted(a, keys(2), "r", None, keys(2), offsets[1:2])
+    core.complete_store(a, keys(2), True, "r", answer.epoch)
+    assert core.lookup(b, keys(2)).states == [Lookup.HIT]
