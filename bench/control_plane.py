@@ -55,7 +55,8 @@ POLICIES = ("lru", "arc")
 MAX_NUM_BATCHED_TOKENS = 2048      # vLLM 0.33's default
 MANAGER_METHODS = ("lookup", "prepare_load", "touch", "complete_load", "prepare_store",
                    "complete_store", "on_new_request", "on_request_finished", "take_events",
-                   "on_schedule_end", "has_pending_work", "reset_cache", "on_reset_flushed")
+                   "on_schedule_end", "has_pending_work", "reset_cache", "on_reset_flushed",
+                   "get_stats")
 
 
 class ManagerClock:

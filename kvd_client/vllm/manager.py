@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable, Sequence
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
@@ -26,9 +29,11 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
+from kvd_client.admission import DEFAULT_MAX_KEYS, OfferCounter
 from kvd_client.dataplane.planner import SKIP
 from kvd_client.offload_session import OffloadSession
 
+from .offload_stats import OffloadStats
 from .transfer_spec import KvdSlotsSpec
 
 log = logging.getLogger(__name__)
@@ -38,8 +43,14 @@ ANSWERS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
 class KvdOffloadingManager(OffloadingManager):
-    def __init__(self, session: OffloadSession) -> None:
+    def __init__(self, session: OffloadSession, *, store_threshold: int = 0,
+                 max_tracker_size: int = DEFAULT_MAX_KEYS) -> None:
+        """`store_threshold` >= 2 stores a block only once it was offered that many times
+        (vLLM's admission filter, counted here: kvd_client/admission.py); below 2, none."""
         self.session = session
+        self._admission = OfferCounter(store_threshold, max_tracker_size) \
+            if store_threshold >= 2 else None
+        self._stats = OffloadStats(session, self._admission)
         # vLLM's scheduler calls lookup(key, req_context) once per chunk: straight into the
         # session, which answers in vLLM's LookupResult (see OffloadSession's `answers`).
         self.lookup = session.lookup  # type: ignore[method-assign]
@@ -93,11 +104,16 @@ class KvdOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
         keys = list(keys)
+        if self._admission is not None:      # store_threshold: new keys offered too seldom
+            keys = self._admission.admit(keys, self._stats.view.new_keys)
         stored = self.session.store_slots(keys, req_context.req_id,
                                           self._positions(keys, req_context))
         if stored is None:
+            self._stats.declined(keys)
             return None            # the reserve is short: vLLM offers these again later
         new, offsets = stored
+        if new:
+            self._stats.allocated(len(new))
         return PrepareStoreOutput(keys_to_store=new,
                                   store_spec=KvdSlotsSpec(offsets, self.session.pool_id),
                                   evicted_keys=[])
@@ -134,6 +150,12 @@ class KvdOffloadingManager(OffloadingManager):
             self.session.end_step()
         except Exception:  # never let kvd break a scheduler step
             log.exception("kvd end of step failed; offload skipped this step")
+
+    # ----------------------------------------------------------------- metrics
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """vLLM's CPU-tier series (cache usage, write/read usage, allocation sizes, stores
+        skipped) from local state only, as vLLM asks every step (vllm/offload_stats.py)."""
+        return self._stats.take()
 
     def shutdown(self) -> None:
         self.session.close()

@@ -8,11 +8,13 @@ from typing import Any
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvd_client.admission import admission_options
 from kvd_client.client import KvdClient
 from kvd_client.dataplane.options import CopyOptions
 from kvd_client.offload_session import DEFAULT_RESERVE, OffloadSession
@@ -20,6 +22,7 @@ from kvd_proto.paths import default_socket_path
 
 from .manager import ANSWERS, KvdOffloadingManager
 from .namespace import DEFAULT_KEY_BYTES, is_replicated, layout_of, salt_of
+from .offload_stats import metric_definitions
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,16 @@ class KvdOffloadingSpec(OffloadingSpec):
     256, twice what vLLM's default step budget of 2048 tokens stores in 16-token chunks), `kvd_key_bytes` (longest offload key, default
     40: a 32-byte block hash and its group), the GPU data plane's `kvd_copy_backend`,
     `kvd_copy_blocks`, `kvd_pin_chunk_mib` (dataplane/options.py), plus vLLM's own
-    (`block_size` / `blocks_per_chunk`, `offload_prompt_only`). All in docs/vllm.md.
+    (`block_size` / `blocks_per_chunk`, `offload_prompt_only`, `store_threshold` /
+    `max_tracker_size`). All in docs/vllm.md.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        """vLLM's CPU-tier series, which the manager's get_stats fills (vLLM's frontend
+        exports only declared series, and rejects a payload naming any other)."""
+        return metric_definitions(extra_config)
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -43,6 +54,8 @@ class KvdOffloadingSpec(OffloadingSpec):
         self.deadline_s = float(extra.get("kvd_deadline_ms", 500)) / 1000.0
         self.reserve = int(extra.get("kvd_reserve", DEFAULT_RESERVE))
         self.key_bytes = int(extra.get("kvd_key_bytes", DEFAULT_KEY_BYTES))
+        # vLLM's admission filter, read as its CPU spec reads it (0, 64000: no filter)
+        self.store_threshold, self.max_tracker_size = admission_options(extra)
         self.copy_options = CopyOptions.from_config(extra)
         # vLLM gates stores to rank 0 when this is set (its worker connector reads it).
         self.replicated_layout = is_replicated(config)
@@ -61,7 +74,8 @@ class KvdOffloadingSpec(OffloadingSpec):
             session = OffloadSession(
                 client, reserve=self.reserve,
                 enable_events=self.kv_events_config.enable_kv_cache_events, answers=ANSWERS)
-            self._manager = KvdOffloadingManager(session)
+            self._manager = KvdOffloadingManager(session, store_threshold=self.store_threshold,
+                                                 max_tracker_size=self.max_tracker_size)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
