@@ -41,7 +41,8 @@ from kvd_server.front_door import FrontDoor
 from kvd_server.pool import HostPool, PoolError, check_fits
 from kvd_server.service import AdminService, EngineService, RpcRecorder
 from kvd_server.sessions import Session
-from kvd_server.stats import ChannelStats, DaemonFacts, StatsSnapshot, build_snapshot
+from kvd_server.snapshot import build_snapshot
+from kvd_server.stats import ChannelStats, DaemonFacts, StatsSnapshot
 from kvd_server.tenant_pools import DEFAULT_TENANT, TenantPools
 from kvd_server.units import format_duration, format_size
 

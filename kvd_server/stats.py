@@ -1,22 +1,18 @@
 """The stats snapshot: everything `kvd stats`, KvdAdmin.Stats and /metrics show, built once.
 
-One typed document in named sections (like Redis's INFO). `build_snapshot` reads the core
-and the daemon's parts; the JSON answer (`to_dict`), the CLI table (`from_dict` on the
-client's side) and the Prometheus collector all read the same attributes, so a renamed field
-is renamed everywhere at once. docs/internals.md shows the JSON.
+One typed document in named sections (like Redis's INFO). `build_snapshot`
+(kvd_server/snapshot.py) reads the core and the daemon's parts; the JSON answer (`to_dict`),
+the CLI table (`from_dict` on the client's side) and the Prometheus collector all read the
+same attributes, so a renamed field is renamed everywhere at once. This module is the schema
+only: the CLI imports it without the core. docs/internals.md shows the JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
-
-from kvd_server import __version__
-from kvd_server.core import KvdCore
-from kvd_server.namespaces import Namespace
 
 
 @dataclass(slots=True)
@@ -209,84 +205,6 @@ class DaemonFacts:
     step_ops_total: int = 0
     rpc: dict[str, RpcCount] = field(default_factory=dict)
     channels: ChannelStats = field(default_factory=ChannelStats)
-
-
-def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnapshot:
-    """The whole document from the core (and the daemon's facts, when assembled)."""
-    facts = facts or DaemonFacts()
-    ext = core.extents
-    totals = Totals()
-    blocks = BlockTotals()
-    namespaces = []
-    for ns in core.namespaces:
-        c = ns.mgr.counts()
-        ns_blocks = BlockStats(c.storing, c.ready, c.pinned, c.zombie)
-        blocks.add(ns_blocks)
-        mc = ns.mgr.counters
-        row = NamespaceStats(
-            id=ns.id, model=ns.model, tenant=ns.tenant, slot_bytes=ns.slots.stride,
-            block_bytes=ns.layout.block_bytes, num_ranks=ns.layout.num_ranks,
-            slots_capacity=ns.slots.capacity(), extents=ns.slots.extents_held(),
-            epoch=ns.epoch, sessions=ns.sessions, blocks=ns_blocks,
-            lookups_total=ns.lookups_total, hits_total=ns.hits_total,
-            misses_total=ns.misses_total, stores_started_total=mc.stores_started_total,
-            stores_completed_total=mc.stores_completed_total,
-            stores_failed_total=mc.stores_failed_total, evictions_total=mc.evictions_total,
-            store_rejections_total=mc.store_rejections_total,
-            events_dropped_total=mc.events_dropped_total,
-            reclaim_holder=reclaim_holder(ns))
-        for name in NAMESPACE_COUNTERS:
-            setattr(totals, name, getattr(totals, name) + getattr(row, name))
-        namespaces.append(row)
-    blocks.total = blocks.storing + blocks.ready + blocks.pinned
-    sessions = core.sessions
-    totals.pins = sum(s.pin_count() for s in sessions)
-    totals.leases = sum(len(s.leases) for s in sessions)
-    totals.leases_expired_total = core.leases_expired_total
-    totals.resets_total = core.resets_total
-    totals.step_calls_total = facts.step_calls_total
-    totals.step_ops_total = facts.step_ops_total
-    t = core.transfers
-    config = core.config
-    return StatsSnapshot(
-        server=ServerStats(version=__version__, pid=os.getpid(),
-                           uptime_seconds=core.clock() - core.started, state=core.state.value,
-                           policy=config.manager.policy, instance_id=core.instance_id,
-                           socket=facts.socket, attach_socket=facts.attach_socket),
-        pool=PoolStats(total_bytes=ext.pool_bytes, used_bytes=ext.used_bytes,
-                       free_bytes=ext.free_bytes, backing=facts.backing, path=facts.path,
-                       extent_bytes=ext.extent_bytes, extents_total=ext.total,
-                       extents_free=ext.free_extents(),
-                       prefault_bytes_done=facts.prefault_bytes_done, mlocked=facts.mlocked,
-                       quarantined_slots=core.quarantine.slots_held(),
-                       quarantined_pins=core.quarantine.pins_held()),
-        blocks=blocks,
-        sessions=len(sessions),
-        clients=ClientStats(active=len(sessions), attached_total=sessions.attached_total,
-                            reaped_total=sessions.reaped_total,
-                            closed_total=sessions.closed_total),
-        namespaces=namespaces,
-        tenants={b.tenant: TenantStats(b.held * ext.extent_bytes,
-                                       (b.max_extents or 0) * ext.extent_bytes)
-                 for b in core.namespaces.budgets()},
-        stats=totals,
-        transfers=TransferTotals(
-            completed_load_bytes_total=core.completed_load_bytes,
-            completed_store_bytes_total=core.completed_store_bytes,
-            load_bytes_total=t.load_bytes, load_seconds_total=t.load_seconds,
-            store_bytes_total=t.store_bytes, store_seconds_total=t.store_seconds),
-        channels=facts.channels,
-        rpc=dict(sorted(facts.rpc.items())),
-    )
-
-
-def reclaim_holder(ns: Namespace) -> ReclaimHolderStats:
-    """Who holds back the reuse of `ns`'s freed slots (kvd_server/shm_index.Reclamation)."""
-    h = ns.reclaim.holder() if ns.reclaim is not None else None
-    if h is None:
-        return ReclaimHolderStats()
-    return ReclaimHolderStats(h.session_id, h.pid, h.live, h.held_seconds, h.published_epoch,
-                              h.waiting_epoch, h.slots_waiting)
 
 
 def _load(cls: type, value: Any) -> Any:

@@ -13,7 +13,7 @@ from kvd_server.errors import KvdError
 from kvd_server.extents import ExtentAllocator
 from kvd_server.manager import Lookup
 from kvd_server.sessions import EngineInfo
-from kvd_server.stats import build_snapshot
+from kvd_server.snapshot import build_snapshot
 
 LAYOUT = Layout(block_bytes=8192, num_ranks=2, shard_bytes=4096, tokens_per_block=16,
                 dtype="bf16")
