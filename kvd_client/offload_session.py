@@ -27,7 +27,6 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvd_proto import records as rec
@@ -37,6 +36,7 @@ from . import messages
 from .channel import Messenger
 from .client import KvdClient
 from .connection import Handoff, connect
+from .event_inbox import Event, EventInbox
 from .index_reader import STATE_READY, IndexReader, Marks
 from .loads import LoadTracker
 from .old_copies import OldCopies
@@ -53,15 +53,6 @@ class Lookup(enum.Enum):
     MISS = "miss"
     HIT = "hit"
     PENDING = "pending"         # being stored: not readable yet
-
-
-@dataclass(slots=True, frozen=True)
-class Event:
-    """A stored (removed=False) or removed event of the namespace's blocks."""
-
-    keys: tuple[bytes, ...]
-    removed: bool
-    metadata_only: bool = False
 
 
 class OffloadSession:
@@ -95,10 +86,7 @@ class OffloadSession:
         self._msgs = Messenger()      # this step's records, what the daemon read, answers
         self._loads = LoadTracker()
         self._stores = StoreTracker()
-        self._events: list[Event] = []
-        # Events the daemon dropped before this session took them (nobody took them in time:
-        # the daemon bounds what waits), so what take_events returned is incomplete.
-        self.events_dropped = 0
+        self._events = EventInbox()
         self._reset_pending = 0       # the token of the reset asked for (0: none)
         self._reset_tokens = 0
         self._old = OldCopies()
@@ -225,31 +213,18 @@ class OffloadSession:
             counts.misses += 1
             return self._miss
         found = counts.find(key)
-        if found is not None:
-            state, offset = found
-            if state == STATE_READY:
-                self._hits[key] = offset
-                counts.hits += 1
-                return self._hit
-            store = self._stores.stores.get(key)
-            if store is not None and store[0] == offset and key in self._stores.completed:
-                self._hits[key] = offset              # ours, completed: the daemon catches up
-                counts.hits += 1
-                return self._hit
-            if self._stores.failed.get(key) == offset:
-                counts.misses += 1                    # ours, failed: the daemon catches up
-                return self._miss
+        if found is not None and found[0] == STATE_READY:
+            own: int | None | bool = found[1]
+        else:
+            own = self._stores.answer(key, found, self._msgs.acked)
+        if own is True:
             return self._pending
-        store = self._stores.stores.get(key)
-        if store is not None and store[1].seq > self._msgs.acked:
-            # The daemon has not read this store yet: the slot is still ours alone.
-            if key in self._stores.completed:
-                self._hits[key] = store[0]
-                counts.hits += 1
-                return self._hit
-            return self._pending
-        counts.misses += 1
-        return self._miss
+        if own is None:
+            counts.misses += 1
+            return self._miss
+        self._hits[key] = own
+        counts.hits += 1
+        return self._hit
 
     @property
     def lookups_total(self) -> int:
@@ -321,8 +296,6 @@ class OffloadSession:
         self._begin()
         if self._index is None or not self.client.available:
             return [], []
-        # Until the daemon has done a reset this session asked for, the index still shows
-        # what the reset drops: only this session's own later stores count as present.
         new = self.new_keys(keys)
         slots = self._reserve.take(len(new))
         if slots is None:
@@ -337,30 +310,17 @@ class OffloadSession:
         self._put(messages.store(keys, req_id, pos, new, slots, self._per_record))
         return new, slots
 
-    def _new_after_failures(self, keys: Sequence[bytes]) -> list[bytes]:
-        """`find_new` where some of this session's stores failed and the daemon has not read
-        it yet: a key the index shows being stored into the failed slot is new again."""
-        stores, failed, find = self._stores.stores, self._stores.failed, self._lookups.find
-        use_index = not self._reset_pending
-        new = []
-        for key in keys:
-            if key in stores:
-                continue
-            found = find(key) if use_index else None
-            if found is None or (found[0] != STATE_READY and failed.get(key) == found[1]):
-                new.append(key)
-        return new
-
     def new_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys neither stored nor being stored, as `store_slots` decides (it starts the
-        step the same way: the daemon's answers applied); none without a daemon."""
+        step the same way: the daemon's answers applied); none without a daemon. Until the
+        daemon has done a reset this session asked for, the index still shows what the reset
+        drops: only this session's own later stores count as present."""
         self._begin()
         if self._index is None or not self.client.available:
             return []
-        new = self._lookups.find_new(keys, not self._reset_pending)
-        if self._stores.failed and len(new) < len(keys):
-            new = self._new_after_failures(keys)
-        return new
+        use_index = not self._reset_pending
+        return self._stores.new_keys(keys, self._lookups.find_new(keys, use_index),
+                                     self._lookups.find if use_index else None)
 
     @property
     def capacity(self) -> int:
@@ -422,8 +382,13 @@ class OffloadSession:
         if not self.enable_events:
             return []                # nothing asks the daemon for events
         self._receive()
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
+
+    @property
+    def events_dropped(self) -> int:
+        """Events the daemon dropped before this engine took them (nobody took them in time:
+        the daemon bounds what waits), so what take_events returned is incomplete."""
+        return self._events.dropped
 
     # --------------------------------------------------------------- the step
     def end_step(self) -> None:
@@ -486,22 +451,10 @@ class OffloadSession:
                 if answer.token == self._reset_pending:
                     self._reset_done(answer.epoch)
             elif isinstance(answer, rec.Events):
-                if answer.dropped:
-                    self._events_dropped(answer.dropped)
-                self._events.extend(Event(keys, removed, metadata_only)
-                                    for keys, removed, metadata_only in answer.events)
+                self._events.add(answer)
             elif answer.kind == rec.RESET and self._reset_pending:    # refused (logged)
                 self._reset_done(self._reset_epoch)
         self._stores.settle(self._msgs.acked)
-
-    def _events_dropped(self, n: int) -> None:
-        """Counted in `events_dropped`; warned about once (it recurs while events are taken
-        too rarely, and a line per step would flood the engine's log)."""
-        if not self.events_dropped:
-            log.warning("kvd: the daemon dropped %d KV events nobody took in time (it bounds "
-                        "what waits per namespace): KV-event consumers missed some stored/"
-                        "removed blocks; counted in events_dropped, not logged again", n)
-        self.events_dropped += n
 
     def _reset_done(self, epoch: int) -> None:
         """The daemon did the reset: the stores made meanwhile belong to its new epoch."""

@@ -17,8 +17,10 @@ the engine's own dead store (its lookups answer MISS, a new offer of the key sto
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from .index_reader import STATE_READY
 
 MAX_LOCAL_STORES = 1 << 16
 UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
@@ -62,6 +64,43 @@ class StoreTracker:
             for key, offset in zip(new[:max(0, MAX_LOCAL_STORES - len(stores))], slots,
                                    strict=False):
                 stores[key] = (offset, shared)
+
+    def answer(self, key: bytes, found: tuple[int, int] | None, acked: int
+               ) -> int | None | bool:
+        """How this engine's own stores answer a lookup of `key` the index alone does not
+        decide (`found`: the index's (state, offset), not READY, or None; `acked`: the last
+        step the daemon read): the offset to load (a HIT), True (being stored: PENDING) or
+        None (a MISS)."""
+        store = self.stores.get(key)
+        if found is not None:
+            offset = found[1]
+            if store is not None and store[0] == offset and key in self.completed:
+                return offset                     # ours, completed: the daemon catches up
+            if self.failed.get(key) == offset:
+                return None                       # ours, failed: the daemon catches up
+            return True
+        if store is not None and store[1].seq > acked:
+            # The daemon has not read this store yet: the slot is still ours alone.
+            return store[0] if key in self.completed else True
+        return None
+
+    def new_keys(self, keys: Sequence[bytes], new: list[bytes],
+                 find: Callable[[bytes], tuple[int, int] | None] | None) -> list[bytes]:
+        """`new` (the keys neither stored here nor in the index: `Lookups.find_new`), where a
+        store of this engine failed and the daemon has not read it yet: a key the index shows
+        being stored into the failed slot is new again (`find`: the index's probe, None
+        while a reset makes the index moot)."""
+        if not self.failed or len(new) == len(keys):
+            return new
+        stores, failed = self.stores, self.failed
+        out = []
+        for key in keys:
+            if key in stores:
+                continue
+            found = find(key) if find is not None else None
+            if found is None or (found[0] != STATE_READY and failed.get(key) == found[1]):
+                out.append(key)
+        return out
 
     def complete(self, keys: Sequence[bytes], req_id: str, success: bool, seq: int = 0
                  ) -> tuple[dict[int, list[bytes]], int]:
