@@ -9,12 +9,14 @@ TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/kvd/kvd:$(VERSION)
+# vLLM's image with kvd_client added, for deploy/k8s/engine-deployment.yaml.
+ENGINE_IMAGE ?= ghcr.io/kvd/vllm-openai:v0.33.0-kvd$(VERSION)
 CONTAINER ?= podman
 
-.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env image wheel clean
+.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env image engine-image wheel clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-13s %s\n", $$1, $$2}'
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +36,14 @@ $(VENV)/.stamp-test: pyproject.toml $(NATIVE) | $(BIN)/activate
 	@touch $@
 
 # vLLM 0.33.0's Python code on a CPU-only machine (no CUDA wheels), for the conformance tests.
+# vLLM pins torch 2.14.0 and CUDA packages; the tests run it on torch 2.13.0's CPU build with
+# the pure-Python subset it needs. So the subset goes in first and vllm last, with --no-deps:
+# pip's after-install check would otherwise list vLLM's every pin as an ERROR (--no-warn-conflicts
+# keeps a rerun over an installed vllm as quiet).
 $(VENV)/.stamp-vllm: tools/vllm-test-requirements.txt tools/setup_vllm_testenv.py $(VENV)/.stamp-test
+	$(PIP) install --no-warn-conflicts -r tools/vllm-test-requirements.txt
 	$(PIP) install --no-deps vllm==0.33.0
-	$(PIP) install -r tools/vllm-test-requirements.txt
+	@echo "vllm 0.33.0 installed without its dependencies: the tests run it on torch 2.13.0 (CPU) with tools/vllm-test-requirements.txt, not its torch 2.14.0 and CUDA pins"
 	$(PY) tools/setup_vllm_testenv.py
 	@touch $@
 
@@ -71,6 +78,9 @@ wheel: $(VENV)/.stamp-run ## build the kvd-offload wheel into dist/
 
 image: ## build the daemon image ghcr.io/kvd/kvd:VERSION from deploy/Containerfile (CONTAINER=docker)
 	$(CONTAINER) build -f deploy/Containerfile -t $(IMAGE) .
+
+engine-image: ## build vLLM 0.33.0's image with kvd_client added, from deploy/engine.Containerfile
+	$(CONTAINER) build -f deploy/engine.Containerfile -t $(ENGINE_IMAGE) .
 
 lint: $(VENV)/.stamp-test ## ruff
 	$(BIN)/ruff check .

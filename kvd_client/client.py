@@ -50,6 +50,9 @@ MAX_QUEUED_OPS = MAX_OPS_PER_STEP - 56   # room for the step's own ops
 RETIRED_MAPPINGS = 2            # earlier pool mappings kept open for copies still running
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+# wait_available asks for a retry at most this often (the background thread backs off between
+# tries; a refused registration must not be retried every poll).
+WAIT_POKE_S = 0.25
 # KVD_CLIENT_STEP_STREAM=0 sends every step as a unary Step call (for comparison and for
 # daemons behind proxies without bidirectional streams).
 USE_STEP_STREAM = os.environ.get("KVD_CLIENT_STEP_STREAM", "1").strip().lower() not in (
@@ -217,10 +220,13 @@ class KvdClient:
     def wait_available(self, timeout: float) -> bool:
         """Block until connected (tests, start-up scripts); True if available."""
         end = time.monotonic() + timeout
+        poked = 0.0
         while time.monotonic() < end:
             if self.available:
                 return True
-            self.maybe_reconnect()
+            if time.monotonic() - poked >= WAIT_POKE_S:   # a retry now, not every 20 ms
+                poked = time.monotonic()
+                self.maybe_reconnect()
             time.sleep(0.02)
         return self.available
 
@@ -285,16 +291,19 @@ class KvdClient:
             info = attach(self.socket_path, role=ROLE_ENGINE, engine_id=self.engine.engine_id,
                           timeout=max(self.deadline_s, 1.0))
         except AttachError as exc:
-            self._note_failure(f"attach: {exc.message}")
+            closed = _closed_directory(self.socket_path) \
+                if exc.code in ("PERMISSION_DENIED", "UNAVAILABLE") else None
+            self._note_failure(f"attach: {closed or exc.message}")
             return False
         pool: PoolMapping | None = None
         channel: grpc.Channel | None = None
+        md = ((SESSION_TOKEN_METADATA, info.token),)
+        stub: kvd_pb2_grpc.KvdEngineStub | None = None
         try:
             pool = PoolMapping(info.fd, info.pool_bytes)
             channel = grpc.insecure_channel(grpc_target(self.socket_path),
                                             options=[*channel_options(), ("grpc.enable_retries", 0)])
             stub = kvd_pb2_grpc.KvdEngineStub(channel)
-            md = ((SESSION_TOKEN_METADATA, info.token),)
             lay = self.layout
             reg = stub.RegisterSession(kvd_pb2.RegisterSessionRequest(
                 engine=self.engine, model=self.model, layout_salt=self.salt,
@@ -313,6 +322,12 @@ class KvdClient:
         except (grpc.RpcError, OSError, ValueError) as exc:
             if pool is not None:
                 pool.close()
+            if stub is not None:
+                # The attach made a session: end it now, or each refused try would hold one
+                # of this uid's sessions until the daemon's register timeout.
+                with contextlib.suppress(grpc.RpcError):
+                    stub.CloseSession(kvd_pb2.CloseSessionRequest(),
+                                      timeout=max(self.deadline_s, 1.0), metadata=md)
             if channel is not None:
                 channel.close()
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -462,6 +477,30 @@ class KvdClient:
         if now - self._last_error_log > 10:
             self._last_error_log = now
             log.warning(message)
+
+
+def _closed_directory(path: str) -> str | None:
+    """When a directory on the way to the daemon's socket refuses this user (no search
+    permission: the daemon's socket directory is 0750, its user's and group's only), that
+    directory, its owner and mode; else None. (kvd_server.cli.closed_directory's twin: the
+    client imports nothing of the daemon.)"""
+    chain = [os.path.dirname(os.path.abspath(path))]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    for directory in reversed(chain):
+        if not os.path.isdir(directory):
+            return None         # not there, or a file: not a matter of permissions
+        if os.access(directory, os.X_OK):
+            continue
+        uid = os.getuid()
+        try:
+            st = os.stat(directory)
+        except OSError as exc:
+            return f"the directory {directory} does not let uid {uid} in ({exc.strerror})"
+        return (f"permission denied: the directory {directory} (owner uid {st.st_uid}, group "
+                f"{st.st_gid}, mode {st.st_mode & 0o7777:04o}) does not let uid {uid} in; run "
+                f"the engine as its owner or a member of group {st.st_gid}")
+    return None
 
 
 def attach_dataplane(socket_path: str | None = None, timeout: float = 2.0

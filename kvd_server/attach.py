@@ -23,6 +23,7 @@ from typing import Any
 from kvd_proto.attach import (
     MAX_REQUEST_BYTES,
     REQUEST_TIMEOUT_S,
+    ROLE_REPORT,
     AttachError,
     AttachRequest,
     encode_refusal,
@@ -35,6 +36,9 @@ from kvd_server.errors import KvdError
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 256     # connections still owing their request line; the oldest goes first
+# What an attach's debug line shows of its answer (tokens never).
+DEBUG_FIELDS = ("session_id", "tenant", "pool_bytes", "pool_id", "index_bytes",
+                "channel_bytes", "up_bytes", "down_bytes", "expires_ms")
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,6 +173,11 @@ class AttachServer:
         if sent < len(payload):
             await loop.sock_sendall(conn, payload[sent:])
         self.attaches_total += 1
+        if request.role != ROLE_REPORT and log.isEnabledFor(logging.DEBUG):
+            log.debug("attach: pid %d uid %d gid %d as %s%s: %d descriptor(s), %s", peer.pid,
+                      peer.uid, peer.gid, request.role,
+                      f" (engine {request.engine_id})" if request.engine_id else "", len(fds),
+                      _shown(reply.fields))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -184,6 +193,12 @@ class AttachServer:
             self._sock = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _shown(fields: dict[str, Any]) -> str:
+    """An answer's fields for the debug log: the listed ones, never a token."""
+    shown = [f"{name} {fields[name]}" for name in DEBUG_FIELDS if name in fields]
+    return ", ".join(shown) or "no fields"
 
 
 async def _send_with_fds(loop: asyncio.AbstractEventLoop, conn: socket.socket,

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,8 @@ DEFAULT_TIMEOUT = 5.0
 MAX_TIMEOUT = 3600.0
 DEFAULT_WAIT = 300.0    # `health --wait`: systemd's TimeoutStartSec for the shipped unit
 WAIT_POLL = 0.2
+LOCK_SUFFIX = ".lock"
+NO_DAEMON_S = 5.0       # `health --wait`: how long nothing may listen with no daemon starting
 WIDTH = 80
 
 # serve's flags and the config key each overrides.
@@ -79,12 +82,15 @@ _SERVE_SWITCHES: tuple[tuple[str, str, str], ...] = (
 
 class CliError(Exception):
     """A failure the CLI reports in one line, with its exit code. `transient`: it may go away
-    by itself (no socket yet, the daemon not answering yet), so `health --wait` tries again."""
+    by itself (no socket yet, the daemon not answering yet), so `health --wait` tries again.
+    `nobody`: nothing listens on the socket path (no socket, or a dead daemon's)."""
 
-    def __init__(self, message: str, code: int = EXIT_ERROR, *, transient: bool = False) -> None:
+    def __init__(self, message: str, code: int = EXIT_ERROR, *, transient: bool = False,
+                 nobody: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.transient = transient
+        self.nobody = nobody
 
 
 # --- argument parsing ----------------------------------------------------------------------
@@ -211,7 +217,9 @@ def build_parser() -> _Parser:
                    help="wait until the daemon serves (it answers NOT_SERVING while it "
                         "pre-faults its pool, and has no socket before it starts), at most "
                         f"TIMEOUT (default {format_duration(DEFAULT_WAIT)}; e.g. 90s, 2m); "
-                        "then as without --wait")
+                        "then as without --wait. Gives up sooner (exit 2) when no daemon is "
+                        "coming: nothing listening and no process holding the socket's lock "
+                        f"for {NO_DAEMON_S:g}s")
     p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("config", parents=[*common, settings], help="show the effective config",
@@ -428,14 +436,41 @@ def _probe(path: str) -> None:
         return
     if state is SocketState.ABSENT:
         raise CliError(f"no kvd daemon socket at {path}: start one with `kvd serve` or pass "
-                       "--socket PATH", EXIT_UNREACHABLE, transient=True)
+                       "--socket PATH", EXIT_UNREACHABLE, transient=True, nobody=True)
+    if state in (SocketState.DENIED, SocketState.ERROR):
+        closed = closed_directory(path)
+        if closed:
+            raise CliError(f"permission denied on {path}: {closed}", EXIT_UNREACHABLE)
     if state is SocketState.DENIED:
         raise CliError(f"permission denied on {path}: run as the daemon's user or a member of "
                        "the socket's group", EXIT_UNREACHABLE)
     if state is SocketState.STALE:
         raise CliError(f"nothing is listening on {path} (a stale socket?): start the daemon "
-                       "with `kvd serve`", EXIT_UNREACHABLE, transient=True)
+                       "with `kvd serve`", EXIT_UNREACHABLE, transient=True, nobody=True)
     raise CliError(f"cannot connect to {path}: {detail}", EXIT_UNREACHABLE)
+
+
+def closed_directory(path: str) -> str | None:
+    """Why this user cannot reach `path` when a directory on the way is the reason (no search
+    permission: the daemon's socket directory is 0750, for its user and group only); None
+    when every directory lets this user through."""
+    chain = [os.path.dirname(os.path.abspath(path))]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    for directory in reversed(chain):
+        if not os.path.isdir(directory):
+            return None         # not there, or a file: not a matter of permissions
+        if os.access(directory, os.X_OK):
+            continue
+        uid = os.getuid()
+        try:
+            st = os.stat(directory)
+        except OSError as exc:
+            return f"the directory {directory} does not let uid {uid} in ({exc.strerror})"
+        return (f"the directory {directory} (owner uid {st.st_uid}, group {st.st_gid}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o}) does not let uid {uid} in; run as its owner "
+                f"or a member of group {st.st_gid}, or ask for a socket directory you may enter")
+    return None
 
 
 # --- subcommands ---------------------------------------------------------------------------
@@ -547,19 +582,65 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """Ask once; with --wait, ask again every WAIT_POLL seconds while the answer is
-    NOT_SERVING or the daemon is not there yet, until SERVING or the wait is over."""
+    NOT_SERVING or the daemon is not there yet, until SERVING or the wait is over. The wait
+    ends early when no daemon is coming: nothing has listened on the socket and no process
+    has held its lock (a starting daemon takes it first) for NO_DAEMON_S."""
     deadline = None if args.wait is None else time.monotonic() + args.wait
+    nobody_since: float | None = None
     while True:
         try:
             status = _health_status(args)
         except CliError as exc:
             if deadline is None or not exc.transient or time.monotonic() >= deadline:
                 raise
+            if not exc.nobody or args.address:
+                nobody_since = None
+            else:
+                path = _client_socket(args)
+                if _daemon_holds(path):
+                    nobody_since = None
+                elif nobody_since is None:
+                    nobody_since = time.monotonic()
+                elif time.monotonic() - nobody_since >= NO_DAEMON_S:
+                    raise CliError(
+                        f"no kvd daemon is serving or starting at {path}: nothing has listened "
+                        f"there and no process has held its lock for {NO_DAEMON_S:g}s; start "
+                        "one with `kvd serve` (if one was started, its log or `systemctl "
+                        "status kvd` says why it stopped)", EXIT_UNREACHABLE) from None
         else:
             if status == "SERVING" or deadline is None or time.monotonic() >= deadline:
                 print(status)
                 return EXIT_OK if status == "SERVING" else EXIT_ERROR
         time.sleep(WAIT_POLL)
+
+
+def socket_lock_path(path: str) -> str:
+    """The file a daemon holds locked (flock) for its socket path from before it binds until
+    it exits: a second daemon is refused even while the first is starting, and `health
+    --wait` tells a daemon still starting from none at all. (Beside the sockets, like
+    kvd_proto.paths.attach_path; here so that client commands need not load the daemon.)"""
+    return path + LOCK_SUFFIX
+
+
+def _daemon_holds(path: str) -> bool:
+    """Whether a process holds the lock of socket path `path` (a daemon starting or serving
+    there). Tested with a shared flock held for a moment (the daemon's exclusive one retries
+    past it); a lock file this user cannot open counts as held: it cannot tell."""
+    import fcntl
+
+    try:
+        fd = os.open(socket_lock_path(path), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:     # BlockingIOError: held
+        return True
+    finally:
+        os.close(fd)     # closing lets a shared lock we took go
+    return False
 
 
 def _health_status(args: argparse.Namespace) -> str:

@@ -30,6 +30,7 @@ RESERVED_FDS = 64         # descriptors kept for everything else (pool files, at
 FDS_PER_CONNECTION = 3    # the client's, ours towards gRPC, gRPC's accepted end
 HIGH_WATER = 1 << 20      # bytes buffered towards one side before the other is paused
 CHECK_INTERVAL_S = 1.0
+LINGER_POLL_S = 0.01
 
 
 class _Side(asyncio.Protocol):
@@ -97,6 +98,18 @@ class _Connection:
             if side.transport is not None:
                 side.transport.close()
         self.door.forget(self)
+
+    def finish(self) -> None:
+        """Close gracefully: stop reading the client and half-close towards gRPC, which then
+        closes its end after what it has written; that reaches the client before its end
+        closes (connection_lost)."""
+        client, server = self.client.transport, self.server.transport
+        if self.closed or server is None or server.is_closing() or not server.can_write_eof():
+            self.close()
+            return
+        if client is not None:
+            client.pause_reading()  # type: ignore[attr-defined]
+        server.write_eof()
 
 
 class FrontDoor:
@@ -224,16 +237,28 @@ class FrontDoor:
                     conn.close()
                     self.idle_closed_total += 1
 
-    async def close(self) -> None:
+    async def stop_accepting(self) -> None:
+        """No new connections (the socket goes); the piped ones go on."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for conn in list(self._conns):
-            conn.close()
+        self._tasks = []
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def close(self, linger: float = 0.0) -> None:
+        """Stop accepting, close each piped connection gracefully (what gRPC has written
+        still reaches its client), and after `linger` seconds close what remains."""
+        await self.stop_accepting()
+        for conn in list(self._conns):
+            conn.finish()
+        deadline = time.monotonic() + linger
+        while self._conns and time.monotonic() < deadline:
+            await asyncio.sleep(LINGER_POLL_S)
+        for conn in list(self._conns):
+            conn.close()

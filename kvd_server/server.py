@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import gc
 import logging
 import os
 import resource
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.channel import ChannelHeader
 from kvd_proto.native import NATIVE
-from kvd_proto.paths import SocketState, attach_path, grpc_target, probe_socket
+from kvd_proto.paths import ATTACH_SUFFIX, SocketState, attach_path, grpc_target, probe_socket
 from kvd_proto.wire import TRANSPORT_MESSAGE_BYTES, channel_options
 from kvd_server import __version__, notify
 from kvd_server.admin_tokens import AdminTokens, TokenFileError, read_token_file
@@ -34,6 +38,7 @@ from kvd_server.attach import AttachServer
 from kvd_server.attach_roles import AttachRoles
 from kvd_server.channel_service import ChannelService
 from kvd_server.channels import ChannelHub
+from kvd_server.cli import socket_lock_path
 from kvd_server.config import Config
 from kvd_server.core import KvdCore
 from kvd_server.extents import ExtentAllocator
@@ -48,23 +53,31 @@ from kvd_server.units import format_duration, format_size
 
 if TYPE_CHECKING:
     from kvd_server.metrics import MetricsServer, RpcMetrics
+    from kvd_server.namespaces import Namespace
 
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL = 0.1
 PREFAULT_EXTEND_S = 60.0
-TRIM_INTERVAL = 10.0         # how often tenants' pool files are checked for stray pages     # start-timeout extension asked for at each tenth of the pre-fault
+TRIM_INTERVAL = 10.0         # how often tenants' pool files are checked for stray pages
 DRAIN_POLL = 0.05
 STOP_GRACE = 1.0
+MAX_OWED = 64          # Drain answers a shutdown waits for (more calls are answered or cut)
 HEALTH_SERVICES = ("", "kvd.v1.KvdEngine")
+ACTIVITY_S = 1.0       # at debug: at most one activity line this often (Activity)
+MAX_NAMED = 4          # namespaces named in one activity line
+LOCK_TRIES = 3         # the lock file replaced under us by a daemon exiting: open it again
+LOCK_RETRIES = 5       # a `kvd health --wait` testing the lock holds it for microseconds
+LOCK_RETRY_S = 0.01
 
 
 class StartupError(Exception):
     """The daemon cannot start; the message tells the operator what to do."""
 
 
-def _prepare_socket_path(path: str) -> None:
-    """Create the socket directory (0750) and clear a stale socket; refuse a live daemon."""
+def _prepare_socket_path(path: str) -> int:
+    """Create the socket directory (0750), take the socket path's lock and clear a stale
+    socket; refuse a live daemon. The lock's descriptor (held until the daemon exits)."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         blocker = _file_in_the_way(directory)
@@ -77,19 +90,104 @@ def _prepare_socket_path(path: str) -> None:
         except OSError as exc:
             raise StartupError(f"cannot create the socket directory {directory}: "
                                f"{exc.strerror}; create it or choose --socket") from None
-    for candidate in (path, attach_path(path)):
-        state, _ = probe_socket(candidate)
-        if state is SocketState.NOT_SOCKET:
-            raise StartupError(f"{candidate} exists and is not a socket; remove it or choose "
-                               "another --socket")
-        if state in (SocketState.LIVE, SocketState.DENIED, SocketState.ERROR):
-            # EACCES and friends: someone else's live socket we may not touch.
-            raise StartupError(f"another kvd daemon is serving on {candidate}; stop it first "
-                               "(kvd drain --socket ...) or choose another --socket")
-        if state is SocketState.STALE:
-            log.info("removing stale socket %s", candidate)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(candidate)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        name = os.path.basename(path)
+        raise StartupError(_unwritable(directory, f"the sockets {name} and {name}{ATTACH_SUFFIX}"))
+    lock = _lock_socket_path(path)
+    try:
+        for candidate in (path, attach_path(path)):
+            state, _ = probe_socket(candidate)
+            if state is SocketState.NOT_SOCKET:
+                raise StartupError(f"{candidate} exists and is not a socket; remove it or "
+                                   "choose another --socket")
+            if state in (SocketState.LIVE, SocketState.DENIED, SocketState.ERROR):
+                # EACCES and friends: someone else's live socket we may not touch.
+                raise StartupError(f"another kvd daemon is serving on {candidate}; stop it "
+                                   "first (kvd drain --socket ...) or choose another --socket")
+            if state is SocketState.STALE:
+                log.info("removing stale socket %s", candidate)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(candidate)
+    except BaseException:
+        _unlock_socket_path(path, lock)
+        raise
+    return lock
+
+
+def _unwritable(directory: str, what: str) -> str:
+    """One line for a socket directory this process cannot create `what` in."""
+    uid = os.geteuid()
+    try:
+        st = os.stat(directory)
+        owner = f"owned by uid {st.st_uid} gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}"
+    except OSError as exc:
+        owner = exc.strerror or str(exc)
+    with contextlib.suppress(OSError):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            owner += ", on a read-only file system"
+    return (f"cannot create {what} in {directory}: uid {uid} may not write there ({owner}); "
+            f"let uid {uid} write in it, run kvd as its owner, or choose another --socket")
+
+
+def _bind_problem(path: str, exc: OSError) -> str:
+    """One line for a socket that cannot be bound (the directory checks passed: a race, a
+    security module, ...)."""
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return _unwritable(os.path.dirname(path) or ".", f"the socket {os.path.basename(path)}")
+    return f"cannot listen on {path}: {exc.strerror or exc}; choose another --socket"
+
+
+def _lock_socket_path(path: str) -> int:
+    """Take the socket path's lock (see socket_lock_path) and write our pid into it."""
+    lock = socket_lock_path(path)
+    for _ in range(LOCK_TRIES):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StartupError(f"cannot create the lock file {lock}: {exc.strerror}; choose "
+                               "another --socket") from None
+        try:
+            _flock_exclusive(fd)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise StartupError(
+                f"another kvd daemon is serving on {path} or starting there (pid "
+                f"{holder or '?'} holds {lock}); stop it first (kvd drain --socket {path}) or "
+                "choose another --socket") from None
+        try:
+            current = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            current = False
+        if current:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)    # a daemon that exited removed the file we opened: lock the new one
+    raise StartupError(f"cannot lock {lock}: it keeps being replaced; is another kvd daemon "
+                       "starting and stopping there?")
+
+
+def _flock_exclusive(fd: int) -> None:
+    """flock(LOCK_EX) without blocking, retried briefly: `kvd health --wait` tests the lock
+    with a shared flock for a moment, which must not look like another daemon."""
+    for attempt in range(LOCK_RETRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == LOCK_RETRIES - 1:
+                raise
+            time.sleep(LOCK_RETRY_S)
+
+
+def _unlock_socket_path(path: str, fd: int) -> None:
+    """Remove the lock file, then let the lock go (a daemon racing us notices the file is
+    gone and locks the new one)."""
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.fstat(fd), os.stat(socket_lock_path(path))):
+            os.unlink(socket_lock_path(path))
+    os.close(fd)
 
 
 def _file_in_the_way(directory: str) -> str | None:
@@ -129,6 +227,9 @@ class Daemon:
         self._stop_prefault = threading.Event()   # read by the pre-fault thread
         self._drain_timeout = config.server.drain_timeout
         self._tasks: list[asyncio.Task[None]] = []
+        self._answers: set[asyncio.Future[None]] = set()   # Drain answers not yet written
+        self._lock: int | None = None      # the socket path's lock (socket_lock_path)
+        self._activity = Activity()
 
     # -- stats and drain entry points
 
@@ -159,8 +260,13 @@ class Daemon:
                             rejected_total=service.rejected_total,
                             broken_total=hub.broken_total)
 
-    def request_drain(self, timeout: float | None = None) -> bool:
-        """Start draining (idempotent): False when a drain is already under way."""
+    def request_drain(self, timeout: float | None = None,
+                      answered: asyncio.Future[None] | None = None) -> bool:
+        """Start draining (idempotent): False when a drain is already under way. `answered`:
+        done once the caller's answer is written; the shutdown waits for it (bounded)."""
+        if answered is not None and not answered.done() and len(self._answers) < MAX_OWED:
+            self._answers.add(answered)
+            answered.add_done_callback(self._answers.discard)
         if self._stop.is_set():
             return False
         if timeout is not None:
@@ -174,15 +280,12 @@ class Daemon:
     async def run(self) -> int:
         cfg = self.config
         self._log_summary()
-        try:
-            _prepare_socket_path(cfg.server.socket)
-        except StartupError as exc:
-            log.error("%s", exc)
-            return 1
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        failure: StartupError | None = None
         try:
+            self._lock = _prepare_socket_path(cfg.server.socket)
             await self._start()
             if not self._stop.is_set():
                 await self._prepare_pool()
@@ -195,12 +298,15 @@ class Daemon:
             await self._drain()
             return 0
         except StartupError as exc:
-            log.error("%s", exc)
+            failure = exc
             return 1
         finally:
             await self._shutdown()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            if failure is not None:
+                # Last, after the shutdown's lines: the line an operator reads names the fix.
+                log.error("%s", failure)
 
     def _log_summary(self) -> None:
         cfg = self.config
@@ -263,10 +369,14 @@ class Daemon:
         server.add_insecure_port(grpc_target(backend))
         await server.start()
         self._server = server
-        self._door = FrontDoor(cfg.server.socket, cfg.server.socket_mode, backend,
-                               per_uid=cfg.server.max_connections_per_uid,
-                               idle_timeout=cfg.server.idle_timeout)
-        await self._door.start()
+        door = FrontDoor(cfg.server.socket, cfg.server.socket_mode, backend,
+                         per_uid=cfg.server.max_connections_per_uid,
+                         idle_timeout=cfg.server.idle_timeout)
+        try:
+            await door.start()
+        except OSError as exc:
+            raise StartupError(_bind_problem(cfg.server.socket, exc)) from None
+        self._door = door
 
         service = self._channel_service = ChannelService(core,
                                                          ChannelHeader().down_max_record)
@@ -276,9 +386,13 @@ class Daemon:
         core.on_session_end.append(self._end_channel)
         roles = AttachRoles(core, pools, self._tokens, self._channels,
                             self._rpc.observe_transfer)
-        self._attach = AttachServer(cfg.server.attach_socket, cfg.server.socket_mode,
-                                    roles, on_exhausted=self._door.shed)
-        await self._attach.start()
+        attach = AttachServer(cfg.server.attach_socket, cfg.server.socket_mode, roles,
+                              on_exhausted=door.shed)
+        try:
+            await attach.start()
+        except OSError as exc:
+            raise StartupError(_bind_problem(cfg.server.attach_socket, exc)) from None
+        self._attach = attach
         if cfg.server.admin_listen:
             await self._start_admin_listener(core)
         self._tasks.append(asyncio.create_task(self._sweeper(core), name="kvd-sweeper"))
@@ -333,7 +447,9 @@ class Daemon:
                                                          cfg.metrics_port)
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {cfg.metrics_address}:"
-                               f"{cfg.metrics_port}: {exc.strerror or exc}") from None
+                               f"{cfg.metrics_port}: {exc.strerror or exc}; choose another "
+                               "--metrics-port (server.metrics_port, 0 = off) or stop what "
+                               "listens there") from None
         return rpc_metrics
 
     @staticmethod
@@ -357,6 +473,9 @@ class Daemon:
     def _end_channel(self, session: Session) -> None:
         """A session ends: what its channel still holds is applied, then it goes."""
         if self._channels is not None:
+            if self._channels.get(session.id) is not None:
+                log.debug("channel of session %s closed; it held %d slots granted (reserve "
+                          "target %d)", session.id, len(session.granted), session.reserve_target)
             self._channels.close(session.id)
             if self._channel_service is not None:
                 self._channel_service.forget(session.id)
@@ -390,9 +509,17 @@ class Daemon:
         if cfg.mlock:
             pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked
 
+    def _log_activity(self) -> None:
+        """At debug, one line about what changed since the last one (see Activity)."""
+        if self.core is not None and log.isEnabledFor(logging.DEBUG):
+            line = self._activity.line(self.core, self._channel_service, self._channels)
+            if line:
+                log.debug("%s", line)
+
     async def _sweeper(self, core: KvdCore) -> None:
         loop = asyncio.get_running_loop()
         next_trim = loop.time() + TRIM_INTERVAL
+        next_activity = loop.time() + ACTIVITY_S
         while True:
             due = loop.time() + SWEEP_INTERVAL
             await asyncio.sleep(SWEEP_INTERVAL)
@@ -407,6 +534,9 @@ class Daemon:
                 if loop.time() >= next_trim and self.pools is not None:
                     next_trim = loop.time() + TRIM_INTERVAL
                     self.pools.trim(core.extents.owner)
+                if loop.time() >= next_activity:
+                    next_activity = loop.time() + ACTIVITY_S
+                    self._log_activity()
             except Exception:  # a sweep bug must not stop liveness for every later sweep
                 log.exception("sweep failed")
 
@@ -429,6 +559,7 @@ class Daemon:
             log.warning("drain timeout: %d load(s) still in flight; exiting anyway", pending)
         else:
             log.info("drained")
+        self._log_activity()
 
     async def _shutdown(self) -> None:
         for task in self._tasks:
@@ -440,8 +571,13 @@ class Daemon:
             await self._attach.close()
         if self._channels is not None:
             self._channels.close_all()
+        # The Drain calls' answers are written before the door shuts, and the door forwards
+        # what gRPC wrote before closing a client's end: a drain with nothing in flight is
+        # over before its own answer has left (the CLI read that as "did not answer").
+        if self._answers:
+            await asyncio.wait(set(self._answers), timeout=STOP_GRACE)
         if self._door is not None:
-            await self._door.close()
+            await self._door.close(linger=STOP_GRACE)
         if self._admin_server is not None:
             await self._admin_server.stop(STOP_GRACE)
         if self._server is not None:
@@ -455,7 +591,82 @@ class Daemon:
         if self._server is not None or self._attach is not None:
             _remove(self.config.server.socket)
             _remove(self.config.server.attach_socket)
+        if self._lock is not None:
+            _unlock_socket_path(self.config.server.socket, self._lock)
+            self._lock = None
         log.info("kvd stopped")
+
+
+class Activity:
+    """What changed in the daemon between two looks, as one DEBUG line: sessions attached and
+    ended, namespaces created (with their layouts) and forgotten, slots held granted, channels
+    and their records by kind. Counts and names only, at most one line per ACTIVITY_S: never
+    a line per key or per step, which would cost every engine on the node its latency."""
+
+    def __init__(self) -> None:
+        self.namespaces: dict[str, str] = {}     # id -> model, at the last look
+        self.forgotten = 0
+        self.attached = 0
+        self.ended = 0
+        self.granted = 0
+        self.channels = 0
+        self.records: Counter[str] = Counter()
+
+    def line(self, core: KvdCore, service: ChannelService | None,
+             hub: ChannelHub | None) -> str | None:
+        """The line, or None when nothing changed."""
+        sessions = core.sessions
+        current = {ns.id: ns for ns in core.namespaces}
+        created = [ns for ns_id, ns in current.items() if ns_id not in self.namespaces]
+        gone = [(ns_id, model) for ns_id, model in self.namespaces.items()
+                if ns_id not in current]
+        forgotten = core.namespaces.forgotten_total - self.forgotten
+        attached = sessions.attached_total - self.attached
+        ended = sessions.closed_total + sessions.reaped_total - self.ended
+        granted = sum(len(s.granted) for s in sessions)
+        channels = len(hub) if hub is not None else 0
+        records = Counter(service.records) if service is not None else Counter()
+        new_records = records - self.records
+        self.namespaces = {ns_id: ns.model for ns_id, ns in current.items()}
+        self.forgotten = core.namespaces.forgotten_total
+        self.attached += attached
+        self.ended += ended
+        self.records = records
+        parts = []
+        if attached or ended:
+            parts.append(f"sessions {len(sessions)} live ({attached} attached, {ended} ended)")
+        if created:
+            parts.append("namespaces created: " + _some(
+                [f"{ns.id[:12]} ({_layout(ns)})" for ns in created[:MAX_NAMED]], len(created)))
+        if gone or forgotten:
+            # `forgotten` also counts namespaces created and forgotten between two looks.
+            parts.append("namespaces forgotten: " + _some(
+                [f"{ns_id[:12]} ({model})" for ns_id, model in gone[:MAX_NAMED]],
+                max(forgotten, len(gone))))
+        if granted != self.granted:
+            parts.append(f"slots held granted {granted} (was {self.granted})")
+            self.granted = granted
+        if channels != self.channels:
+            parts.append(f"channels open {channels} (was {self.channels})")
+            self.channels = channels
+        if new_records:
+            parts.append("channel records " + ", ".join(
+                f"{kind} {n}" for kind, n in sorted(new_records.items())))
+        return "activity: " + "; ".join(parts) if parts else None
+
+
+def _layout(ns: Namespace) -> str:
+    lay = ns.layout
+    return (f"model {ns.model}, tenant {ns.tenant}, block {format_size(lay.block_bytes)} = "
+            f"{lay.num_ranks} x {format_size(lay.shard_bytes)}, {lay.tokens_per_block} tokens, "
+            f"{lay.dtype or '?'}")
+
+
+def _some(shown: list[str], total: int) -> str:
+    """`shown` (the first few of `total`), and how many more."""
+    more = total - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "") if shown \
+        else f"{total}"
 
 
 def _read_pem(path: str, key: str) -> bytes:

@@ -9,6 +9,7 @@ messages into core calls and back. Every handler, unary or a message on a stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -610,7 +611,7 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
 
     def __init__(self, core: KvdCore, config: Config, rpc: RpcRecorder,
                  snapshot: Callable[[], StatsSnapshot],
-                 drain: Callable[[float], bool], tokens: AdminTokens, *,
+                 drain: Callable[[float, asyncio.Future[None]], bool], tokens: AdminTokens, *,
                  remote: bool = False) -> None:
         self._core = core
         self._config = config
@@ -660,16 +661,20 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
                     context: grpc.aio.ServicerContext) -> kvd_pb2.AdminResetResponse:
         return await self._rpc.unary("AdminReset", context, lambda: self._reset(context, request))
 
-    def _drain_call(self, context: grpc.aio.ServicerContext,
-                    request: kvd_pb2.DrainRequest) -> kvd_pb2.DrainResponse:
+    def _drain_call(self, context: grpc.aio.ServicerContext, request: kvd_pb2.DrainRequest,
+                    answered: asyncio.Future[None]) -> kvd_pb2.DrainResponse:
         self._check_admin(context, write=True)
         timeout = (request.timeout_ms / 1000 if request.timeout_ms
                    else self._config.server.drain_timeout)
-        return kvd_pb2.DrainResponse(started=self._drain(timeout))
+        return kvd_pb2.DrainResponse(started=self._drain(timeout, answered))
 
     async def Drain(self, request: kvd_pb2.DrainRequest,
                     context: grpc.aio.ServicerContext) -> kvd_pb2.DrainResponse:
-        return await self._rpc.unary("Drain", context, lambda: self._drain_call(context, request))
+        # The daemon shuts down only once this answer is written: a drain with nothing in
+        # flight is over at once, and a shutdown then would cut the caller's answer off.
+        answered = _call_done(context)
+        return await self._rpc.unary("Drain", context,
+                                     lambda: self._drain_call(context, request, answered))
 
     def _sessions(self, context: grpc.aio.ServicerContext,
                   request: kvd_pb2.ListSessionsRequest) -> kvd_pb2.ListSessionsResponse:
@@ -706,6 +711,23 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
     async def GetConfig(self, request: kvd_pb2.GetConfigRequest,
                         context: grpc.aio.ServicerContext) -> kvd_pb2.GetConfigResponse:
         return await self._rpc.unary("GetConfig", context, lambda: self._config_call(context))
+
+
+def _call_done(context: grpc.aio.ServicerContext) -> asyncio.Future[None]:
+    """A future done when the call has ended: its status written to the connection."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def ended(*_: object) -> None:
+        with contextlib.suppress(RuntimeError):     # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle)
+
+    context.add_done_callback(ended)
+    return done
 
 
 def _session_info(v: SessionView) -> kvd_pb2.SessionInfo:

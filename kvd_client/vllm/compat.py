@@ -1,7 +1,7 @@
 """Which vLLM this plug-in runs on, checked when vLLM loads it (before any other import).
 
 kvd's manager and worker are written against vLLM 0.33's offloading interfaces
-(`vllm.v1.kv_offload`: ../docs/vllm.md, "Supported versions"). A vLLM that lacks a name or a
+(`vllm.v1.kv_offload`: docs/vllm.md, "Supported versions"). A vLLM that lacks a name or a
 method kvd uses fails here, at engine start, with a message that says what is missing and
 which versions are supported, instead of a traceback inside the first scheduler step. A vLLM
 outside the tested range that has every name runs, with a warning.

@@ -16,6 +16,7 @@ drops to UID/GID, then runs ACTION and prints one JSON line:
 from __future__ import annotations
 
 import contextlib
+import fcntl  # noqa: F401  (the CLI's lazy imports, before the uid drop)
 import hashlib
 import io
 import json
@@ -25,13 +26,17 @@ import struct
 import sys
 
 import grpc
+from google.protobuf import json_format  # noqa: F401
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: F401  (before the uid drop)
 
 import kvd_client.attach  # noqa: F401  (everything imported before the uid drop)
 import kvd_client.pool_map  # noqa: F401
 from kvd_proto import attach as attach_protocol
 from kvd_proto import kvd_pb2, kvd_pb2_grpc  # noqa: F401
-from kvd_server import cli
+from kvd_server import (
+    admin_tokens,  # noqa: F401
+    cli,
+)
 from tests.multiproc.conftest import Engine, keys_for
 
 BLOCK = 64 * 1024

