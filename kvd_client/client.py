@@ -31,7 +31,7 @@ from kvd_proto.attach import (
     AttachRequest,
     exchange,
 )
-from kvd_proto.paths import default_socket_path, grpc_target
+from kvd_proto.paths import closed_directory, default_socket_path, grpc_target
 from kvd_proto.wire import (
     MAX_OPS_PER_STEP,
     SESSION_TOKEN_METADATA,
@@ -480,27 +480,9 @@ class KvdClient:
 
 
 def _closed_directory(path: str) -> str | None:
-    """When a directory on the way to the daemon's socket refuses this user (no search
-    permission: the daemon's socket directory is 0750, its user's and group's only), that
-    directory, its owner and mode; else None. (kvd_server.cli.closed_directory's twin: the
-    client imports nothing of the daemon.)"""
-    chain = [os.path.dirname(os.path.abspath(path))]
-    while os.path.dirname(chain[-1]) != chain[-1]:
-        chain.append(os.path.dirname(chain[-1]))
-    for directory in reversed(chain):
-        if not os.path.isdir(directory):
-            return None         # not there, or a file: not a matter of permissions
-        if os.access(directory, os.X_OK):
-            continue
-        uid = os.getuid()
-        try:
-            st = os.stat(directory)
-        except OSError as exc:
-            return f"the directory {directory} does not let uid {uid} in ({exc.strerror})"
-        return (f"permission denied: the directory {directory} (owner uid {st.st_uid}, group "
-                f"{st.st_gid}, mode {st.st_mode & 0o7777:04o}) does not let uid {uid} in; run "
-                f"the engine as its owner or a member of group {st.st_gid}")
-    return None
+    """When a directory on the way to the daemon's socket refuses this user, which and why."""
+    closed = closed_directory(path, "run the engine as its owner or a member of group {group}")
+    return None if closed is None else f"permission denied: {closed}"
 
 
 def attach_dataplane(socket_path: str | None = None, timeout: float = 2.0

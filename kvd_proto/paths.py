@@ -113,3 +113,27 @@ def clear_stale_socket(path: str) -> None:
     if state is SocketState.NOT_SOCKET:
         raise OSError(f"{path} exists and is not a socket")
     raise OSError(f"another kvd daemon is serving on {path} ({detail})")
+
+
+def closed_directory(path: str, advice: str) -> str | None:
+    """Why this user cannot reach `path` when a directory on the way is the reason (no search
+    permission: the daemon's socket directory is 0750, for its user and group only): that
+    directory, its owner, group and mode, then `advice` (`{group}`: the directory's group);
+    None when every directory lets this user through."""
+    chain = [os.path.dirname(os.path.abspath(path))]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    for directory in reversed(chain):
+        if not os.path.isdir(directory):
+            return None         # not there, or a file: not a matter of permissions
+        if os.access(directory, os.X_OK):
+            continue
+        uid = os.getuid()
+        try:
+            st = os.stat(directory)
+        except OSError as exc:
+            return f"the directory {directory} does not let uid {uid} in ({exc.strerror})"
+        return (f"the directory {directory} (owner uid {st.st_uid}, group {st.st_gid}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o}) does not let uid {uid} in; "
+                + advice.format(group=st.st_gid))
+    return None

@@ -14,12 +14,12 @@ import argparse
 import asyncio
 import json
 import os
-import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvd_proto import paths
 from kvd_proto.paths import (
     SOCKET_ENV,
     SocketState,
@@ -451,26 +451,9 @@ def _probe(path: str) -> None:
 
 
 def closed_directory(path: str) -> str | None:
-    """Why this user cannot reach `path` when a directory on the way is the reason (no search
-    permission: the daemon's socket directory is 0750, for its user and group only); None
-    when every directory lets this user through."""
-    chain = [os.path.dirname(os.path.abspath(path))]
-    while os.path.dirname(chain[-1]) != chain[-1]:
-        chain.append(os.path.dirname(chain[-1]))
-    for directory in reversed(chain):
-        if not os.path.isdir(directory):
-            return None         # not there, or a file: not a matter of permissions
-        if os.access(directory, os.X_OK):
-            continue
-        uid = os.getuid()
-        try:
-            st = os.stat(directory)
-        except OSError as exc:
-            return f"the directory {directory} does not let uid {uid} in ({exc.strerror})"
-        return (f"the directory {directory} (owner uid {st.st_uid}, group {st.st_gid}, mode "
-                f"{stat.S_IMODE(st.st_mode):04o}) does not let uid {uid} in; run as its owner "
-                f"or a member of group {st.st_gid}, or ask for a socket directory you may enter")
-    return None
+    """Why this user cannot reach `path` when a directory on the way is the reason."""
+    return paths.closed_directory(path, "run as its owner or a member of group {group}, or "
+                                        "ask for a socket directory you may enter")
 
 
 # --- subcommands ---------------------------------------------------------------------------
