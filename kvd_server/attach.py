@@ -15,7 +15,6 @@ import errno
 import logging
 import os
 import socket
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from kvd_proto.attach import (
 )
 from kvd_proto.paths import clear_stale_socket
 from kvd_server.errors import KvdError
+from kvd_server.peer import PeerCred, peer_credentials
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,6 @@ MAX_WAITING = 256     # connections still owing their request line; the oldest g
 # What an attach's debug line shows of its answer (tokens never).
 DEBUG_FIELDS = ("session_id", "tenant", "pool_bytes", "pool_id", "index_bytes",
                 "channel_bytes", "up_bytes", "down_bytes", "expires_ms")
-
-
-@dataclass(slots=True, frozen=True)
-class PeerCred:
-    pid: int
-    uid: int
-    gid: int
 
 
 @dataclass(slots=True)
@@ -56,12 +49,6 @@ class AttachReply:
     fields: dict[str, Any] = field(default_factory=dict)
     fd: int = -1
     more_fds: tuple[int, ...] = ()
-
-
-def peer_credentials(sock: socket.socket) -> PeerCred:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return PeerCred(pid, uid, gid)
 
 
 Handler = Callable[[PeerCred, AttachRequest], AttachReply]

@@ -20,10 +20,11 @@ from kvd_proto.index_layout import VERSION as INDEX_VERSION
 from kvd_proto.wire import SLOT_ALIGNMENT
 from kvd_server import __version__
 from kvd_server.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens
-from kvd_server.attach import AttachReply, PeerCred
+from kvd_server.attach import AttachReply
 from kvd_server.channels import ChannelHub
 from kvd_server.core import KvdCore, TransferStats
 from kvd_server.errors import FailedPrecondition, PermissionDenied, Unauthenticated, Unavailable
+from kvd_server.peer import PeerCred
 from kvd_server.pool import PoolError, may_hold
 from kvd_server.sessions import Session
 from kvd_server.tenant_pools import TenantPools

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, KvLayout
-from kvd_server.attach import PeerCred
 from kvd_server.config import Config
 from kvd_server.errors import (
     FailedPrecondition,
@@ -40,6 +39,7 @@ from kvd_server.namespaces import (
     namespace_id,
     pid_alive,
 )
+from kvd_server.peer import PeerCred
 from kvd_server.sessions import (
     MAX_OPEN_REQUESTS_PER_SESSION,
     MAX_PENDING_STORES_PER_SESSION,

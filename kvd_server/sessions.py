@@ -14,10 +14,10 @@ import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvd_server.attach import PeerCred
 from kvd_server.config import Config
 from kvd_server.errors import PermissionDenied, ResourceExhausted, Unauthenticated
 from kvd_server.namespaces import Namespace
+from kvd_server.peer import PeerCred
 
 log = logging.getLogger(__name__)
 

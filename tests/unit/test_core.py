@@ -6,12 +6,12 @@ import grpc
 import pytest
 
 from kvd_proto.wire import KvLayout as Layout
-from kvd_server.attach import PeerCred
 from kvd_server.config import load_config
 from kvd_server.core import KvdCore
 from kvd_server.errors import KvdError
 from kvd_server.extents import ExtentAllocator
 from kvd_server.manager import Lookup
+from kvd_server.peer import PeerCred
 from kvd_server.sessions import EngineInfo
 from kvd_server.snapshot import build_snapshot
 
