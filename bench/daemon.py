@@ -117,21 +117,31 @@ def _client(sock: str, seconds: float, keys_per_step: int, seed: int, out: mp.Qu
     out.put((steps, lat))
 
 
-def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64,
-               stream: bool = True) -> dict:
-    """Step calls/s from `clients` processes, each stepping in lockstep (64-key lookups) on
-    its StepStream (`stream`) or with unary Step calls."""
-    ctx = mp.get_context("spawn")      # this process has gRPC threads: never fork it
+def _run_clients(clients: int, seconds: float, job) -> list:  # noqa: ANN001
+    """Start `clients` spawned processes (`job(i, queue, barrier)` -> (target, args)), release
+    them together and collect what each puts on the queue. Spawned: this process has gRPC
+    threads, never fork it."""
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     start = ctx.Barrier(clients + 1)
-    procs = [ctx.Process(target=_client, args=(sock, seconds, keys, i, q, stream, start))
-             for i in range(clients)]
+    procs = [ctx.Process(target=target, args=args)
+             for target, args in (job(i, q, start) for i in range(clients))]
     for p in procs:
         p.start()
     start.wait(120)
     results = [q.get(timeout=seconds + 60) for _ in procs]
     for p in procs:
         p.join(10)
+    return results
+
+
+def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64,
+               stream: bool = True) -> dict:
+    """Step calls/s from `clients` processes, each stepping in lockstep (64-key lookups) on
+    its StepStream (`stream`) or with unary Step calls."""
+    results = _run_clients(clients, seconds,
+                           lambda i, q, start: (_client, (sock, seconds, keys, i, q, stream,
+                                                          start)))
     steps = sum(r[0] for r in results)
     lat = sorted(x for r in results for x in r[1])
     return {"clients": clients, "transport": "stream" if stream else "unary",
@@ -195,17 +205,8 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) 
 def channel_throughput(sock: str, clients: int, seconds: float = 3.0) -> dict:
     """Engine steps per second the daemon processed from `clients` fast-path engines, each
     stepping as fast as the daemon reads (see `_channel_engine`)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    start = ctx.Barrier(clients + 1)
-    procs = [ctx.Process(target=_channel_engine, args=(sock, seconds, i, q, start))
-             for i in range(clients)]
-    for p in procs:
-        p.start()
-    start.wait(120)
-    results = [q.get(timeout=seconds + 60) for _ in procs]
-    for p in procs:
-        p.join(10)
+    results = _run_clients(clients, seconds,
+                           lambda i, q, start: (_channel_engine, (sock, seconds, i, q, start)))
     acked = sum(r[0] for r in results)
     return {"clients": clients, "transport": "channel", "keys_per_step": 4 * STEP_KEYS,
             "steps_per_second": acked / seconds,
