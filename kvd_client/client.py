@@ -94,6 +94,8 @@ class KvdClient:
         self.draining = False
         self.round_trips = 0
         self.generation = 0          # +1 at every (re)connect: engines drop local state on change
+        # The generation whose on_reconnect set-up has run (wait_available waits for it).
+        self._ready_generation = 0
         self.heartbeat_interval_s = 1.0
         self.default_lease_ms = 2000
 
@@ -218,17 +220,22 @@ class KvdClient:
             self._thread.join(timeout=2 * self.deadline_s + 1)
 
     def wait_available(self, timeout: float) -> bool:
-        """Block until connected (tests, start-up scripts); True if available."""
+        """Block until connected and the connection's `on_reconnect` set-up has run (tests,
+        start-up scripts: a session's index, channel and first slots are then in place for
+        its next step); True if so."""
         end = time.monotonic() + timeout
         poked = 0.0
         while time.monotonic() < end:
-            if self.available:
+            if self._ready():
                 return True
             if time.monotonic() - poked >= WAIT_POKE_S:   # a retry now, not every 20 ms
                 poked = time.monotonic()
                 self.maybe_reconnect()
             time.sleep(0.02)
-        return self.available
+        return self._ready()
+
+    def _ready(self) -> bool:
+        return self.available and self._ready_generation == self.generation
 
     # -------------------------------------------------------------------- internals
     def _step(self, ops: list[kvd_pb2.StepOp], deadline_s: float | None
@@ -355,11 +362,13 @@ class KvdClient:
                      reg.session_id, self.socket_path, reg.namespace_id, reg.slot_bytes,
                      info.pool_bytes)
         self._ever_connected = True
+        generation = self.generation
         if self.on_reconnect is not None:
             try:
                 self.on_reconnect()
             except Exception:
                 log.exception("on_reconnect callback failed")
+        self._ready_generation = generation
         return True
 
     def _note_failure(self, reason: str) -> None:
