@@ -187,8 +187,8 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) 
             keys = stored[-2]
             hits = [k for k in keys if session.lookup(k) is not None and
                     session.hit_offset(k) is not None]
-            session.pin(hits, req)
-            session.unpin(hits, req)
+            session.start_loads(hits, req)
+            session.finish_loads(hits, req)
         new = [prefix + (step * STEP_KEYS + i).to_bytes(8, "big") for i in range(STEP_KEYS)]
         granted = session.reserve(new, req)
         if granted:

@@ -4,4 +4,6 @@ Never imports kvd_server: the two packages meet only at the wire (kvd_proto) and
 protocol.
 """
 
-__version__ = "0.1.0"
+from kvd_proto.version import __version__  # one for the whole distribution
+
+__all__ = ["__version__"]

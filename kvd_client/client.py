@@ -23,25 +23,13 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from kvd_proto.attach import (
-    ROLE_CHANNEL,
-    ROLE_DATAPLANE,
-    ROLE_ENGINE,
-    ROLE_INDEX,
-    AttachRequest,
-    exchange,
-)
-from kvd_proto.paths import closed_directory, default_socket_path, grpc_target
-from kvd_proto.wire import (
-    MAX_OPS_PER_STEP,
-    SESSION_TOKEN_METADATA,
-    KvLayout,
-    align_up,
-    channel_options,
-)
+from kvd_proto.attach import ROLE_CHANNEL, ROLE_DATAPLANE, ROLE_INDEX
+from kvd_proto.paths import default_socket_path
+from kvd_proto.wire import MAX_OPS_PER_STEP, KvLayout
 
 from .attach import AttachError, AttachInfo, attach
 from .pool_map import PoolMapping
+from .register import DEFAULT_LEASE_MS, RegisterFailed, register, session_fds
 from .step_stream import StepStream, StepStreamClosed, status_code
 
 log = logging.getLogger(__name__)
@@ -97,7 +85,7 @@ class KvdClient:
         # The generation whose on_reconnect set-up has run (wait_available waits for it).
         self._ready_generation = 0
         self.heartbeat_interval_s = 1.0
-        self.default_lease_ms = 2000
+        self.default_lease_ms = DEFAULT_LEASE_MS
 
         self._lock = threading.RLock()
         self._queue: deque[kvd_pb2.StepOp] = deque()
@@ -157,25 +145,16 @@ class KvdClient:
         if not token or not self.available:
             return None
         try:
-            _, fds = exchange(self.socket_path, AttachRequest(role, token=token),
-                              max(self.deadline_s, 1.0))
+            return session_fds(self.socket_path, role, token, max(self.deadline_s, 1.0))
         except AttachError as exc:
             self._rate_limited_warning(f"kvd: {consequence} ({exc.code}: {exc.message})")
             return None
-        if len(fds) != 2:
-            for fd in fds:
-                os.close(fd)
-            return None
-        return fds[0], fds[1]
 
     def release_held(self, session_id: str) -> None:
         """Tell the daemon that every copy of this process's earlier session `session_id` has
         finished, so what it still holds for it (pins, store slots) can go back to the pool."""
         self.queue(kvd_pb2.StepOp(release_held=kvd_pb2.ReleaseHeldRequest(
             session_id=session_id)))
-
-    def has_queued(self) -> bool:
-        return bool(self._queue)
 
     def flush(self, *, deadline_s: float | None = None) -> bool:
         """Send queued ops if there are any (one round trip); no RPC otherwise."""
@@ -293,63 +272,23 @@ class KvdClient:
             self._rate_limited_warning(f"kvd rejected a step: {code.name}: {details}")
 
     def _try_connect(self) -> bool:
-        """Attach, map, register and open the liveness stream. False (quietly) on failure."""
+        """Register a session (register.py) and adopt it. False (quietly) on failure."""
         try:
-            info = attach(self.socket_path, role=ROLE_ENGINE, engine_id=self.engine.engine_id,
-                          timeout=max(self.deadline_s, 1.0))
-        except AttachError as exc:
-            closed = _closed_directory(self.socket_path) \
-                if exc.code in ("PERMISSION_DENIED", "UNAVAILABLE") else None
-            self._note_failure(f"attach: {closed or exc.message}")
-            return False
-        pool: PoolMapping | None = None
-        channel: grpc.Channel | None = None
-        md = ((SESSION_TOKEN_METADATA, info.token),)
-        stub: kvd_pb2_grpc.KvdEngineStub | None = None
-        try:
-            pool = PoolMapping(info.fd, info.pool_bytes)
-            channel = grpc.insecure_channel(grpc_target(self.socket_path),
-                                            options=[*channel_options(), ("grpc.enable_retries", 0)])
-            stub = kvd_pb2_grpc.KvdEngineStub(channel)
-            lay = self.layout
-            reg = stub.RegisterSession(kvd_pb2.RegisterSessionRequest(
-                engine=self.engine, model=self.model, layout_salt=self.salt,
-                layout=kvd_pb2.KvLayout(block_bytes=lay.block_bytes, num_ranks=lay.num_ranks,
-                                        shard_bytes=lay.shard_bytes,
-                                        tokens_per_block=lay.tokens_per_block, dtype=lay.dtype,
-                                        max_key_bytes=lay.max_key_bytes)),
-                timeout=max(self.deadline_s, 1.0), metadata=md)
-            expected = align_up(lay.block_bytes, info.slot_alignment)
-            if reg.slot_bytes != expected:
-                # A daemon (or namespace) whose slots are not this engine's blocks: writing
-                # into them would spill into a neighbour's slot or leave bytes unwritten.
-                raise ValueError(f"the daemon's slots are {reg.slot_bytes} bytes, this engine's "
-                                 f"blocks need {expected} ({lay.block_bytes} rounded up to "
-                                 f"{info.slot_alignment}); refusing to offload")
-        except (grpc.RpcError, OSError, ValueError) as exc:
-            if pool is not None:
-                pool.close()
-            if stub is not None:
-                # The attach made a session: end it now, or each refused try would hold one
-                # of this uid's sessions until the daemon's register timeout.
-                with contextlib.suppress(grpc.RpcError):
-                    stub.CloseSession(kvd_pb2.CloseSessionRequest(),
-                                      timeout=max(self.deadline_s, 1.0), metadata=md)
-            if channel is not None:
-                channel.close()
-            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            self._note_failure(f"register: {detail}")
+            reg = register(self.socket_path, engine=self.engine, model=self.model,
+                           layout=self.layout, salt=self.salt, timeout=max(self.deadline_s, 1.0))
+        except RegisterFailed as exc:
+            self._note_failure(str(exc))
             return False
         with self._lock:
             self._teardown()
             self._retire_pool()
-            self._channel, self._stub, self._metadata = channel, stub, md
-            self.pool, self.pool_id, self.instance_id = pool, info.pool_id, info.instance_id
+            self._channel, self._stub, self._metadata = reg.channel, reg.stub, reg.metadata
+            self.pool, self.pool_id, self.instance_id = reg.pool, reg.pool_id, reg.instance_id
             self.epoch, self.slot_bytes = reg.epoch, reg.slot_bytes
             self.namespace_id = reg.namespace_id
             self.previous_session_id, self.session_id = self.session_id, reg.session_id
-            self.heartbeat_interval_s = max(reg.heartbeat_interval_ms / 1000.0, 0.05)
-            self.default_lease_ms = reg.default_lease_ms or 2000
+            self.heartbeat_interval_s = reg.heartbeat_interval_s
+            self.default_lease_ms = reg.default_lease_ms
             self.draining = False
             self.available = True
             self.generation += 1
@@ -360,7 +299,7 @@ class KvdClient:
         else:
             log.info("kvd session %s at %s: namespace %s, %d-byte slots, %d-byte pool",
                      reg.session_id, self.socket_path, reg.namespace_id, reg.slot_bytes,
-                     info.pool_bytes)
+                     reg.pool_bytes)
         self._ever_connected = True
         generation = self.generation
         if self.on_reconnect is not None:
@@ -380,10 +319,10 @@ class KvdClient:
             log.warning("kvd daemon unavailable at %s (%s); offload disabled until it is up",
                         self.socket_path, reason)
 
-    def restart(self, reason: str) -> None:
-        """End this session now and reconnect in the background (a caller that can no longer
-        keep its promises to the daemon, e.g. messages it could not deliver). Never blocks on
-        the daemon."""
+    def drop_session(self, reason: str) -> None:
+        """Degrade now: this session is given up (its channel and streams closed) and the
+        background thread registers a new one (a caller that can no longer keep its promises
+        to the daemon, e.g. messages it could not deliver). Never blocks on the daemon."""
         self._degrade(reason)
 
     def _degrade(self, reason: str) -> None:
@@ -486,12 +425,6 @@ class KvdClient:
         if now - self._last_error_log > 10:
             self._last_error_log = now
             log.warning(message)
-
-
-def _closed_directory(path: str) -> str | None:
-    """When a directory on the way to the daemon's socket refuses this user, which and why."""
-    closed = closed_directory(path, "run the engine as its owner or a member of group {group}")
-    return None if closed is None else f"permission denied: {closed}"
 
 
 def attach_dataplane(socket_path: str | None = None, timeout: float = 2.0

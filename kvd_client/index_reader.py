@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import threading
 
+from kvd_proto.barrier import fence
 from kvd_proto.index_layout import (
+    KEY_LEN_MASK,
+    KEY_LEN_SHIFT,
     MARKS_BYTES,
     RECLAIM_EPOCH_OFFSET,
     RESET_EPOCH_OFFSET,
     STATE_FREE,
+    STATE_MASK,
     STATE_READY,
     STATE_STORING,
     Header,
@@ -28,8 +31,6 @@ __all__ = ["STATE_FREE", "STATE_READY", "STATE_STORING", "IndexReader", "Marks"]
 
 MEMO_LIMIT = 1 << 17       # keys remembered by `find` (cleared when full: a bound, not a cache
                            # policy; about 25 MiB at the limit)
-
-_FENCE = threading.Lock()
 
 
 class IndexReader:
@@ -80,7 +81,7 @@ class IndexReader:
         if memo is not None:
             slot, word, offset = memo
             if self.meta[slot] == word:
-                return word & 3, offset
+                return word & STATE_MASK, offset
         found = probe(self._buckets, self.meta, self._map, self._keys_offset, self._width,
                       self._mask, key)
         if found is None:
@@ -90,7 +91,7 @@ class IndexReader:
         if len(self.memo) >= self.memo_limit:
             self.memo.clear()
         self.memo[key] = (slot, word, offset)
-        return word & 3, offset
+        return word & STATE_MASK, offset
 
     def expect_ready(self, key: bytes, offset: int) -> None:
         """This engine finished storing `key` into the slot at `offset`: remember the word the
@@ -104,7 +105,7 @@ class IndexReader:
             return
         word = self.meta[slot]
         n = len(key)
-        if word & 3 != STATE_STORING or (word >> 2) & 0xFF != n:
+        if word & STATE_MASK != STATE_STORING or (word >> KEY_LEN_SHIFT) & KEY_LEN_MASK != n:
             return
         start = self._keys_offset + slot * self._width
         if self._map[start:start + n] != key or self.meta[slot] != word:
@@ -140,8 +141,7 @@ class Marks:
         if epoch != self.published:
             self._view[0] = epoch
             self.published = epoch
-            _FENCE.acquire()
-            _FENCE.release()
+            fence()
 
     def close(self) -> None:
         self._view.release()

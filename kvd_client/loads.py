@@ -53,7 +53,7 @@ class LoadTracker:
 
     @property
     def in_flight(self) -> int:
-        """Blocks pinned and not unpinned (current loads; a handful of epochs to add)."""
+        """Blocks whose loads started and have not finished (current loads; a handful of epochs to add)."""
         return sum(self._epochs.values())
 
     @property
@@ -67,7 +67,7 @@ class LoadTracker:
             return step_epoch
         return min(step_epoch, *self._epochs, *self._stale_epochs)
 
-    def pin(self, loaded: Sequence[bytes], epochs: Load) -> bool:
+    def start(self, loaded: Sequence[bytes], epochs: Load) -> bool:
         """Loads of `loaded` started under `epochs` (a key named twice loads once); whether
         the keys were distinct."""
         keys = frozenset(loaded)
@@ -83,7 +83,7 @@ class LoadTracker:
         else:
             del epochs[reclaim]
 
-    def unpin(self, keys: Sequence[bytes], req_id: str) -> tuple[dict[int, list[bytes]], int]:
+    def finish(self, keys: Sequence[bytes], req_id: str) -> tuple[dict[int, list[bytes]], int]:
         """Loads of `keys` finished: (keys per reset epoch, to complete at the daemon, each
         list without repeats; keys that were not loading, e.g. loads of an earlier
         session)."""
@@ -97,11 +97,11 @@ class LoadTracker:
                 del self._pins[(req_id, whole)]
             self._release(pin.epochs[0], len(whole))
             return {pin.epochs[1]: keys if isinstance(keys, list) else list(keys)}, 0
-        return self._unpin_each(keys, req_id)
+        return self._finish_each(keys, req_id)
 
-    def _unpin_each(self, keys: Sequence[bytes], req_id: str
+    def _finish_each(self, keys: Sequence[bytes], req_id: str
                     ) -> tuple[dict[int, list[bytes]], int]:
-        """unpin, key by key: (keys per reset epoch, keys not loading).
+        """finish, key by key: (keys per reset epoch, keys not loading).
 
         A key several requests load ends the load of `req_id`; failing that (an engine that
         names no requests) the newest, so the loads left hold the older epochs: a floor too

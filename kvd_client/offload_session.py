@@ -52,7 +52,7 @@ MAX_EVENTS_PER_ASK = 65536
 class Lookup(enum.Enum):
     MISS = "miss"
     HIT = "hit"
-    PENDING = "pending"         # being stored: not readable yet
+    HIT_PENDING = "hit_pending"  # being stored: not readable yet (vLLM's and the wire's name)
 
 
 class OffloadSession:
@@ -60,7 +60,7 @@ class OffloadSession:
 
     def __init__(self, client: KvdClient, *, reserve: int = DEFAULT_RESERVE,
                  initial_reserve: int = 0, enable_events: bool = False,
-                 answers: tuple[Any, Any, Any] = (Lookup.MISS, Lookup.HIT, Lookup.PENDING)
+                 answers: tuple[Any, Any, Any] = (Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING)
                  ) -> None:
         """`reserve`: 0 sizes the slots held for stores from the store rate; N > 0 keeps at
         least N. `initial_reserve`: what to hold before any store was seen (0: `reserve`, or
@@ -194,7 +194,7 @@ class OffloadSession:
 
     # --------------------------------------------------------------- lookups
     def lookup(self, key: bytes, _context: object = None) -> Any:
-        """Whether `key` is cached: HIT (loadable now), PENDING (being stored) or MISS (as
+        """Whether `key` is cached: HIT (loadable now), HIT_PENDING (being stored) or MISS (as
         the `answers` given at construction). `_context` is ignored (an engine's per-request
         argument, so the engine can call this method directly). Each instance replaces this
         method with its `Lookups.lookup` (the same answers, compiled where built)."""
@@ -244,10 +244,11 @@ class OffloadSession:
         return self._hits.get(key)
 
     # ------------------------------------------------------------------ loads
-    def pin(self, keys: Sequence[bytes], req_id: str = "",
-            positions: Sequence[int] | None = None) -> list[int | None]:
+    def start_loads(self, keys: Sequence[bytes], req_id: str = "",
+                    positions: Sequence[int] | None = None) -> list[int | None]:
         """Start loads of keys this step's lookups found HIT: their offsets (None for a key
-        that was not). The slots stay readable until `unpin`."""
+        that was not). The slots stay readable until `finish_loads`. (The daemon hears of
+        them as a PIN record: to its eviction order they are pinned while they load.)"""
         if not self._in_step:
             self._begin()
         if not keys:
@@ -262,7 +263,7 @@ class OffloadSession:
             loaded_offsets = [o for o in offsets if o is not None]
             if not loaded:
                 return offsets
-        distinct = self._loads.pin(loaded, (self._step_epoch, self._reset_epoch, req_id))
+        distinct = self._loads.start(loaded, (self._step_epoch, self._reset_epoch, req_id))
         pos = positions if positions and len(positions) == len(keys) else None
         if pos and len(loaded) != len(keys):
             pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
@@ -270,9 +271,9 @@ class OffloadSession:
                                self._per_record, distinct))
         return offsets
 
-    def unpin(self, keys: Sequence[bytes], req_id: str = "") -> None:
+    def finish_loads(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Loads of `keys` finished (every worker copied)."""
-        by_reset, unknown = self._loads.unpin(keys, req_id)
+        by_reset, unknown = self._loads.finish(keys, req_id)
         self._finished_old_copies(unknown)
         if not self._loads.holding:
             self._publish_idle()
@@ -334,7 +335,7 @@ class OffloadSession:
 
     @property
     def loads_in_flight(self) -> int:
-        """Blocks this engine is loading (pinned, not unpinned yet)."""
+        """Blocks this engine is loading (started, not finished yet)."""
         return self._loads.in_flight
 
     def complete_store(self, keys: Sequence[bytes], req_id: str = "",
@@ -431,7 +432,7 @@ class OffloadSession:
             log.error("kvd daemon reads none of this engine's messages (%d waiting); "
                       "restarting the session", self._msgs.outbox.waiting())
             self._msgs.attach(self._msgs.channel)
-            self.client.restart("the daemon does not keep up with this engine's messages")
+            self.client.drop_session("the daemon does not keep up with this engine's messages")
 
     def _finished_old_copies(self, n: int) -> None:
         """Copies of an earlier session finished; when the last one does, the daemon may

@@ -32,8 +32,9 @@ position and length and raises `RingError` on a violation (the daemon ends such 
 from __future__ import annotations
 
 import struct
-import threading
 from dataclasses import dataclass
+
+from kvd_proto.barrier import fence  # publishing a tail, then reading DAEMON_IDLE, needs one
 
 VERSION = 1
 MAGIC = b"KVDCHAN1"
@@ -53,14 +54,6 @@ PAD = 0                     # the filler record at a ring's end
 ALIGN = 8
 
 _HEADER = struct.Struct("<8sIIII")    # magic, version, header bytes, up bytes, down bytes
-_FENCE = threading.Lock()
-
-
-def fence() -> None:
-    """A full memory barrier (an atomic read-modify-write): the stores before it are visible
-    before the loads after it (publishing a tail, then reading DAEMON_IDLE, needs one)."""
-    _FENCE.acquire()
-    _FENCE.release()
 
 
 class RingError(Exception):

@@ -39,6 +39,15 @@ STATE_FREE = 0
 STATE_STORING = 1
 STATE_READY = 2
 
+# A slot's meta word: state (bits 0-1), key length (bits 2-9), generation (bits 10-63). The
+# loops in kvd_proto/native.py use these; kvd_proto/_native.c keeps inline copies, which
+# tests/unit/test_index_geometry_one_source.py holds equal to these.
+STATE_MASK = 0x3
+KEY_LEN_SHIFT = 2
+KEY_LEN_MASK = 0xFF
+GENERATION_SHIFT = 10
+MAX_KEY_WIDTH = KEY_LEN_MASK    # the longest key a meta word can state the length of
+
 # magic, version, header bytes, capacity, buckets, key width, per extent, stride, extent
 # bytes, reset epoch, reclaim epoch
 _HEADER = struct.Struct("<8sIIIIIIQQQQ")
@@ -57,19 +66,24 @@ key_hash = zlib.crc32          # a key's hash: zlib's CRC-32, init 0 (the C func
 
 
 def meta_word(state: int, key_len: int, generation: int) -> int:
-    return state | (key_len << 2) | (generation << 10)
+    return state | (key_len << KEY_LEN_SHIFT) | (generation << GENERATION_SHIFT)
 
 
 def meta_state(word: int) -> int:
-    return word & 3
+    return word & STATE_MASK
 
 
 def meta_key_len(word: int) -> int:
-    return (word >> 2) & 0xFF
+    return (word >> KEY_LEN_SHIFT) & KEY_LEN_MASK
 
 
 def meta_generation(word: int) -> int:
-    return word >> 10
+    return word >> GENERATION_SHIFT
+
+
+def slot_offset(slot: int, per_extent: int, extent_bytes: int, stride: int) -> int:
+    """The pool offset of a slot id: its extent's start, then its place in the extent."""
+    return slot // per_extent * extent_bytes + slot % per_extent * stride
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +139,7 @@ class Header:
 
     def offset_of(self, slot: int) -> int:
         """The pool offset of a slot id."""
-        extent, i = divmod(slot, self.per_extent)
-        return extent * self.extent_bytes + i * self.stride
+        return slot_offset(slot, self.per_extent, self.extent_bytes, self.stride)
 
 
 def buckets_for(capacity: int) -> int:

@@ -17,18 +17,24 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvd_proto.index_layout import (
+    KEY_LEN_MASK,
+    KEY_LEN_SHIFT,
+    MAX_KEY_WIDTH,
     MAX_PROBE,
     STATE_FREE,
+    STATE_MASK,
     STATE_READY,
     STATE_STORING,
+    key_hash,
     meta_generation,
     meta_key_len,
+    meta_state,
     meta_word,
+    slot_offset,
 )
 
 Geometry = tuple[int, int, int, int, int, int, int, int, int]
@@ -43,7 +49,7 @@ def probe(buckets: Any, meta: Any, data: Any, keys_offset: int, width: int, mask
     n = len(key)
     if not 0 < n <= width:
         return None
-    b = zlib.crc32(key) & mask
+    b = key_hash(key) & mask
     for _ in range(MAX_PROBE):
         v = buckets[b]
         if not v:
@@ -51,7 +57,8 @@ def probe(buckets: Any, meta: Any, data: Any, keys_offset: int, width: int, mask
         slot = v - 1
         if slot < len(meta):
             word = meta[slot]
-            if word & 3 and (word >> 2) & 0xFF == n:
+            # The meta word's fields inline, not meta_state()/meta_key_len(): per bucket probed.
+            if word & STATE_MASK and (word >> KEY_LEN_SHIFT) & KEY_LEN_MASK == n:
                 start = keys_offset + slot * width
                 if data[start:start + n] == key and meta[slot] == word:
                     return slot, word
@@ -65,7 +72,8 @@ class _Regions:
     def __init__(self, mapping: Any, geometry: Geometry, writable: bool) -> None:
         (buckets_offset, buckets, meta_offset, capacity, keys_offset, width, per_extent,
          extent_bytes, stride) = geometry
-        if buckets < 1 or buckets & (buckets - 1) or not 0 < width <= 255 or not per_extent:
+        if (buckets < 1 or buckets & (buckets - 1) or not 0 < width <= MAX_KEY_WIDTH
+                or not per_extent):
             raise ValueError("index geometry is not a valid layout")
         view = memoryview(mapping)
         if writable and view.readonly:
@@ -91,7 +99,7 @@ class _Regions:
                      self.mask, key)
 
     def offset(self, slot: int) -> int:
-        return slot // self.per_extent * self.extent_bytes + slot % self.per_extent * self.stride
+        return slot_offset(slot, self.per_extent, self.extent_bytes, self.stride)
 
     def release(self) -> None:
         for view in (self.buckets, self.meta, self.keys):
@@ -131,7 +139,7 @@ class PyLookups:
         if regions is None:
             return None
         found = regions.find(key)
-        return None if found is None else (found[1] & 3, regions.offset(found[0]))
+        return None if found is None else (meta_state(found[1]), regions.offset(found[0]))
 
     def lookup(self, key: bytes, _context: object = None) -> Any:
         regions = self._regions
@@ -139,7 +147,7 @@ class PyLookups:
             return self._fallback(key)
         found = regions.find(key)
         if found is not None:
-            if found[1] & 3 != STATE_READY:
+            if found[1] & STATE_MASK != STATE_READY:      # inline, not meta_state(): per key
                 return self._fallback(key)
             self._hits[key] = regions.offset(found[0])
             self.lookups += 1
@@ -179,7 +187,7 @@ class PyIndexTable:
             raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
         if not 0 < len(key) <= r.width:
             return False
-        home = zlib.crc32(key) & r.mask
+        home = key_hash(key) & r.mask
         buckets = r.buckets
         for probe_ in range(MAX_PROBE):
             b = (home + probe_) & r.mask
@@ -195,14 +203,14 @@ class PyIndexTable:
     def _home(self, slot: int, key_len: int) -> int:
         r = self._r
         off = slot * r.width
-        return zlib.crc32(r.keys[off:off + key_len]) & r.mask
+        return key_hash(r.keys[off:off + key_len]) & r.mask
 
     def remove(self, slot: int) -> None:
         r = self._r
         if not 0 <= slot < r.capacity:
             raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
         word = r.meta[slot]
-        if word & 3 == STATE_FREE:
+        if meta_state(word) == STATE_FREE:
             return
         home = self._home(slot, meta_key_len(word))
         r.meta[slot] = meta_word(STATE_FREE, 0, meta_generation(word) + 1)
@@ -239,15 +247,15 @@ class PyIndexTable:
         if not 0 <= slot < r.capacity:
             raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
         word = r.meta[slot]
-        if word & 3 == STATE_STORING:
-            r.meta[slot] = word & ~3 | STATE_READY
+        if meta_state(word) == STATE_STORING:
+            r.meta[slot] = word & ~STATE_MASK | STATE_READY
 
     def key_of(self, slot: int) -> bytes:
         r = self._r
         if not 0 <= slot < r.capacity:
             raise IndexError(f"slot {slot} outside the index ({r.capacity} slots)")
         word = r.meta[slot]
-        if word & 3 == STATE_FREE:
+        if meta_state(word) == STATE_FREE:
             return b""
         off = slot * r.width
         return bytes(r.keys[off:off + meta_key_len(word)])
@@ -282,7 +290,7 @@ _native = _load()
 NATIVE = _native is not None
 Lookups: Any = _native.Lookups if _native is not None else PyLookups
 IndexTable: Any = _native.IndexTable if _native is not None else PyIndexTable
-crc32: Callable[[bytes], int] = _native.crc32 if _native is not None else zlib.crc32
+crc32: Callable[[bytes], int] = _native.crc32 if _native is not None else key_hash
 keys_block: Callable[[Sequence[bytes]], bytes] = \
     _native.keys_block if _native is not None else py_keys_block
 STATES = (STATE_FREE, STATE_STORING, STATE_READY)

@@ -19,6 +19,7 @@ import stat
 from collections.abc import Mapping
 
 ATTACH_SUFFIX = ".attach"
+LOCK_SUFFIX = ".lock"
 SOCKET_ENV = ("KVD_SOCKET", "KVD_SERVER_SOCKET")
 SYSTEM_SOCKET = "/run/kvd/kvd.sock"   # what the systemd unit and the DaemonSet configure
 
@@ -57,6 +58,13 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> str:
 def attach_path(socket_path: str) -> str:
     """The attach side channel lies beside the gRPC socket."""
     return socket_path + ATTACH_SUFFIX
+
+
+def socket_lock_path(socket_path: str) -> str:
+    """The file a daemon holds locked (flock) for its socket path from before it binds until
+    it exits: a second daemon is refused even while the first is starting, and `kvd health
+    --wait` tells a daemon still starting from none at all. Beside the sockets."""
+    return socket_path + LOCK_SUFFIX
 
 
 def grpc_target(socket_path: str) -> str:

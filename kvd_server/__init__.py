@@ -3,4 +3,6 @@
 This package never imports torch, CUDA or engine code.
 """
 
-__version__ = "0.1.0"
+from kvd_proto.version import __version__  # one for the whole distribution
+
+__all__ = ["__version__"]

@@ -83,11 +83,11 @@ class ChannelService:
             fast.store_granted(s, r.keys, r.req_id, r.positions, r.granted_keys,
                                r.granted_offsets)
         elif isinstance(r, rec.CompleteStore):
-            core.complete_store(s, r.keys, r.success, r.req_id, r.epoch)
+            core.completions.complete_store(s, r.keys, r.success, r.req_id, r.epoch)
         elif isinstance(r, rec.Pin):
             fast.pin_loads(s, r.keys, r.offsets, r.req_id, r.positions)
         elif isinstance(r, rec.CompleteLoad):
-            core.complete_load(s, r.keys, r.req_id, r.epoch)
+            core.completions.complete_load(s, r.keys, r.req_id, r.epoch)
         elif isinstance(r, rec.Touch):
             core.touch(s, r.keys, r.req_id)
         elif isinstance(r, rec.RequestFinished):

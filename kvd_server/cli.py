@@ -6,6 +6,10 @@ Exit codes (every subcommand):
      invalid, or `serve` could not start
   2  the daemon could not be reached (no socket, refused, permission denied, timeout), or the
      command line is malformed
+
+Here: the parser, the subcommands and `main`. Talking to the daemon (socket, admin token,
+deadlines, failures as one line) is kvd_server/admin_client.py; what a command prints,
+kvd_server/cli_render.py; the exit codes and `CliError`, kvd_server/cli_errors.py.
 """
 
 from __future__ import annotations
@@ -16,41 +20,23 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from kvd_proto import paths
-from kvd_proto.paths import (
-    SOCKET_ENV,
-    SocketState,
-    daemon_socket_path,
-    default_socket_path,
-    grpc_target,
-    probe_socket,
-)
-from kvd_proto.wire import ADMIN_TOKEN_METADATA
+from kvd_proto.paths import socket_lock_path
 from kvd_server import __version__
-from kvd_server.config import CONFIG_ENV, Config, ConfigError, did_you_mean, load_config
+from kvd_server.admin_client import AdminClient, client_socket
+from kvd_server.cli_errors import EXIT_ERROR, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CliError
+from kvd_server.cli_render import message_json, render_sessions, render_stats
+from kvd_server.config import Config, ConfigError, did_you_mean, load_config
 from kvd_server.stats import StatsSnapshot
-from kvd_server.units import format_duration, format_size, parse_duration
+from kvd_server.units import format_duration, parse_duration
 
-if TYPE_CHECKING:
-    from google.protobuf.descriptor import Descriptor
-    from google.protobuf.message import Message
-
-    from kvd_proto import kvd_pb2
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_UNREACHABLE = 2
-EXIT_USAGE = 2          # a malformed command line (argparse's own code)
 DEFAULT_TIMEOUT = 5.0
 MAX_TIMEOUT = 3600.0
 DEFAULT_WAIT = 300.0    # `health --wait`: systemd's TimeoutStartSec for the shipped unit
 WAIT_POLL = 0.2
-LOCK_SUFFIX = ".lock"
 NO_DAEMON_S = 5.0       # `health --wait`: how long nothing may listen with no daemon starting
-WIDTH = 80
 
 # serve's flags and the config key each overrides.
 _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
@@ -78,19 +64,6 @@ _SERVE_SWITCHES: tuple[tuple[str, str, str], ...] = (
      "serve gRPC server reflection for grpcurl and other generic tools; needs "
      "grpcio-reflection: pip install 'kvd-offload[reflection]' (server.reflection)"),
 )
-
-
-class CliError(Exception):
-    """A failure the CLI reports in one line, with its exit code. `transient`: it may go away
-    by itself (no socket yet, the daemon not answering yet), so `health --wait` tries again.
-    `nobody`: nothing listens on the socket path (no socket, or a dead daemon's)."""
-
-    def __init__(self, message: str, code: int = EXIT_ERROR, *, transient: bool = False,
-                 nobody: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.transient = transient
-        self.nobody = nobody
 
 
 # --- argument parsing ----------------------------------------------------------------------
@@ -273,189 +246,6 @@ def _local_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides=overrides)
 
 
-def _client_socket(args: argparse.Namespace) -> str:
-    """The socket a client subcommand talks to: --socket, $KVD_SOCKET or $KVD_SERVER_SOCKET,
-    $KVD_CONFIG's server.socket, else the client rule (kvd_proto.paths.default_socket_path:
-    the user's default, or /run/kvd/kvd.sock when only that one exists)."""
-    if args.socket:
-        return os.path.abspath(args.socket)
-    if os.environ.get(CONFIG_ENV) and not any(os.environ.get(name) for name in SOCKET_ENV):
-        try:
-            configured = load_config().server.socket
-        except ConfigError:
-            configured = ""
-        if configured and configured != daemon_socket_path():
-            return configured
-    return default_socket_path()
-
-
-# --- talking to the daemon -----------------------------------------------------------------
-
-
-class _Daemon:
-    """A short-lived channel to the daemon with one-line errors instead of tracebacks.
-
-    Over the Unix socket, `admin=True` calls (reset, drain) carry an admin token: read from
-    --admin-token-file, else asked for on the attach socket. Over --address (TLS) every call
-    carries the token from --admin-token-file.
-    """
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        import grpc
-
-        from kvd_proto import kvd_pb2_grpc
-
-        self._grpc = grpc
-        self.timeout = args.timeout
-        self._token_file = args.admin_token_file
-        self._token: str | None = None
-        self.remote = bool(getattr(args, "address", None))
-        self._client_cert = bool(getattr(args, "tls_cert", None))
-        if self.remote:
-            self.path = args.address
-            if not self._token_file:
-                raise CliError("--address needs --admin-token-file (the remote listener "
-                               "answers only admin-token holders)", EXIT_UNREACHABLE)
-            self.channel = grpc.secure_channel(args.address, _tls_credentials(args))
-        else:
-            self.path = _client_socket(args)
-            _probe(self.path)
-            self.channel = grpc.insecure_channel(grpc_target(self.path))
-        self.admin = kvd_pb2_grpc.KvdAdminStub(self.channel)
-
-    def admin_token(self) -> str:
-        if self._token is None:
-            from kvd_proto.attach import AttachError, request_admin_token
-            from kvd_server.admin_tokens import TokenFileError, read_token_file
-
-            if self._token_file:
-                try:
-                    self._token = read_token_file(self._token_file)
-                except TokenFileError as exc:
-                    raise CliError(f"--admin-token-file: {exc}") from None
-            else:
-                try:
-                    self._token = request_admin_token(self.path, self.timeout)
-                except AttachError as exc:
-                    if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                        raise CliError(f"the daemon at {self.path} did not answer on its "
-                                       f"attach socket ({exc.code}: {exc}); is it running? "
-                                       "(its log, `systemctl status kvd`)", EXIT_UNREACHABLE,
-                                       transient=True) from None
-                    raise CliError(f"no admin permission: {exc.code}: {exc} (pass "
-                                   "--admin-token-file, or run as root, the daemon's user or "
-                                   "one of server.admin_uids/admin_gids)") from None
-        return self._token
-
-    def call(self, method: Callable[..., Any], request: Any, *, admin: bool = False) -> Any:
-        metadata = ()
-        if admin or self.remote:
-            metadata = ((ADMIN_TOKEN_METADATA, self.admin_token()),)
-        try:
-            return method(request, timeout=self.timeout, metadata=metadata)
-        except self._grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            if code not in (self._grpc.StatusCode.UNAVAILABLE,
-                            self._grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise CliError(f"the daemon refused: {code.name}: {details}") from None
-            if not self.remote:
-                raise CliError(f"the daemon at {self.path} did not answer ({code.name}: "
-                               f"{details}); is it running? (its log, `systemctl status kvd`)",
-                               EXIT_UNREACHABLE, transient=True) from None
-            problem = _tls_problem(details, self._client_cert)
-            if problem:
-                raise CliError(f"{self.path}: {problem}", EXIT_UNREACHABLE) from None
-            reason = details.rsplit(": ", 1)[-1].rstrip(".") or code.name
-            raise CliError(f"no answer from {self.path} ({reason}): is the daemon's "
-                           "server.admin_listen on this address, and the port reachable?",
-                           EXIT_UNREACHABLE, transient=True) from None
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> _Daemon:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _tls_credentials(args: argparse.Namespace) -> Any:
-    import grpc
-
-    def read(path: str | None, flag: str) -> bytes | None:
-        if not path:
-            return None
-        try:
-            with open(path, "rb") as fh:
-                return fh.read(1 << 20)
-        except OSError as exc:
-            raise CliError(f"{flag} {path}: {exc.strerror or exc}", EXIT_UNREACHABLE) from None
-
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise CliError("--tls-cert and --tls-key go together", EXIT_UNREACHABLE)
-    return grpc.ssl_channel_credentials(read(args.tls_ca, "--tls-ca"),
-                                        read(args.tls_key, "--tls-key"),
-                                        read(args.tls_cert, "--tls-cert"))
-
-
-# gRPC reports a failed TLS handshake as UNAVAILABLE with the TLS library's words in the
-# details; these name the usual causes, most specific first.
-_TLS_PROBLEMS: tuple[tuple[str, str], ...] = (
-    ("CERTIFICATE_VERIFY_FAILED", "the daemon's certificate is not trusted: pass --tls-ca "
-                                  "CA.pem, the CA that signed it"),
-    ("Hostname Verification", "the daemon's certificate does not name this host: connect by "
-                              "a name or address the certificate holds"),
-    ("WRONG_VERSION_NUMBER", "this port does not speak TLS: is it the daemon's "
-                             "server.admin_listen?"),
-)
-
-
-def _tls_problem(details: str, client_cert: bool) -> str | None:
-    """One line for a TLS failure in gRPC's error text, or None when it is not one."""
-    for marker, message in _TLS_PROBLEMS:
-        if marker in details:
-            return message
-    if details.endswith("Socket closed"):
-        # What a daemon that requires client certificates does to a client without a good one.
-        return ("the daemon closed the connection: is your certificate signed by its "
-                "server.tls_client_ca?" if client_cert else
-                "the daemon closed the connection: if it requires client certificates "
-                "(server.tls_client_ca), pass --tls-cert and --tls-key")
-    if "handshake" in details.lower() or "SSL_ERROR" in details:
-        reason = details.rsplit("OPENSSL_internal:", 1)[-1] if "OPENSSL_internal:" in details \
-            else details.rsplit(": ", 1)[-1]
-        return f"TLS handshake failed: {reason.strip()}"
-    return None
-
-
-def _probe(path: str) -> None:
-    """Connect once with a plain socket to turn the usual mistakes into clear messages."""
-    state, detail = probe_socket(path, timeout=2.0)
-    if state is SocketState.LIVE:
-        return
-    if state is SocketState.ABSENT:
-        raise CliError(f"no kvd daemon socket at {path}: start one with `kvd serve` or pass "
-                       "--socket PATH", EXIT_UNREACHABLE, transient=True, nobody=True)
-    if state in (SocketState.DENIED, SocketState.ERROR):
-        closed = closed_directory(path)
-        if closed:
-            raise CliError(f"permission denied on {path}: {closed}", EXIT_UNREACHABLE)
-    if state is SocketState.DENIED:
-        raise CliError(f"permission denied on {path}: run as the daemon's user or a member of "
-                       "the socket's group", EXIT_UNREACHABLE)
-    if state is SocketState.STALE:
-        raise CliError(f"nothing is listening on {path} (a stale socket?): start the daemon "
-                       "with `kvd serve`", EXIT_UNREACHABLE, transient=True, nobody=True)
-    raise CliError(f"cannot connect to {path}: {detail}", EXIT_UNREACHABLE)
-
-
-def closed_directory(path: str) -> str | None:
-    """Why this user cannot reach `path` when a directory on the way is the reason."""
-    return paths.closed_directory(path, "run as its owner or a member of group {group}, or "
-                                        "ask for a socket directory you may enter")
-
-
 # --- subcommands ---------------------------------------------------------------------------
 
 
@@ -477,7 +267,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from kvd_proto import kvd_pb2
 
-    with _Daemon(args) as d:
+    with AdminClient(args) as d:
         text = d.call(d.admin.Stats, kvd_pb2.StatsRequest()).json
     if args.json:
         print(text)
@@ -491,7 +281,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 
     if not 0 < args.limit <= 10000:
         raise CliError("--limit must be within 1..10000", EXIT_USAGE)
-    with _Daemon(args) as d:
+    with AdminClient(args) as d:
         answer = d.call(d.admin.ListSessions, kvd_pb2.ListSessionsRequest(limit=args.limit))
     if args.json:
         print(json.dumps(message_json(answer)))
@@ -500,46 +290,17 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def message_json(message: Message) -> dict[str, Any]:
-    """A protobuf message as a JSON-ready dict with the proto's field names and 64-bit integers
-    as numbers (the proto3 JSON mapping writes them as strings, which `jq` cannot add up)."""
-    from google.protobuf import json_format
-
-    doc = json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                    always_print_fields_with_no_presence=True)
-    _int64_as_numbers(message.DESCRIPTOR, doc)
-    return doc
-
-
-def _int64_as_numbers(descriptor: Descriptor, doc: dict[str, Any]) -> None:
-    from google.protobuf.descriptor import FieldDescriptor
-
-    wide = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
-            FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
-    for field in descriptor.fields:
-        value = doc.get(field.name)
-        if value is None:
-            continue
-        items = value if isinstance(value, list) else [value]
-        if field.type in wide:
-            numbers = [int(item) for item in items]
-            doc[field.name] = numbers if isinstance(value, list) else numbers[0]
-        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
-            for item in items:
-                _int64_as_numbers(field.message_type, item)
-
-
 def cmd_reset(args: argparse.Namespace) -> int:
     from kvd_proto import kvd_pb2
 
-    path = args.address or _client_socket(args)
+    path = args.address or client_socket(args)
     what = f"namespace {args.namespace}" if args.namespace else "every namespace"
     if not args.yes and sys.stdin.isatty():
         answer = input(f"Drop every cached block of {what} on {path}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("aborted")
             return EXIT_ERROR
-    with _Daemon(args) as d:
+    with AdminClient(args) as d:
         out = d.call(d.admin.Reset, kvd_pb2.AdminResetRequest(namespace_id=args.namespace),
                      admin=True)
     print(f"dropped {out.dropped_blocks} block(s) in {out.namespaces} namespace(s)")
@@ -556,7 +317,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
             timeout_ms = max(1, round(parse_duration(args.drain_timeout) * 1000))
         except ValueError as exc:
             raise CliError(f"--drain-timeout: {exc}", EXIT_USAGE) from None
-    with _Daemon(args) as d:
+    with AdminClient(args) as d:
         out = d.call(d.admin.Drain, kvd_pb2.DrainRequest(timeout_ms=timeout_ms), admin=True)
     print("draining: the daemon exits once loads in flight finish" if out.started
           else "a drain was already under way")
@@ -579,7 +340,7 @@ def cmd_health(args: argparse.Namespace) -> int:
             if not exc.nobody or args.address:
                 nobody_since = None
             else:
-                path = _client_socket(args)
+                path = client_socket(args)
                 if _daemon_holds(path):
                     nobody_since = None
                 elif nobody_since is None:
@@ -595,14 +356,6 @@ def cmd_health(args: argparse.Namespace) -> int:
                 print(status)
                 return EXIT_OK if status == "SERVING" else EXIT_ERROR
         time.sleep(WAIT_POLL)
-
-
-def socket_lock_path(path: str) -> str:
-    """The file a daemon holds locked (flock) for its socket path from before it binds until
-    it exits: a second daemon is refused even while the first is starting, and `health
-    --wait` tells a daemon still starting from none at all. (Beside the sockets, like
-    kvd_proto.paths.attach_path; here so that client commands need not load the daemon.)"""
-    return path + LOCK_SUFFIX
 
 
 def _daemon_holds(path: str) -> bool:
@@ -629,7 +382,7 @@ def _daemon_holds(path: str) -> bool:
 def _health_status(args: argparse.Namespace) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with _Daemon(args) as d:
+    with AdminClient(args) as d:
         stub = health_pb2_grpc.HealthStub(d.channel)
         out = d.call(stub.Check, health_pb2.HealthCheckRequest(service=""))
     return health_pb2.HealthCheckResponse.ServingStatus.Name(out.status)
@@ -652,174 +405,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         return EXIT_OK
     from kvd_proto import kvd_pb2
 
-    with _Daemon(args) as d:
+    with AdminClient(args) as d:
         out = d.call(d.admin.GetConfig, kvd_pb2.GetConfigRequest())
     print(out.json if args.json else out.toml.rstrip("\n"))
     return EXIT_OK
-
-
-# --- rendering -----------------------------------------------------------------------------
-
-
-def _rows(title: str, rows: Sequence[tuple[str, Any]]) -> list[str]:
-    out = [f"# {title}"]
-    out += [f"{name:<24}{_cut(str(value), WIDTH - 24)}" for name, value in rows]
-    return out
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _pct(part: float, whole: float) -> str:
-    return f"{100.0 * part / whole:.1f}%" if whole else "-"
-
-
-def _uptime(seconds: float) -> str:
-    seconds = int(seconds)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h {minutes}m"
-    if hours:
-        return f"{hours}h {minutes}m {secs}s"
-    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
-
-
-def render_stats(snap: StatsSnapshot) -> str:
-    """The stats snapshot as grouped, aligned sections that fit 80 columns."""
-    server, pool, blocks = snap.server, snap.pool, snap.blocks
-    totals, transfers, clients = snap.stats, snap.transfers, snap.clients
-    lines = _rows("server", [
-        ("version", server.version or "?"),
-        ("state", server.state or "?"),
-        ("pid", server.pid or "?"),
-        ("uptime", _uptime(server.uptime_seconds)),
-        ("socket", server.socket or "?"),
-        ("attach_socket", server.attach_socket or "?"),
-        ("policy", server.policy or "?"),
-    ])
-    total = pool.total_bytes
-    lines += [""] + _rows("pool", [
-        ("total", format_size(total)),
-        ("used", f"{format_size(pool.used_bytes)} ({_pct(pool.used_bytes, total)})"),
-        ("free", format_size(pool.free_bytes)),
-        ("backing", (pool.backing or "?") + (f" {pool.path}" if pool.path else "")),
-        ("extents", f"{pool.extents_total - pool.extents_free} used of {pool.extents_total} "
-                    f"({format_size(pool.extent_bytes)} each)"),
-        ("prefaulted", f"{format_size(pool.prefault_bytes_done)} "
-                       f"({_pct(pool.prefault_bytes_done, total)})"),
-        ("mlocked", "yes" if pool.mlocked else "no"),
-    ])
-    lines += [""] + _rows("blocks", [
-        ("ready", blocks.ready),
-        ("storing", blocks.storing),
-        ("pinned (load or lease)", blocks.pinned),
-        ("zombie", blocks.zombie),
-        ("total", blocks.total),
-    ])
-    lines += [""] + _rows("sessions", [
-        ("live", snap.sessions),
-        ("attached_total", clients.attached_total),
-        ("closed_total", clients.closed_total),
-        ("reaped_total", clients.reaped_total),
-    ])
-    lookups = totals.lookups_total
-    lines += [""] + _rows("stats", [
-        ("lookups_total", lookups),
-        ("hits_total", f"{totals.hits_total} ({_pct(totals.hits_total, lookups)})"),
-        ("misses_total", totals.misses_total),
-        ("stores", f"{totals.stores_started_total} started, "
-                   f"{totals.stores_completed_total} completed, "
-                   f"{totals.stores_failed_total} failed"),
-        ("evictions_total", totals.evictions_total),
-        ("store_rejections_total", totals.store_rejections_total),
-        ("events_dropped_total", totals.events_dropped_total),
-        ("load pins", totals.pins),
-        ("lookup leases", totals.leases),
-        ("resets_total", totals.resets_total),
-        ("step calls / ops", f"{totals.step_calls_total} / {totals.step_ops_total}"),
-        ("loaded", f"{format_size(transfers.load_bytes_total)} in "
-                   f"{transfers.load_seconds_total:.2f}s"),
-        ("stored", f"{format_size(transfers.store_bytes_total)} in "
-                   f"{transfers.store_seconds_total:.2f}s"),
-    ])
-    channels = snap.channels
-    records = sum(channels.records_total.values())
-    lines += [""] + _rows("channels", [
-        ("open", channels.open),
-        ("records_total", f"{records} ({channels.rejected_total} refused)"),
-        ("broken_total", channels.broken_total),
-        ("index loops", "compiled" if channels.native else "pure Python (no C compiler at "
-                                                            "install: slower)"),
-    ])
-    if snap.tenants:
-        lines += [""] + _rows("tenants", [
-            (_cut(name, 21), f"{format_size(t.used_bytes)} of "
-                             + (format_size(t.quota_bytes) if t.quota_bytes
-                                else "the pool (no quota)"))
-            for name, t in sorted(snap.tenants.items())[:32]])
-    lines += ["", f"# namespaces ({len(snap.namespaces)})"]
-    for ns in snap.namespaces:
-        # The full id on its own line: `kvd reset --namespace ID` takes it.
-        b = ns.blocks
-        lines.append(_cut(f"{ns.id}  {ns.model}", WIDTH))
-        lines.append(_cut(
-            f"    tenant {ns.tenant}, slot {format_size(ns.slot_bytes)}, "
-            f"ready {b.ready}, pinned {b.pinned}, storing {b.storing}, hits "
-            f"{_pct(ns.hits_total, ns.lookups_total)}, epoch {ns.epoch}", WIDTH))
-        if ns.events_dropped_total:
-            lines.append(f"    events_dropped_total {ns.events_dropped_total} (nobody takes "
-                         "its events in time)")
-        holder = ns.reclaim_holder
-        if holder.session_id:
-            lines.append(_cut(_holder_line(holder.session_id, holder.pid, holder.live,
-                                           holder.held_seconds, holder.slots_waiting), WIDTH))
-    lines += ["", "# rpc"]
-    if snap.rpc:
-        lines.append(f"{'method':<22}{'calls':>12}{'errors':>12}")
-        for method, c in sorted(snap.rpc.items()):
-            lines.append(f"{_cut(method, 21):<22}{c.calls_total:>12}{c.errors_total:>12}")
-    return "\n".join(lines)
-
-
-def _holder_line(session_id: str, pid: int, live: bool, seconds: float, slots: int) -> str:
-    """Who holds back the reuse of a namespace's freed slots (its id and pid first: a cut
-    line still names it)."""
-    who = "session" if live else "ended session"
-    return (f"    reuse held by {who} {session_id} (pid {pid}) for {_uptime(seconds)}: "
-            f"{slots} freed slots wait")
-
-
-# `kvd sessions` columns: header, width within 80 columns, right-aligned.
-_SESSION_COLUMNS = (("session", 13, False), ("tenant", 10, False), ("pid", 7, True),
-                    ("uid", 6, True), ("model", 20, False), ("pins", 4, True),
-                    ("stores", 6, True), ("idle", 7, True))
-
-
-def render_sessions(answer: kvd_pb2.ListSessionsResponse, wide: bool = False) -> str:
-    """One row per session; `wide`: every cell whole (columns as wide as their widest cell)
-    instead of cut to fit 80 columns."""
-    rows = [(s.session_id, s.tenant, str(s.peer_pid), str(s.peer_uid), s.model or "-",
-             str(s.pins), str(s.pending_stores), format_duration(round(s.idle_seconds, 1)))
-            for s in answer.sessions]
-    header = tuple(name for name, _, _ in _SESSION_COLUMNS)
-    widths = [max(len(row[i]) for row in (header, *rows)) if wide else width
-              for i, (_, width, _) in enumerate(_SESSION_COLUMNS)]
-    lines = []
-    for row in (header, *rows):
-        cells = [_cut(cell, width) for cell, width in zip(row, widths, strict=True)]
-        lines.append(" ".join(
-            cell.rjust(width) if right else cell.ljust(width)
-            for cell, width, (_, _, right) in zip(cells, widths, _SESSION_COLUMNS, strict=True)
-        ).rstrip())
-    lines.append(f"{answer.total} session(s)")
-    for h in answer.reclaim_holders:
-        lines.append(f"namespace {h.namespace_id}:")
-        line = _holder_line(h.session_id, h.pid, h.live, h.held_seconds, h.slots_waiting)
-        lines.append(line if wide else _cut(line, WIDTH))
-    return "\n".join(lines)
 
 
 # --- entry point ---------------------------------------------------------------------------

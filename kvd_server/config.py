@@ -19,14 +19,17 @@ from typing import Any
 from kvd_proto.paths import ATTACH_SUFFIX, daemon_socket_path
 from kvd_proto.wire import SLOT_ALIGNMENT
 from kvd_server import units
+from kvd_server.policy_names import POLICY_NAMES
 
 DEFAULTS_PATH = Path(__file__).with_name("default_config.toml")
 CONFIG_ENV = "KVD_CONFIG"
 ENV_PREFIX = "KVD_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
-POLICIES = ("lru", "arc")
 BACKINGS = ("memfd", "file")
+# The tenant of a peer that `tenants.uids` and `tenants.gids` do not map; its pool file is the
+# one created at start.
+DEFAULT_TENANT = "default"
 
 
 class ConfigError(ValueError):
@@ -304,7 +307,7 @@ _SCHEMA: dict[str, _Key] = {
     "pool.mlock": _Key("bool", _bool),
     "pool.extent_size": _Key("size", _size),
     "pool.allow_overcommit": _Key("bool", _bool),
-    "manager.policy": _Key("str", _choice(POLICIES)),
+    "manager.policy": _Key("str", _choice(POLICY_NAMES)),
     "manager.heartbeat_interval": _Key("duration", _duration),
     "manager.liveness_timeout": _Key("duration", _duration),
     "manager.register_timeout": _Key("duration", _duration),

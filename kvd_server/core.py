@@ -1,11 +1,14 @@
-"""The daemon's core: the offload operations of engine sessions over their namespaces.
+"""The daemon's core: engine sessions over their namespaces, and what ties them together.
 
-Pure logic on the event-loop thread (clock injected, no I/O). The gRPC service validates wire
-bounds and calls these methods; `SessionTable` knows who is attached, `NamespaceTable` which
-namespaces exist, and each namespace's `NamespaceManager` keeps its block index. The core adds
-what ties them together: ownership, leases, epochs, liveness and drain. Ownership is strict: a
-session only ever releases its own pins and leases and completes its own stores, so a buggy
-or hostile client cannot disturb another engine's state.
+Pure logic on the event-loop thread (clock injected, no I/O). `SessionTable` knows who is
+attached, `NamespaceTable` which namespaces exist, and each namespace's `NamespaceManager`
+keeps its block index. The core adds what ties them together: sessions' lives (attach,
+register, end, the liveness sweep), leases, epochs and resets, events and drain. The engine
+protocols' operations are its parts: `callpath` for engines that ask the daemon over gRPC
+(kvd_server/callpath.py), `fastpath` for engines that map the index (kvd_server/fastpath.py),
+and `completions`, where both protocols' loads and stores end (kvd_server/completions.py).
+Ownership is strict: a session only ever releases its own pins and leases and completes its
+own stores, so a buggy or hostile client cannot disturb another engine's state.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, KvLayout
+from kvd_server.callpath import CallPath
+from kvd_server.completions import Completions
 from kvd_server.config import Config
 from kvd_server.errors import (
     FailedPrecondition,
@@ -30,7 +35,7 @@ from kvd_server.errors import (
 from kvd_server.extents import ExtentAllocator
 from kvd_server.fastpath import FastPath
 from kvd_server.leases import Leases
-from kvd_server.manager import Lookup, NamespaceManager, OffloadEvent
+from kvd_server.manager import NamespaceManager, OffloadEvent
 from kvd_server.namespaces import (
     Held,
     Namespace,
@@ -42,7 +47,6 @@ from kvd_server.namespaces import (
 from kvd_server.peer import PeerCred
 from kvd_server.sessions import (
     MAX_OPEN_REQUESTS_PER_SESSION,
-    MAX_PENDING_STORES_PER_SESSION,
     MAX_PINS_PER_SESSION,
     EngineInfo,
     Session,
@@ -51,9 +55,6 @@ from kvd_server.sessions import (
 )
 
 log = logging.getLogger(__name__)
-# A completion naming an epoch this many resets behind the namespace finds no store bound
-# after those resets (see KvdCore._bound_after_reset): a bound on the search.
-MAX_RESETS_BEHIND = 64
 
 
 class DaemonState(enum.Enum):
@@ -71,37 +72,6 @@ class Registration(NamedTuple):
     epoch: int
     slot_bytes: int
     tenant: str
-
-
-class LookupAnswer(NamedTuple):
-    states: list[Lookup]
-    epoch: int
-    offsets: list[int] | None     # slot offsets (0 where not a HIT) when a lease was asked
-    lease_s: float                # the lease granted to the HITs (0: none asked)
-
-
-class LoadAnswer(NamedTuple):
-    offsets: list[int]
-    epoch: int
-
-
-@dataclass(slots=True, frozen=True)
-class StoreDecision:
-    cannot_store: bool
-    keys_to_store: list[bytes]
-    slot_offsets: list[int]
-    evicted_keys: list[bytes]
-
-
-class StoreAnswer(NamedTuple):
-    decision: StoreDecision
-    epoch: int
-
-
-class CompleteStoreResult(NamedTuple):
-    ignored: bool
-    completed: int
-    mismatched: int
 
 
 class EventBatch(NamedTuple):
@@ -155,6 +125,8 @@ class KvdCore:
         # completions), so bandwidth is visible whatever the client reports.
         self.completed_load_bytes = 0
         self.completed_store_bytes = 0
+        self.callpath = CallPath(self)
+        self.completions = Completions(self)
         self.fastpath = FastPath(self)
         # Per namespace manager: the events_dropped_total its last TakeEvents answer covered
         # (weak: an entry goes with its namespace).
@@ -295,7 +267,7 @@ class KvdCore:
         for ns in self.namespaces:
             ns.slots.collect()              # slots every reader has moved past come back
 
-    # ------------------------------------------------------------ operations
+    # ------------------------------------------- operations shared by both protocols
     @staticmethod
     def namespace_of(s: Session) -> Namespace:
         if s.ns is None:
@@ -314,174 +286,14 @@ class KvdCore:
         return (s.id, req_id)
 
     @staticmethod
-    def _check_epoch(ns: Namespace, epoch: int) -> None:
-        if epoch > ns.epoch:
-            raise FailedPrecondition(f"epoch {epoch} is ahead of the namespace's epoch "
-                                     f"{ns.epoch}")
-
-    def lookup(self, s: Session, keys: Sequence[bytes], *, prefix: bool = False,
-               lease_ms: int = 0, req_id: str = "") -> LookupAnswer:
-        """States of `keys` (prefix: up to the first key that is not a HIT); with `lease_ms`,
-        each HIT is leased (capped at manager.max_lease) and its slot offset returned."""
-        ns = self.namespace_of(s)
-        mgr = ns.mgr
-        epoch = mgr.epoch
-        lease_s = min(lease_ms / 1000.0, self.config.manager.max_lease) if lease_ms else 0.0
-        expiry = self.clock() + lease_s
-        states: list[Lookup] = []
-        offsets: list[int] | None = [] if lease_s > 0 else None
-        hits = misses = 0
-        for key in keys:
-            state = mgr.lookup(key)
-            states.append(state)
-            offset = 0
-            if state is Lookup.HIT:
-                hits += 1
-                if offsets is not None:
-                    slot = self.leases.grant(s, mgr, key, expiry, epoch)
-                    if slot is not None:
-                        offset = ns.slots.offset(slot)
-            elif state is Lookup.MISS:
-                misses += 1
-            if offsets is not None:
-                offsets.append(offset)
-            if prefix and state is not Lookup.HIT:
-                break
-        ns.lookups_total += len(states)
-        ns.hits_total += hits
-        ns.misses_total += misses
-        return LookupAnswer(states, epoch, offsets, lease_s)
-
-    @staticmethod
     def check_pin_room(s: Session, more: int) -> None:
         if len(s.pins) + more > MAX_PINS_PER_SESSION:
             raise ResourceExhausted(f"session holds {len(s.pins)} pins already (at most "
                                     f"{MAX_PINS_PER_SESSION}); complete loads first")
 
-    def prepare_load(self, s: Session, keys: Sequence[bytes], req_id: str,
-                     positions: Sequence[int] | None) -> LoadAnswer:
-        """Pin ready (or leased) blocks for a load; all or nothing (NotReady names the first
-        key that is not readable)."""
-        ns = self.namespace_of(s)
-        self.check_pin_room(s, len(keys))
-        mgr = ns.mgr
-        epoch = mgr.epoch
-        slots = mgr.prepare_load(keys, self.request_key(s, req_id), positions or None)
-        pins = s.pins
-        take_back = self.leases.take_back if s.leases else None
-        for key in keys:
-            if take_back is not None:
-                take_back(s, mgr, key, epoch)        # the pin just taken replaces a lease
-            pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
-        offset = ns.slots.offset
-        return LoadAnswer([offset(slot) for slot in slots], epoch)
-
-    def complete_load(self, s: Session, keys: Sequence[bytes], req_id: str, epoch: int) -> bool:
-        """Release this session's pins (or, for a key it leased but did not load, the lease);
-        True when `epoch` is an earlier one (the completion only released zombies)."""
-        ns = self.namespace_of(s)
-        self._check_epoch(ns, epoch)
-        mgr = ns.mgr
-        pins = s.pins
-        released: list[bytes] = []
-        for key in keys:
-            pk = (epoch, key)
-            count = pins.get(pk)
-            if not count:
-                # Leased by this session and not loaded: the engine gives the lease back.
-                self.leases.take_back(s, mgr, key, epoch)
-                continue  # never touch another session's pin or lease
-            if count == 1:
-                del pins[pk]
-            else:
-                pins[pk] = count - 1
-            released.append(key)
-        if released:
-            mgr.complete_load(released, None, epoch)
-            self.completed_load_bytes += len(released) * ns.layout.block_bytes
-        stale = epoch < ns.epoch
-        if stale:
-            NamespaceTable.maybe_release(ns)
-        return stale
-
     def touch(self, s: Session, keys: Sequence[bytes], req_id: str) -> None:
         ns = self.namespace_of(s)
         ns.mgr.touch(keys, self.request_key(s, req_id))
-
-    def prepare_store(self, s: Session, keys: Sequence[bytes], req_id: str,
-                      positions: Sequence[int] | None) -> StoreAnswer:
-        ns = self.namespace_of(s)
-        if self.state is DaemonState.DRAINING:
-            raise Unavailable("daemon is draining; stores are refused")
-        mgr = ns.mgr
-        epoch = mgr.epoch
-        if len(s.pending) + len(keys) > MAX_PENDING_STORES_PER_SESSION:
-            # Not an error, like a full pool: complete the stores in flight and offer again.
-            return StoreAnswer(StoreDecision(True, [], [], []), epoch)
-        grant = mgr.prepare_store(keys, self.request_key(s, req_id), positions or None,
-                                  ns.reserve_owed)
-        if grant is None:
-            return StoreAnswer(StoreDecision(True, [], [], []), epoch)
-        offset = ns.slots.offset
-        pending = s.pending
-        for key, slot in zip(grant.keys_to_store, grant.slots, strict=True):
-            pending[(epoch, key)] = slot
-        return StoreAnswer(StoreDecision(False, grant.keys_to_store,
-                                         [offset(x) for x in grant.slots], grant.evicted_keys),
-                           epoch)
-
-    def complete_store(self, s: Session, keys: Sequence[bytes], success: bool, req_id: str,
-                       epoch: int, offsets: Sequence[int] | None = None) -> CompleteStoreResult:
-        ns = self.namespace_of(s)
-        self._check_epoch(ns, epoch)
-        own: list[bytes] = []
-        own_slots: list[int] = []
-        late: dict[int, tuple[list[bytes], list[int]]] = {}
-        mismatched = 0
-        for i, key in enumerate(keys):
-            pk = (epoch, key)
-            slot = s.pending.get(pk)
-            if slot is None and epoch < ns.epoch:
-                pk = self._bound_after_reset(s, ns.epoch, epoch, key)
-                slot = None if pk is None else s.pending[pk]
-            if slot is None:
-                continue  # not this session's store (or already completed): ignored
-            if offsets is not None and ns.slots.offset(slot) != offsets[i]:
-                mismatched += 1
-                continue
-            del s.pending[pk]
-            if pk[0] != epoch:
-                group = late.setdefault(pk[0], ([], []))
-                group[0].append(key)
-                group[1].append(slot)
-                continue
-            own.append(key)
-            own_slots.append(slot)
-        for bound, (late_keys, late_slots) in late.items():
-            # Stored under `epoch`, bound after a reset the engine had not seen yet: its bytes
-            # belong to the dropped epoch, so the store fails (slot freed, key absent).
-            ns.mgr.complete_store(late_keys, False, None, bound, slots=late_slots)
-        if epoch < ns.epoch:
-            ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
-            NamespaceTable.maybe_release(ns)
-            return CompleteStoreResult(True, 0, mismatched)
-        completed = ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
-        self.completed_store_bytes += completed * ns.layout.block_bytes
-        if not success:
-            NamespaceTable.maybe_release(ns)
-        return CompleteStoreResult(False, completed, mismatched)
-
-    @staticmethod
-    def _bound_after_reset(s: Session, current: int, epoch: int,
-                           key: bytes) -> tuple[int, bytes] | None:
-        """The pending store of `key` that a completion naming the older `epoch` means: the
-        engine stored it under `epoch` (the reset epoch it had read), and the daemon bound it
-        after a reset it had not heard of yet, at a later epoch. One store of a key per epoch
-        is pending at most, so the earliest later one is it (resets far behind: none)."""
-        for later in range(epoch + 1, min(current, epoch + MAX_RESETS_BEHIND) + 1):
-            if (later, key) in s.pending:
-                return later, key
-        return None
 
     def request_finished(self, s: Session, req_id: str) -> None:
         ns = self.namespace_of(s)

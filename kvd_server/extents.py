@@ -1,9 +1,11 @@
 """The pool cut into extents, and a namespace's slots cut out of the extents it holds.
 
 A namespace grows by whole extents taken from the shared free list and cuts each into slots of
-its own stride; slot ids are namespace-local and map to pool offsets. Allocation order is
-vLLM's (never-used ids 0, 1, 2, ... first, then a LIFO free list), so a namespace behaves like
-vLLM's CPU manager with a capacity that grows while the pool has free extents.
+its own stride; slot ids are the namespace's (its stride sets `per_extent`) and address the
+whole pool: slot `e * per_extent + i` is the i-th slot of the pool's extent e, at pool offset
+`e * extent_bytes + i * stride`. Allocation order is vLLM's (never-used ids 0, 1, 2, ...
+first, then a LIFO free list), so a namespace behaves like vLLM's CPU manager with a capacity
+that grows while the pool has free extents.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvd_proto.wire import SLOT_ALIGNMENT, align_up
+from kvd_server.config import DEFAULT_TENANT
 
 
 class ExtentAllocator:
@@ -39,7 +42,7 @@ class ExtentAllocator:
         self.owner: list[str | None] = [first_owner] * self.total
         self.on_move = on_move
 
-    def take(self, tenant: str = "default", index: int | None = None) -> int | None:
+    def take(self, tenant: str = DEFAULT_TENANT, index: int | None = None) -> int | None:
         """A free extent for `tenant` (the one numbered `index`, if it is free); None if none."""
         if index is None:
             if not self._free:
@@ -108,8 +111,8 @@ class Limbo(Protocol):
 class NamespaceSlots:
     """A SlotSource over extents taken on demand (see manager/types.py).
 
-    Slot ids are pool-wide: slot `e * per_extent + i` is the i-th slot of extent e, so ids stay
-    valid when another extent is given back. Order is vLLM's: never-used slots of the held
+    Slot ids as in the module doc (the namespace's, over the pool's extent numbers), so ids
+    stay valid when another extent is given back. Order is vLLM's: never-used slots of the held
     extents first (extent by extent, in the order taken), then the LIFO free list, then a new
     extent. A namespace that needs room the free extents cannot give may `reclaim` extents
     from other namespaces through the table that owns it (fair share, namespaces.py).
@@ -134,7 +137,7 @@ class NamespaceSlots:
         self.extents = extents
         self.per_extent = extents.extent_bytes // self.stride
         self.budget = budget
-        self.tenant = budget.tenant if budget is not None else "default"
+        self.tenant = budget.tenant if budget is not None else DEFAULT_TENANT
         self.reclaimer = reclaimer
         # Freed slots wait here while engines may still read them (shm_index.Reclamation).
         self.limbo = limbo

@@ -30,7 +30,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.channel import ChannelHeader
 from kvd_proto.native import NATIVE
-from kvd_proto.paths import ATTACH_SUFFIX, SocketState, attach_path, grpc_target, probe_socket
+from kvd_proto.paths import (
+    ATTACH_SUFFIX,
+    SocketState,
+    attach_path,
+    grpc_target,
+    probe_socket,
+    socket_lock_path,
+)
 from kvd_proto.wire import TRANSPORT_MESSAGE_BYTES, channel_options
 from kvd_server import __version__, notify
 from kvd_server.admin_tokens import AdminTokens, TokenFileError, read_token_file
@@ -38,8 +45,7 @@ from kvd_server.attach import AttachServer
 from kvd_server.attach_roles import AttachRoles
 from kvd_server.channel_service import ChannelService
 from kvd_server.channels import ChannelHub
-from kvd_server.cli import socket_lock_path
-from kvd_server.config import Config
+from kvd_server.config import DEFAULT_TENANT, Config
 from kvd_server.core import KvdCore
 from kvd_server.extents import ExtentAllocator
 from kvd_server.front_door import FrontDoor
@@ -48,7 +54,7 @@ from kvd_server.service import AdminService, EngineService, RpcRecorder
 from kvd_server.sessions import Session
 from kvd_server.snapshot import build_snapshot
 from kvd_server.stats import ChannelStats, DaemonFacts, StatsSnapshot
-from kvd_server.tenant_pools import DEFAULT_TENANT, TenantPools
+from kvd_server.tenant_pools import TenantPools
 from kvd_server.units import format_duration, format_size
 
 if TYPE_CHECKING:

@@ -275,8 +275,8 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
     def _lookup(self, s: Session, req: kvd_pb2.LookupRequest) -> kvd_pb2.LookupResponse:
         keys = _check_keys(req.keys)
         req_id = _check_str(req.req_id, "req_id")
-        answer = self._core.lookup(s, keys, prefix=req.prefix, lease_ms=req.lease_ms,
-                                   req_id=req_id)
+        answer = self._core.callpath.lookup(s, keys, prefix=req.prefix,
+                                            lease_ms=req.lease_ms, req_id=req_id)
         out = kvd_pb2.LookupResponse(states=[int(state) for state in answer.states],
                                      epoch=answer.epoch)
         if answer.offsets is not None:
@@ -289,14 +289,14 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         keys = _check_keys(req.keys)
         req_id = _check_str(req.req_id, "req_id")
         positions = _check_positions(req.positions, len(keys))
-        answer = self._core.prepare_load(s, keys, req_id, positions)
+        answer = self._core.callpath.prepare_load(s, keys, req_id, positions)
         return kvd_pb2.PrepareLoadResponse(slot_offsets=answer.offsets, epoch=answer.epoch)
 
     def _complete_load(self, s: Session,
                        req: kvd_pb2.CompleteLoadRequest) -> kvd_pb2.CompleteLoadResponse:
         keys = _check_keys(req.keys)
         req_id = _check_str(req.req_id, "req_id")
-        ignored = self._core.complete_load(s, keys, req_id, req.epoch)
+        ignored = self._core.completions.complete_load(s, keys, req_id, req.epoch)
         return kvd_pb2.CompleteLoadResponse(ignored=ignored)
 
     def _touch(self, s: Session, req: kvd_pb2.TouchRequest) -> kvd_pb2.TouchResponse:
@@ -309,7 +309,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         keys = _check_keys(req.keys)
         req_id = _check_str(req.req_id, "req_id")
         positions = _check_positions(req.positions, len(keys))
-        decision, epoch = self._core.prepare_store(s, keys, req_id, positions)
+        decision, epoch = self._core.callpath.prepare_store(s, keys, req_id, positions)
         return kvd_pb2.PrepareStoreResponse(
             cannot_store=decision.cannot_store,
             keys_to_store=decision.keys_to_store,
@@ -333,7 +333,8 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
                                           f"(outside the {self._pool_bytes}-byte pool or not "
                                           f"{SLOT_ALIGNMENT}-aligned)")
             offsets = list(req.slot_offsets)
-        result = self._core.complete_store(s, keys, req.success, req_id, req.epoch, offsets)
+        result = self._core.completions.complete_store(s, keys, req.success, req_id,
+                                                       req.epoch, offsets)
         return kvd_pb2.CompleteStoreResponse(ignored=result.ignored, completed=result.completed,
                                              mismatched=result.mismatched)
 

@@ -14,14 +14,12 @@ import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvd_server.config import Config
+from kvd_server.config import DEFAULT_TENANT, Config
 from kvd_server.errors import PermissionDenied, ResourceExhausted, Unauthenticated
 from kvd_server.namespaces import Namespace
 from kvd_server.peer import PeerCred
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TENANT = "default"
 
 # What one session may hold at once (and so what it can leave held if its process stalls).
 MAX_LEASES_PER_SESSION = 16_384

@@ -17,7 +17,6 @@ import fcntl
 import logging
 import mmap
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,12 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvd_proto.barrier import fence
 from kvd_proto.index_layout import (
     FIRST_RECLAIM_EPOCH,
+    GENERATION_SHIFT,
     MARKS_BYTES,
     RECLAIM_EPOCH_OFFSET,
     RESET_EPOCH_OFFSET,
     STATE_FREE,
+    STATE_MASK,
     Header,
     buckets_for,
 )
@@ -39,16 +41,8 @@ from kvd_proto.native import IndexTable
 log = logging.getLogger(__name__)
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
-_FENCE = threading.Lock()
 HOLD_WARN_S = 5.0       # a freed slot held back this long: its holder is named in a WARNING
 WARN_EVERY_S = 60.0     # at most one such warning per namespace this often
-
-
-def fence() -> None:
-    """A full memory barrier (a locked instruction): the stores before it are visible before
-    the loads after it. Publishing a free and then reading the readers' marks needs one."""
-    _FENCE.acquire()
-    _FENCE.release()
 
 
 class ShmIndex:
@@ -136,8 +130,8 @@ class ShmIndex:
     def clear(self) -> None:
         """Unpublish every slot (a reset): meta words first, then the buckets."""
         meta = np.frombuffer(self._meta, dtype="<u8", count=self.header.capacity)
-        used = (meta & 3) != STATE_FREE
-        meta[used] = ((meta[used] >> 10) + 1) << 10
+        used = (meta & STATE_MASK) != STATE_FREE
+        meta[used] = ((meta[used] >> GENERATION_SHIFT) + 1) << GENERATION_SHIFT
         start = self.header.buckets_offset
         end = start + 4 * self.header.buckets
         zeros = bytes(1 << 20)
@@ -146,7 +140,7 @@ class ShmIndex:
             self._map[off:off + n] = zeros[:n]
 
     def state(self, slot: int) -> int:
-        return self._meta[slot] & 3
+        return self._meta[slot] & STATE_MASK
 
     def find(self, key: bytes) -> int:
         """The slot `key` is published in (storing or ready), or -1: the daemon's own key ->

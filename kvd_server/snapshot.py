@@ -6,10 +6,12 @@ nor the manager (nor numpy): `kvd --help` and `kvd stats` stay quick to start.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from kvd_server import __version__
 from kvd_server.core import KvdCore
+from kvd_server.manager import ManagerCounters
 from kvd_server.namespaces import Namespace
 from kvd_server.stats import (
     NAMESPACE_COUNTERS,
@@ -27,6 +29,10 @@ from kvd_server.stats import (
     TransferTotals,
 )
 
+# The manager's counters a namespace row carries as they are (its resets_total is the core's).
+MANAGER_COUNTERS = tuple(f.name for f in dataclasses.fields(ManagerCounters)
+                         if f.name in NAMESPACE_COUNTERS)
+
 
 def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnapshot:
     """The whole document from the core (and the daemon's facts, when assembled)."""
@@ -39,19 +45,14 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
         c = ns.mgr.counts()
         ns_blocks = BlockStats(c.storing, c.ready, c.pinned, c.zombie)
         blocks.add(ns_blocks)
-        mc = ns.mgr.counters
         row = NamespaceStats(
             id=ns.id, model=ns.model, tenant=ns.tenant, slot_bytes=ns.slots.stride,
             block_bytes=ns.layout.block_bytes, num_ranks=ns.layout.num_ranks,
             slots_capacity=ns.slots.capacity(), extents=ns.slots.extents_held(),
             epoch=ns.epoch, sessions=ns.sessions, blocks=ns_blocks,
             lookups_total=ns.lookups_total, hits_total=ns.hits_total,
-            misses_total=ns.misses_total, stores_started_total=mc.stores_started_total,
-            stores_completed_total=mc.stores_completed_total,
-            stores_failed_total=mc.stores_failed_total, evictions_total=mc.evictions_total,
-            store_rejections_total=mc.store_rejections_total,
-            events_dropped_total=mc.events_dropped_total,
-            reclaim_holder=reclaim_holder(ns))
+            misses_total=ns.misses_total, reclaim_holder=reclaim_holder(ns),
+            **_manager_counters(ns.mgr.counters))
         for name in NAMESPACE_COUNTERS:
             setattr(totals, name, getattr(totals, name) + getattr(row, name))
         namespaces.append(row)
@@ -95,6 +96,12 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
         channels=facts.channels,
         rpc=dict(sorted(facts.rpc.items())),
     )
+
+
+def _manager_counters(counters: object) -> dict[str, int]:
+    """The manager's counters a namespace row shows, by their shared names (one list of
+    counters: the stats schema's, kvd_server/stats.py)."""
+    return {name: getattr(counters, name) for name in MANAGER_COUNTERS}
 
 
 def reclaim_holder(ns: Namespace) -> ReclaimHolderStats:

@@ -20,12 +20,10 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvd_server.config import PoolConfig
+from kvd_server.config import DEFAULT_TENANT, PoolConfig
 from kvd_server.pool import HostPool
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TENANT = "default"
 
 
 class TenantPools:

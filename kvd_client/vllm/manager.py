@@ -86,7 +86,7 @@ class KvdOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
                      ) -> LoadStoreSpec:
         keys = list(keys)
-        offsets = self.session.pin(keys, req_context.req_id, self._positions(keys, req_context))
+        offsets = self.session.start_loads(keys, req_context.req_id, self._positions(keys, req_context))
         if None in offsets:
             # vLLM loads only keys answered HIT in this step; keep going safely.
             log.error("prepare_load of a key kvd did not answer HIT this step; it is skipped")
@@ -98,7 +98,7 @@ class KvdOffloadingManager(OffloadingManager):
             self.session.touch(list(keys), req_context.req_id)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.session.unpin(list(keys), req_context.req_id)
+        self.session.finish_loads(list(keys), req_context.req_id)
 
     # ----------------------------------------------------------------- stores
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext

@@ -21,8 +21,8 @@ from kvd_client.offload_session import DEFAULT_RESERVE, OffloadSession
 from kvd_proto.paths import default_socket_path
 
 from .manager import ANSWERS, KvdOffloadingManager
-from .namespace import DEFAULT_KEY_BYTES, is_replicated, layout_of, salt_of
 from .offload_stats import metric_definitions
+from .sharing import DEFAULT_KEY_BYTES, is_replicated, layout_of, salt_of
 
 log = logging.getLogger(__name__)
 

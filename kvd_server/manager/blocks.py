@@ -11,6 +11,8 @@ and unpinned, READY + n readable and pinned by n loads or leases.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvd_server.shm_index import ShmIndex
@@ -59,6 +61,22 @@ class BlockTable:
             if key is not None:
                 return key
         return self.index.key_of(slot)
+
+    def classify(self, keys: Sequence[bytes]
+                 ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
+        """Of `keys` (an offer): those with no block, those readable (ready or pinned), and
+        each key's slot (-1: none)."""
+        absent: list[bytes] = []
+        readable: list[bytes] = []
+        find, state = self.find, self.state
+        slot_of = {}
+        for key in keys:
+            slot_of[key] = slot = find(key)
+            if slot < 0:
+                absent.append(key)
+            elif state[slot] != STORING:
+                readable.append(key)
+        return absent, readable, slot_of
 
     def add(self, key: bytes, slot: int) -> None:
         """A new block of `key` being stored in `slot` (published as STORING)."""

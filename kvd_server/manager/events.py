@@ -34,8 +34,12 @@ def event_bytes(event: OffloadEvent) -> int:
 
 
 class EventQueue:
+    """A namespace's events; not `enabled` (the namespace's engines take none), it keeps
+    none and answers none."""
+
     def __init__(self, max_bytes: int = MAX_PENDING_EVENT_BYTES,
-                 max_events: int = MAX_PENDING_EVENTS) -> None:
+                 max_events: int = MAX_PENDING_EVENTS, *, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._events: deque[OffloadEvent] = deque()
         self._costs: deque[int] = deque()       # event_memory of each, in the same order
         self.bytes = 0                          # their sum
@@ -48,6 +52,8 @@ class EventQueue:
         return len(self._events)
 
     def emit(self, event: OffloadEvent) -> None:
+        if not self.enabled:
+            return
         cost = event_memory(event)
         if cost > self.max_bytes:
             # One event over the whole bound (a reset's removal of every block): keep its

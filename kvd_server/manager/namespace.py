@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from kvd_proto.wire import DEFAULT_INDEX_KEY_BYTES
 from kvd_server.errors import NotReady
+from kvd_server.policy_names import LRU
 from kvd_server.shm_index import ShmIndex
 
 from .blocks import ABSENT, READY, STORING, BlockTable
 from .events import EventQueue
-from .offers import OfferCounts
 from .policies import RequestState, make_policy
-from .requests import MAX_KEYS_PER_REQUEST, RecencyBudget, RequestLog
+from .requests import RecencyBudget, RequestLog
 from .types import (
     BlockCounts,
     Lookup,
@@ -42,7 +42,6 @@ class ManagerCounters:
     stores_completed_total: int = 0
     stores_failed_total: int = 0
     store_rejections_total: int = 0
-    stores_skipped_total: int = 0
     events_dropped_total: int = 0
     resets_total: int = 0
 
@@ -50,8 +49,7 @@ class ManagerCounters:
 class NamespaceManager:
     """The index key -> block of one namespace over a `SlotSource`. Pure logic, no I/O."""
 
-    def __init__(self, slots: SlotSource, policy: str = "lru", *, enable_events: bool = True,
-                 store_threshold: int = 0, max_tracker_size: int = 64_000,
+    def __init__(self, slots: SlotSource, policy: str = LRU, *, enable_events: bool = True,
                  budget: RecencyBudget | None = None, index: ShmIndex | None = None) -> None:
         self.slots = slots
         if index is None:   # no engine reads it (tests, benchmarks): a private one
@@ -64,13 +62,11 @@ class NamespaceManager:
         self.policy = make_policy(policy, slots.capacity(), self.table)
         self.epoch = 0
         self.counters = ManagerCounters()
-        self._events = EventQueue() if enable_events else None
+        self._events = EventQueue(enabled=enable_events)
         self._storing = 0
         self._evictable = 0
         self._zombies = Zombies()
         self.requests = RequestLog(self.policy, budget)
-        self._offers = OfferCounts(store_threshold, max_tracker_size) \
-            if store_threshold >= 2 else None
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -124,12 +120,11 @@ class NamespaceManager:
     def _load(self, keys: Sequence[bytes], slots: Sequence[int], req: Hashable | None,
               positions: Sequence[int] | None) -> None:
         """Pin readable blocks found in `slots`, and record the request's access to them."""
-        requests = self.requests
-        state = requests.get(req)
-        requests.set_positions(state, keys, positions)
+        state = self.requests.opened(req, keys, positions)
         for slot in slots:
             self._pin(slot)
-        requests.record(keys, state, reused=keys, slot_of=dict(zip(keys, slots, strict=True)))
+        self.requests.record(keys, state, reused=keys,
+                             slot_of=dict(zip(keys, slots, strict=True)))
 
     def _pin(self, slot: int) -> None:
         blocks = self.table.state
@@ -149,9 +144,9 @@ class NamespaceManager:
                       epoch: int | None = None) -> None:
         """Release one pin per key (keys without a pin are ignored)."""
         if epoch is not None and epoch != self.epoch:
-            if epoch < self.epoch:
-                for key in keys:
-                    self._release_zombie(epoch, key, loading=True)
+            if epoch < self.epoch:       # copies of blocks a reset dropped
+                for slot in self._zombies.completed(epoch, keys, loading=True):
+                    self.slots.free(slot)
             return
         find, blocks = self.table.find, self.table.state
         for key in keys:
@@ -166,12 +161,6 @@ class NamespaceManager:
         """Release a lease taken with pin()."""
         self.complete_load((key,), None, epoch)
 
-    def _release_zombie(self, epoch: int, key: bytes, *, loading: bool,
-                        hold: list[int] | None = None) -> None:
-        slot = self._zombies.release(epoch, key, loading=loading)
-        if slot is not None:
-            self._free_or_hold(slot, hold)
-
     def _free_or_hold(self, slot: int, hold: list[int] | None) -> None:
         if hold is None:
             self.slots.free(slot)
@@ -184,36 +173,11 @@ class NamespaceManager:
     # ----------------------------------------------------------------- stores
     def _classify_offer(self, keys: Sequence[bytes], req: Hashable | None,
                         positions: Sequence[int] | None) -> tuple[RequestState, list[bytes]]:
-        """vLLM's prepare_store bookkeeping of an offer: positions, offer counts, ghost hits,
-        request accesses; returns the request and the offered keys that are new."""
-        requests = self.requests
-        state = requests.get(req)
-        requests.set_positions(state, keys, positions)
-        if self._offers is not None:
-            self._offers.count(keys)
-        new: list[bytes] = []
-        ready_existing: list[bytes] = []
-        find, blocks = self.table.find, self.table.state
-        slot_of = {}
-        for key in keys:
-            slot_of[key] = slot = find(key)
-            if slot < 0:
-                new.append(key)
-            elif blocks[slot] != STORING:
-                ready_existing.append(key)
-        if self._offers is not None:
-            offered = len(new)
-            new = self._offers.due(new)
-            self.counters.stores_skipped_total += offered - len(new)
-        misses = [k for k in new if k not in state.store_misses]
-        if misses:
-            self.policy.on_store_miss(misses, state)
-            if len(state.store_misses) < MAX_KEYS_PER_REQUEST:
-                state.store_misses.update(misses)
-        recorded = set(new)
-        recorded.update(ready_existing)
-        requests.record([k for k in keys if k in recorded], state, reused=ready_existing,
-                        slot_of=slot_of)
+        """vLLM's prepare_store bookkeeping of an offer: positions, ghost hits, request
+        accesses; returns the request and the offered keys that are new."""
+        state = self.requests.opened(req, keys, positions)
+        new, ready, slot_of = self.table.classify(keys)
+        self.requests.offered(state, keys, new, ready, slot_of)
         return state, new
 
     def _shortfall(self, n: int, owed: int, at_once: bool) -> int:
@@ -254,9 +218,15 @@ class NamespaceManager:
         self._emit(OffloadEvent(tuple(evicted), removed=True))
         return evicted
 
-    def _insert(self, key: bytes, slot: int, state: RequestState) -> None:
-        self.table.add(key, slot)
-        self.policy.insert(key, slot, state)
+    def _start_stores(self, keys: Sequence[bytes], slots: Sequence[int],
+                      state: RequestState) -> None:
+        """Publish each new block of `keys` as being stored in its slot."""
+        for key, slot in zip(keys, slots, strict=True):
+            self.table.add(key, slot)
+            self.policy.insert(key, slot, state)
+        self._storing += len(keys)
+        self.counters.stores_started_total += len(keys)
+        state.inserted.update(k for k in keys if k in state.seen)
 
     def prepare_store(self, keys: Sequence[bytes], req: Hashable | None = None,
                       positions: Sequence[int] | None = None, owed: int = 0
@@ -271,11 +241,7 @@ class NamespaceManager:
             self.counters.store_rejections_total += 1
             return None
         slots = self.slots.allocate(len(new))
-        for key, slot in zip(new, slots, strict=True):
-            self._insert(key, slot, state)
-        self._storing += len(new)
-        self.counters.stores_started_total += len(new)
-        state.inserted.update(k for k in new if k in state.seen)
+        self._start_stores(new, slots, state)
         return StoreGrant(new, slots, evicted)
 
     def offer(self, keys: Sequence[bytes], granted: Sequence[tuple[bytes, int]],
@@ -293,12 +259,9 @@ class NamespaceManager:
         # The granted slots are in use already (the session's reserve): what vLLM would free
         # for these stores is what the reserve needs back.
         evicted = self.make_room(len(bound), keys, owed) or []
-        for key, slot in bound:
-            self._insert(key, slot, state)
-        self._storing += len(bound)
-        self.counters.stores_started_total += len(bound)
-        state.inserted.update(k for k, _ in bound if k in state.seen)
-        return OfferResult([k for k, _ in bound], [k for k, _ in duplicates], evicted)
+        stored = [k for k, _ in bound]
+        self._start_stores(stored, [slot for _, slot in bound], state)
+        return OfferResult(stored, [k for k, _ in duplicates], evicted)
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True,
                        req: Hashable | None = None, epoch: int | None = None,
@@ -313,11 +276,10 @@ class NamespaceManager:
         while the writer might still be copying into them.
         """
         if epoch is not None and epoch != self.epoch:
-            if epoch < self.epoch:
-                for i, key in enumerate(keys):
-                    if slots is not None and self._settle_lost(key, slots[i], hold):
-                        continue
-                    self._release_zombie(epoch, key, loading=False, hold=hold)
+            if epoch < self.epoch:       # stores into blocks a reset dropped
+                for slot in self._zombies.completed(epoch, keys, loading=False, slots=slots,
+                                                    table=self.table):
+                    self._free_or_hold(slot, hold)
             return 0
         changed: list[bytes] = []
         table, blocks = self.table, self.table.state
@@ -356,14 +318,6 @@ class NamespaceManager:
         use until its own (losing) store completes."""
         self.table.move(key, old, slot)
         self.policy.moved(old, slot)
-
-    def _settle_lost(self, key: bytes, slot: int, hold: list[int] | None) -> bool:
-        """A completion from before a reset for a slot that is no zombie of the key (a losing
-        duplicate): free it. False when the slot is the zombie's (release it the usual way)."""
-        if self._zombies.holds(key, slot) or self.table.state[slot] != ABSENT:
-            return False
-        self._free_or_hold(slot, hold)
-        return True
 
     def pin_loads(self, keys: Sequence[bytes], slots: Sequence[int],
                   req: Hashable | None = None,
@@ -408,19 +362,16 @@ class NamespaceManager:
 
     # ----------------------------------------------------------------- events
     def _emit(self, event: OffloadEvent) -> None:
-        if self._events is not None:
-            self._events.emit(event)
-            self.counters.events_dropped_total = self._events.dropped_total
+        self._events.emit(event)
+        self.counters.events_dropped_total = self._events.dropped_total
 
     def pending_events(self) -> int:
-        return len(self._events) if self._events is not None else 0
+        return len(self._events)
 
     def take_events(self, max_events: int | None = None,
                     max_bytes: int | None = None) -> tuple[list[OffloadEvent], bool]:
         """Drain stored/removed events in order, at most `max_events` and about `max_bytes`
         of keys (always at least one event); `more` says whether any are left."""
-        if self._events is None:
-            return [], False
         find = self.table.find
         return self._events.take(lambda key: find(key) < 0, max_events, max_bytes)
 
@@ -429,19 +380,11 @@ class NamespaceManager:
         """Drop every block; blocks still being copied become zombies. Returns blocks dropped."""
         table = self.table
         dropped = len(table)
-        old = self.epoch
-        resident = table.resident()
-        states = table.state_array[resident]
-        for slot, state in zip(resident[states != READY].tolist(),
-                               states[states != READY].tolist(), strict=True):
-            ref = -1 if state == STORING else state - READY
-            self._zombies.add(old, table.key_of(slot), slot, ref)
-        freed = resident[states == READY].tolist()
+        freed = self._zombies.take_over(self.epoch, table)
         self.policy.clear()
         table.clear()
-        if not self._zombies and self.slots.reset():
-            pass  # back to vLLM's fresh allocation order
-        else:
+        # Without zombies the slots go back to vLLM's fresh allocation order.
+        if self._zombies or not self.slots.reset():
             for slot in freed:
                 self.slots.free(slot)
         self._storing = 0

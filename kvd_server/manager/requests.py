@@ -91,6 +91,13 @@ class RequestLog:
         if self._budget is not None:
             self._budget.give(n)
 
+    def opened(self, req: Hashable | None, keys: Sequence[bytes],
+               positions: Sequence[int] | None) -> RequestState:
+        """The request's state, with the token positions of `keys` an access tells."""
+        state = self.get(req)
+        self.set_positions(state, keys, positions)
+        return state
+
     def set_positions(self, state: RequestState, keys: Sequence[bytes],
                       positions: Sequence[int] | None) -> None:
         if not positions:
@@ -125,6 +132,20 @@ class RequestLog:
             self.policy.on_request_access(fresh, state, slots)
         # Re-reading a block this request inserted is not a second use.
         state.reused.update(k for k in reused if k in seen and k not in state.inserted)
+
+    def offered(self, state: RequestState, keys: Sequence[bytes], new: Sequence[bytes],
+                ready: Sequence[bytes], slot_of: dict[bytes, int]) -> None:
+        """vLLM's prepare_store bookkeeping of an offer of `keys`: the `new` ones are store
+        misses for the policy (once per request); they and the `ready` ones already stored
+        are the request's accesses, in offer order."""
+        misses = [k for k in new if k not in state.store_misses]
+        if misses:
+            self.policy.on_store_miss(misses, state)
+            if len(state.store_misses) < MAX_KEYS_PER_REQUEST:
+                state.store_misses.update(misses)
+        recorded = set(new)
+        recorded.update(ready)
+        self.record([k for k in keys if k in recorded], state, reused=ready, slot_of=slot_of)
 
     def finished(self, req: Hashable) -> None:
         """Apply the request's recorded accesses to the policy in prefix order."""

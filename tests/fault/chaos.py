@@ -11,7 +11,7 @@ import random
 import sys
 
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import Engine, block_bytes_of, keys_for
+from tests.support.engine import Engine, block_bytes_of, keys_for
 
 
 def main(socket: str, seed: str) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.fault import summary
-from tests.multiproc.conftest import daemon, start_daemon, workdir  # noqa: F401
+from tests.support.fixtures import daemon, start_daemon, workdir  # noqa: F401
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

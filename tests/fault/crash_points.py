@@ -18,7 +18,7 @@ import sys
 import time
 
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import BLOCK, Engine, block_bytes_of, keys_for
+from tests.support.engine import BLOCK, Engine, block_bytes_of, keys_for
 
 MODEL = "crash-model"
 READY_SEED = "crash-ready"        # the test stores these 8 keys before starting the victim

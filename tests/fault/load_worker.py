@@ -18,7 +18,7 @@ import time
 import grpc
 
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import Engine, block_bytes_of, keys_for
+from tests.support.engine import Engine, block_bytes_of, keys_for
 
 MODEL = "load-model"
 BLOCK = 16 * 1024

@@ -31,7 +31,6 @@ from kvd_proto import kvd_pb2
 from kvd_proto import records as rec
 from kvd_proto.channel import DOWN_HEAD, UP_TAIL, record
 from tests.fault.summary import record as count
-from tests.multiproc.conftest import keys_for, wait_until
 from tests.multiproc.offload_engine import (
     LAYOUT,
     assert_no_slot_leaked,
@@ -44,6 +43,8 @@ from tests.multiproc.offload_engine import (
     store,
     write_block,
 )
+from tests.support.engine import keys_for
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 MODEL = "channel-fault-model"

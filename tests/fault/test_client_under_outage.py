@@ -22,7 +22,9 @@ import pytest
 from kvd_client.client import KvdClient
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
-from tests.multiproc.conftest import EXTENT, POOL, Engine, block_bytes_of, wait_until
+from tests.support.daemon import EXTENT, POOL
+from tests.support.engine import Engine, block_bytes_of
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 MODEL = "outage-model"

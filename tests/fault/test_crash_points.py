@@ -25,18 +25,12 @@ import pytest
 from kvd_proto import kvd_pb2
 from tests.fault.crash_points import MODEL, PHASES, READY_N, READY_SEED, new_keys
 from tests.fault.summary import record
-from tests.multiproc.conftest import (
-    PY,
-    ROOT,
-    Engine,
-    block_bytes_of,
-    clean_env,
-    keys_for,
-    wait_until,
-)
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
-LIVENESS_S = 1.0            # tests/multiproc/conftest.py starts daemons with a 1s liveness timeout
+LIVENESS_S = 1.0            # tests/support/daemon.py starts daemons with a 1s liveness timeout
 SETTLE_S = LIVENESS_S + 4   # liveness + sweep interval + generous scheduling slack
 
 

@@ -12,7 +12,7 @@ import pytest
 from kvd_client.client import KvdClient
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
-from tests.multiproc.conftest import EXTENT, POOL
+from tests.support.daemon import EXTENT, POOL
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 DEADLINE = 0.3

@@ -15,15 +15,9 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from tests.fault.summary import record
-from tests.multiproc.conftest import (
-    PY,
-    ROOT,
-    Engine,
-    block_bytes_of,
-    clean_env,
-    keys_for,
-    wait_until,
-)
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 ROUNDS = int(os.environ.get("KVD_SOAK_ROUNDS", "10"))

@@ -1,5 +1,6 @@
 """Fuzz the wire: random, mutated and oversized requests to every engine RPC, to Step and to
-StepStream (one stream for the whole run, which in-band rejections must not close).
+StepStream (one stream for the whole run, which in-band rejections must not close), the
+shared-index protocol's ops (Grant, StoreGranted, Pin) among them.
 
 Every answer must be OK or one of the documented status codes (never UNKNOWN or INTERNAL),
 the daemon must keep serving, and a rejected call must leave the index unchanged.
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvd_proto import kvd_pb2
 from tests.fault.summary import record
-from tests.multiproc.conftest import Engine
+from tests.support.engine import Engine
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 CASES = int(os.environ.get("KVD_SOAK_FUZZ", "300"))
@@ -32,6 +33,32 @@ epochs = st.one_of(st.just(0), st.integers(0, 2**64 - 1))
 offsets = st.lists(st.integers(0, 2**64 - 1), max_size=12)
 req_ids = st.one_of(st.just(""), st.text(max_size=300))
 positions = st.lists(st.integers(0, 2**64 - 1), max_size=12)
+# Offsets a Grant may have answered (slots of 4 KiB in the namespace's first extents), so that
+# StoreGranted and Pin also name real slots, the session's own or not, besides any number.
+slot_offsets = st.one_of(st.integers(0, 2047).map(lambda i: i * 4096), st.integers(0, 2**64 - 1))
+
+
+@st.composite
+def store_granted_ops(draw: st.DrawFn) -> kvd_pb2.StepOp:
+    """Granted keys a subset of the offered ones or not, one offset per key or not."""
+    offered = draw(keys)
+    granted = draw(st.one_of(st.just(offered), keys,
+                             st.lists(st.sampled_from(offered), max_size=len(offered))
+                             if offered else st.just([])))
+    return kvd_pb2.StepOp(store_granted=kvd_pb2.StoreGrantedRequest(
+        keys=offered, req_id=draw(req_ids), positions=draw(positions), granted_keys=granted,
+        granted_offsets=draw(st.one_of(
+            st.lists(slot_offsets, min_size=len(granted), max_size=len(granted)), offsets))))
+
+
+@st.composite
+def pin_ops(draw: st.DrawFn) -> kvd_pb2.StepOp:
+    """One offset per key (where the engine read it) or not."""
+    ks = draw(keys)
+    return kvd_pb2.StepOp(pin=kvd_pb2.PinRequest(
+        keys=ks, req_id=draw(req_ids), positions=draw(positions), slot_offsets=draw(st.one_of(
+            st.lists(slot_offsets, min_size=len(ks), max_size=len(ks)), offsets))))
+
 
 ops = st.one_of(
     st.builds(lambda k, p, ms, r: kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(
@@ -54,6 +81,10 @@ ops = st.one_of(
     st.builds(lambda a, b: kvd_pb2.StepOp(transfer_report=kvd_pb2.TransferReport(
         load_bytes=a, load_sizes=b)), st.integers(0, 2**64 - 1),
         st.lists(st.integers(0, 2**64 - 1), max_size=5)),
+    st.builds(lambda n, e: kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(count=n, evict=e)),
+              st.one_of(st.integers(0, 16), st.integers(0, 2**32 - 1)), st.booleans()),
+    store_granted_ops(),
+    pin_ops(),
     st.just(kvd_pb2.StepOp()),
 )
 tokens = st.sampled_from(["good", "none", "garbage"])
@@ -112,7 +143,8 @@ def test_fuzz_step_and_unary_rpcs(target):
                           "complete_load": "CompleteLoad", "prepare_store": "PrepareStore",
                           "complete_store": "CompleteStore", "touch": "Touch",
                           "request_finished": "RequestFinished", "take_events": "TakeEvents",
-                          "transfer_report": None}[kind]
+                          "transfer_report": None, "grant": None, "store_granted": None,
+                          "pin": None}[kind]   # the fast-path ops are step ops only
                 if method is None:
                     return
                 getattr(engine.stub, method)(getattr(batch[0], kind), metadata=md, timeout=5)

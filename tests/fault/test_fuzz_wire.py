@@ -1,5 +1,6 @@
 """Fuzz what tests/fault/test_fuzz.py does not: the attach side channel, RegisterSession and
-SessionStream, the admin service, and hostile completions against another session's state.
+SessionStream, the admin service, and hostile completions and fast-path binds (StoreGranted,
+Pin) against another session's state.
 Everything runs against ONE long-lived daemon (module scope), as a daemon lives in production.
 
 For every case: the answer is OK or a documented status code (never UNKNOWN, INTERNAL or
@@ -32,17 +33,9 @@ from hypothesis import strategies as st
 from kvd_client.attach import attach as client_attach
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from tests.fault.summary import record
-from tests.multiproc.conftest import (
-    EXTENT,
-    POOL,
-    TOKEN,
-    Daemon,
-    Engine,
-    attach,
-    spawn_daemon,
-    target,
-    wait_until,
-)
+from tests.support.daemon import EXTENT, POOL, Daemon, spawn_daemon, target
+from tests.support.engine import TOKEN, Engine, attach
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 TOTAL = int(os.environ.get("KVD_SOAK_FUZZ", "1000"))
@@ -363,7 +356,8 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
     closed = Engine(daemon.socket, "fuzz-owner-model", block=4096, engine_id="closed")
     closed.close()
     admin = daemon.admin()
-    owned = list(pending.keys_to_store) + ready
+    storing = list(pending.keys_to_store)
+    owned = storing + ready
     keys = st.lists(st.one_of(st.sampled_from(owned), st.binary(min_size=1, max_size=8)),
                     max_size=6, unique=True)
     epochs = st.one_of(st.sampled_from([0, epoch, epoch + 1, 2**63, 2**64 - 1]),
@@ -395,7 +389,17 @@ def test_fuzz_hostile_completions_wrong_epochs_offsets_and_admin_misuse(daemon, 
                 st.builds(lambda e: kvd_pb2.StepOp(complete_load=kvd_pb2.CompleteLoadRequest(
                     keys=ks, epoch=e)), epochs),
                 st.just(kvd_pb2.StepOp(lookup=kvd_pb2.LookupRequest(keys=ks))),
-                st.just(kvd_pb2.StepOp(touch=kvd_pb2.TouchRequest(keys=ks)))), max_size=4))
+                st.just(kvd_pb2.StepOp(touch=kvd_pb2.TouchRequest(keys=ks))),
+                # The fast path's binds, forged: no slot was granted to the caller, so
+                # nothing binds; and a Pin of blocks still being stored pins nothing (any
+                # session of the namespace may pin a ready one, so that is not fuzzed here).
+                st.builds(lambda o: kvd_pb2.StepOp(store_granted=kvd_pb2.StoreGrantedRequest(
+                    keys=ks, granted_keys=ks, granted_offsets=o)),
+                    st.lists(offsets, min_size=len(ks), max_size=len(ks))),
+                st.builds(lambda o: kvd_pb2.StepOp(pin=kvd_pb2.PinRequest(
+                    keys=storing, slot_offsets=o)),
+                    st.lists(offsets, min_size=len(storing), max_size=len(storing)))),
+                max_size=4))
             return kind, draw(who), kvd_pb2.StepRequest(ops=ops)
         req = draw(st.one_of(
             st.builds(lambda n: ("Reset", kvd_pb2.AdminResetRequest(namespace_id=n)),

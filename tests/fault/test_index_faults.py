@@ -22,7 +22,6 @@ import pytest
 
 from kvd_client.offload_session import Lookup, OffloadSession
 from tests.fault.summary import record
-from tests.multiproc.conftest import block_bytes_of, keys_for, wait_until
 from tests.multiproc.offload_engine import (
     EngineProcess,
     assert_no_slot_leaked,
@@ -37,6 +36,8 @@ from tests.multiproc.offload_engine import (
     wait_idle,
     write_block,
 )
+from tests.support.engine import block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 MODEL = "index-fault-model"
@@ -199,7 +200,7 @@ def test_a_daemon_killed_mid_traffic_is_survived_and_served_again(start_daemon, 
         loading = rng.sample(stored, min(8, len(stored)))
         hits = [k for k in loading if a.lookup(k) is Lookup.HIT]
         pool = a.client.pool
-        offsets = a.pin(hits)
+        offsets = a.start_loads(hits)
         granted = a.reserve([next(new) for _ in range(8)]) or []
         if kill:
             daemon.proc.send_signal(signal.SIGKILL)
@@ -211,7 +212,7 @@ def test_a_daemon_killed_mid_traffic_is_survived_and_served_again(start_daemon, 
         for key, offset in granted:
             write_block(a, offset, key)
         a.complete_store([k for k, _ in granted])
-        a.unpin(hits)
+        a.finish_loads(hits)
         a.end_step()
         return [k for k, _ in granted]
 

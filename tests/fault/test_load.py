@@ -27,7 +27,8 @@ from kvd_proto import kvd_pb2
 from tests.fault.load_worker import BLOCK, MODEL
 from tests.fault.summary import record
 from tests.fault.test_crash_points import readline_within, reap
-from tests.multiproc.conftest import PY, ROOT, Engine, block_bytes_of, clean_env, keys_for
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine, block_bytes_of, keys_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 CLIENTS = 16

@@ -16,16 +16,9 @@ from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
 from tests.fault.summary import record
 from tests.fault.test_crash_points import readline_within, reap
-from tests.multiproc.conftest import (
-    BLOCK,
-    PY,
-    ROOT,
-    Engine,
-    block_bytes_of,
-    clean_env,
-    keys_for,
-    wait_until,
-)
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import BLOCK, Engine, block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 MODEL = "stall-model"
@@ -34,7 +27,7 @@ ROUNDS = max(1, int(os.environ.get("KVD_SOAK_ROUNDS", "10")) // 10)   # 10 in `m
 READER = r"""
 import json, sys
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import Engine
+from tests.support.engine import Engine
 socket, model, key_hex = sys.argv[1:4]
 e = Engine(socket, model, engine_id="stalled-reader")
 key = bytes.fromhex(key_hex)
@@ -49,7 +42,7 @@ print(json.dumps({"data": data.hex()}), flush=True)
 RELEASER = r"""
 import json, sys
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import Engine
+from tests.support.engine import Engine
 socket, model, session_id = sys.argv[1:4]
 e = Engine(socket, model, engine_id="not-the-owner")
 out = e.call("ReleaseHeld", kvd_pb2.ReleaseHeldRequest(session_id=session_id))

@@ -1,3 +1,3 @@
 """Fixtures for the GPU tests: the multi-process tests' real `kvd serve`."""
 
-from tests.multiproc.conftest import start_daemon, workdir  # noqa: F401
+from tests.support.fixtures import start_daemon, workdir  # noqa: F401

@@ -18,7 +18,8 @@ import pytest
 
 from kvd_client.dataplane import SKIP, chunks_for_group
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import PY, ROOT, Engine, clean_env, keys_for
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine, keys_for
 
 from .scenario import Scenario, expected_pool, layout_and_tensors
 

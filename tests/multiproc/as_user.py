@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import shutil  # noqa: F401  (argparse's terminal size, before the uid drop)
 import socket
 import struct
 import sys
@@ -37,7 +38,7 @@ from kvd_server import (
     admin_tokens,  # noqa: F401
     cli,
 )
-from tests.multiproc.conftest import Engine, keys_for
+from tests.support.engine import Engine, keys_for
 
 BLOCK = 64 * 1024
 

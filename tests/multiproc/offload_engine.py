@@ -27,16 +27,9 @@ from kvd_client.client import KvdClient
 from kvd_client.offload_session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
-from tests.multiproc.conftest import (
-    BLOCK,
-    PY,
-    ROOT,
-    Engine,
-    block_bytes_of,
-    clean_env,
-    keys_for,
-    wait_until,
-)
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import BLOCK, Engine, block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 LAYOUT = KvLayout(BLOCK, 1, BLOCK, 16, "bfloat16")
 SETTLE_S = 20.0           # bound on waiting for the daemon's answers (a loaded 2-core machine)
@@ -143,11 +136,11 @@ def load(session: OffloadSession, keys: Sequence[bytes]) -> tuple[list[Lookup], 
     states = [session.lookup(key) for key in keys]
     hits = [key for key, state in zip(keys, states) if state is Lookup.HIT]
     pool = session.client.pool
-    offsets = session.pin(hits)
+    offsets = session.start_loads(hits)
     assert None not in offsets, "a HIT of this step could not be pinned"
     bad = [key for key, offset in zip(hits, offsets)
            if read_block(pool, offset) != block_bytes_of(key)]
-    session.unpin(hits)
+    session.finish_loads(hits)
     session.end_step()
     return states, bad
 
@@ -294,7 +287,7 @@ def _serve(socket: str, model: str, reserve: int) -> int:
                 answer: dict[str, Any] = {"states": [session.lookup(k).value for k in keys]}
             elif op == "pin":
                 pool = session.client.pool
-                offsets = session.pin(keys)
+                offsets = session.start_loads(keys)
                 for key, offset in zip(keys, offsets):
                     if offset is not None:
                         pinned[key] = (pool, offset)
@@ -302,7 +295,7 @@ def _serve(socket: str, model: str, reserve: int) -> int:
             elif op == "read":
                 answer = {"match": [read_block(*pinned[k]) == block_bytes_of(k) for k in keys]}
             elif op == "unpin":
-                session.unpin(keys)
+                session.finish_loads(keys)
                 for key in keys:
                     pinned.pop(key, None)
                 answer = {}

@@ -17,7 +17,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from tests.multiproc.conftest import Engine, clean_env, keys_for
+from tests.support.daemon import clean_env
+from tests.support.engine import Engine, keys_for
 
 pytestmark = pytest.mark.multiproc
 TOKEN = "t0ps3cret-admin-token-" + "x" * 16
@@ -170,7 +171,7 @@ def test_tls_mistakes_are_one_clear_line(workdir, start_daemon):
 
 
 def test_bad_tls_settings_stop_the_daemon_with_a_message(workdir, start_daemon):
-    from tests.multiproc.conftest import spawn_daemon
+    from tests.support.daemon import spawn_daemon
 
     pki = make_pki(workdir)
     (workdir / "not.pem").write_text("hello")

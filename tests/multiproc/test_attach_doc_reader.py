@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
+from tests.support.heartbeat import keep_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "attach.md"
@@ -324,16 +325,7 @@ class DocSession:
             os.close(marks_fd)
 
     def _heartbeat(self) -> None:
-        def beats() -> Iterator[kvd_pb2.SessionHeartbeat]:
-            seq = 0
-            while not self._stop.is_set():
-                seq += 1
-                yield kvd_pb2.SessionHeartbeat(seq=seq)
-                self._stop.wait(0.2)
-
-        with contextlib.suppress(grpc.RpcError, ValueError):
-            for _ in self.stub.SessionStream(beats(), metadata=self.md):
-                pass
+        keep_alive(self.stub, self.md, self._stop)
 
     def step(self, *ops: kvd_pb2.StepOp) -> list[Any]:
         out = self.stub.Step(kvd_pb2.StepRequest(ops=ops), metadata=self.md, timeout=5)
@@ -361,7 +353,7 @@ class DocSession:
 
 def _store_main(argv: list[str]) -> int:
     """`store SOCKET MODEL HEXKEY...`: PrepareStore, write, CompleteStore; prints the offsets."""
-    from tests.multiproc.conftest import Engine
+    from tests.support.engine import Engine
 
     _, sock, model, *hexkeys = argv
     engine = Engine(sock, model, engine_id=f"doc-store-{os.getpid()}")
@@ -383,15 +375,10 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402  (the client process above needs no pytest)
 
-from tests.multiproc.conftest import (  # noqa: E402
-    BLOCK,
-    PY,
-    block_bytes_of,
-    clean_env,
-    keys_for,
-    wait_until,
-)
 from tests.multiproc.offload_engine import EngineProcess, namespace  # noqa: E402
+from tests.support.daemon import PY, clean_env  # noqa: E402
+from tests.support.engine import BLOCK, block_bytes_of, keys_for  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 MODEL = "doc-reader-model"

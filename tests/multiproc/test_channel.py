@@ -13,7 +13,6 @@ import time
 import pytest
 
 from kvd_client.offload_session import Lookup
-from tests.multiproc.conftest import keys_for, wait_until
 from tests.multiproc.offload_engine import (
     EngineProcess,
     close_session,
@@ -25,6 +24,8 @@ from tests.multiproc.offload_engine import (
     store,
     write_block,
 )
+from tests.support.engine import keys_for
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 MODEL = "channel-model"

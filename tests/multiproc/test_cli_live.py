@@ -11,7 +11,8 @@ import pytest
 
 from kvd_proto import kvd_pb2, paths
 from kvd_server import cli
-from tests.multiproc.conftest import PY, ROOT, Daemon, clean_env, keys_for, spawn_daemon
+from tests.support.daemon import PY, ROOT, Daemon, clean_env, spawn_daemon
+from tests.support.engine import keys_for
 
 pytestmark = pytest.mark.multiproc
 

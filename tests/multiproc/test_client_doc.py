@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvd_server.units import format_size
-from tests.multiproc.conftest import PY, ROOT, clean_env, spawn_daemon
 from tests.multiproc.test_docs_examples import _RUNNER, RUN_TIMEOUT, examples
+from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
 
 pytestmark = pytest.mark.multiproc
 PAGE = ROOT / "docs" / "client.md"

@@ -9,14 +9,10 @@ import signal
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import (
-    Daemon,
-    block_bytes_of,
-    keys_for,
-    run_client,
-    start_client,
-    wait_until,
-)
+from tests.support.client import run_client, start_client
+from tests.support.daemon import Daemon
+from tests.support.engine import block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -151,7 +147,8 @@ def test_drain_refuses_stores_and_waits_for_loads(daemon: Daemon, engines):
 def test_closing_the_stream_ends_the_session_at_once(start_daemon):
     import grpc
 
-    from tests.multiproc.conftest import Engine, clean_env
+    from tests.support.daemon import clean_env
+    from tests.support.engine import Engine
 
     # A long liveness timeout, so only the stream's end can explain the session ending.
     daemon = start_daemon("--pool-size", "4MiB", "--extent-size", "1MiB",

@@ -11,15 +11,8 @@ import grpc
 import pytest
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from tests.multiproc.conftest import (
-    POOL,
-    TOKEN,
-    Daemon,
-    Engine,
-    keys_for,
-    spawn_daemon,
-    target,
-)
+from tests.support.daemon import POOL, Daemon, spawn_daemon, target
+from tests.support.engine import TOKEN, Engine, keys_for
 
 pytestmark = pytest.mark.multiproc
 

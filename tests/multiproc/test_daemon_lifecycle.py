@@ -11,14 +11,8 @@ import subprocess
 
 import pytest
 
-from tests.multiproc.conftest import (
-    PY,
-    ROOT,
-    Daemon,
-    clean_env,
-    spawn_daemon,
-    wait_until,
-)
+from tests.support.daemon import PY, ROOT, Daemon, clean_env, spawn_daemon
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -166,7 +160,7 @@ def test_a_stopped_daemon_does_not_reap_sessions_for_its_own_silence(daemon: Dae
     import time
 
     from kvd_proto import kvd_pb2
-    from tests.multiproc.conftest import Engine, keys_for
+    from tests.support.engine import Engine, keys_for
 
     e = Engine(daemon.socket)
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from kvd_server.config import ConfigError, load_config
-from tests.multiproc.conftest import PY, ROOT, clean_env, spawn_daemon
+from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
 
 pytestmark = pytest.mark.multiproc
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.conftest import PY, ROOT, Daemon, Engine, clean_env, spawn_daemon
+from tests.support.daemon import PY, ROOT, Daemon, clean_env, spawn_daemon
+from tests.support.engine import Engine
 
 pytestmark = pytest.mark.multiproc
 
@@ -72,7 +73,7 @@ def _late_daemon(workdir: Path) -> Daemon:
                                  "1MiB"], env=env, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=ROOT)
     daemon = Daemon(socket=sock, proc=proc, log_path=log_path, env=env)
-    from tests.multiproc.conftest import wait_until
+    from tests.support.waits import wait_until
 
     try:
         wait_until(daemon.serving, 30, "the late-answer daemon to serve")

@@ -30,8 +30,10 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
-from tests.multiproc.conftest import PY, ROOT, Engine, clean_env, wait_until
 from tests.multiproc.offload_engine import readline_within
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 MODEL = "event-bounds-model"

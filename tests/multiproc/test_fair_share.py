@@ -29,15 +29,6 @@ import pytest
 from kvd_client.offload_session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from tests.fault.summary import record
-from tests.multiproc.conftest import (
-    PY,
-    ROOT,
-    Engine,
-    block_bytes_of,
-    clean_env,
-    keys_for,
-    wait_until,
-)
 from tests.multiproc.offload_engine import (
     EngineProcess,
     close_session,
@@ -47,6 +38,9 @@ from tests.multiproc.offload_engine import (
     settle,
     store,
 )
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 POOL = ("--pool-size", "16MiB", "--extent-size", "4MiB")   # 4 extents x 64 slots of 64 KiB

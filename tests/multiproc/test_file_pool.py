@@ -32,18 +32,11 @@ import pytest
 from kvd_client.attach import AttachError, attach
 from tests.fault.summary import record
 from tests.multiproc.as_user import drop
-from tests.multiproc.conftest import (
-    PY,
-    ROOT,
-    Daemon,
-    Engine,
-    clean_env,
-    keys_for,
-    run_client,
-    spawn_daemon,
-    wait_until,
-)
 from tests.multiproc.offload_engine import EngineProcess
+from tests.support.client import run_client
+from tests.support.daemon import PY, ROOT, Daemon, clean_env, spawn_daemon
+from tests.support.engine import Engine, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 MODEL = "file-pool-model"

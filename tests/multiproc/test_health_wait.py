@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.conftest import PY, ROOT, clean_env, spawn_daemon, wait_until
+from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import keys_for, wait_until
 from tests.multiproc.offload_engine import (
     EngineProcess,
     close_session,
@@ -30,6 +29,8 @@ from tests.multiproc.offload_engine import (
     open_session,
     store,
 )
+from tests.support.engine import keys_for
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 MODEL = "idle-reader-model"

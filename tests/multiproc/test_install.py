@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.conftest import ROOT, clean_env
+from tests.support.daemon import ROOT, clean_env
 
 pytestmark = pytest.mark.multiproc
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

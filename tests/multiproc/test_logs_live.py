@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from tests.multiproc.conftest import Daemon, Engine
+from tests.support.daemon import Daemon
+from tests.support.engine import Engine
 
 pytestmark = pytest.mark.multiproc
 

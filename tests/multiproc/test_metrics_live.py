@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import Engine, keys_for
+from tests.support.engine import Engine, keys_for
 
 pytestmark = pytest.mark.multiproc
 

@@ -26,14 +26,9 @@ from kvd_client.offload_session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
 from tests.fault.summary import record
-from tests.multiproc.conftest import (
-    PY,
-    ROOT,
-    Engine,
-    clean_env,
-    keys_for,
-    wait_until,
-)
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = [
     pytest.mark.multiproc,

@@ -20,7 +20,6 @@ import pytest
 from kvd_client.client import KvdClient
 from kvd_client.offload_session import Lookup
 from kvd_proto import kvd_pb2
-from tests.multiproc.conftest import BLOCK, block_bytes_of, keys_for, wait_until
 from tests.multiproc.offload_engine import (
     LAYOUT,
     EngineProcess,
@@ -36,6 +35,8 @@ from tests.multiproc.offload_engine import (
     wait_idle,
     write_block,
 )
+from tests.support.engine import BLOCK, block_bytes_of, keys_for
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 MODEL = "fast-path-model"
@@ -372,7 +373,7 @@ def test_a_killed_daemon_costs_the_scheduler_thread_no_call(start_daemon):
         for _ in range(20):
             assert [a.lookup(k) for k in keys] == [Lookup.MISS] * len(keys)
             assert a.reserve(keys_for("while-down", 4)) == [], "a store while the daemon is down"
-            assert a.pin(keys) == [None] * len(keys)
+            assert a.start_loads(keys) == [None] * len(keys)
             a.end_step()
             a.has_pending_work()
         assert calls[0] == 0, f"{calls[0]} calls to the daemon on the scheduler thread"
@@ -398,7 +399,7 @@ def test_a_load_in_flight_at_a_reset_stays_protected_until_the_reset_is_flushed(
         assert store(a, keys_for("reset-frees", 8)) is not None   # the reset frees these
         states = [a.lookup(key) for key in keys]
         assert states == [Lookup.HIT] * len(keys)
-        a.pin(keys)                                   # the copy is in flight; never unpinned
+        a.start_loads(keys)                                   # the copy is in flight; never unpinned
         epoch = a._marks.published
         assert epoch > 0
         a.reset()
@@ -430,27 +431,27 @@ def test_overlapping_loads_of_one_key_each_hold_it_until_done(daemon):
     try:
         assert store(a, keys) is not None
         assert [a.lookup(k) for k in keys] == [Lookup.HIT] * len(keys)
-        first = a.pin(keys)                                  # request 1, step 1
+        first = a.start_loads(keys)                                  # request 1, step 1
         floor = a._marks.published
         a.end_step()
         store(a, keys_for("overlap-moves-epochs", 8))        # frees/grants move epochs on
         assert [a.lookup(k) for k in keys[:3]] == [Lookup.HIT] * 3
-        assert a.pin(keys[:3]) == first[:3]                  # request 2
+        assert a.start_loads(keys[:3]) == first[:3]                  # request 2
         a.end_step()
         assert a.lookup(keys[0]) is Lookup.HIT
-        a.pin(keys[:1])                                      # request 3
+        a.start_loads(keys[:1])                                      # request 3
         a.end_step()
         pinned_blocks(6)
-        a.unpin(keys[:3])                                    # one load of each of [:3]
+        a.finish_loads(keys[:3])                                    # one load of each of [:3]
         a.lookup(keys[5])
         assert a._marks.published == floor, "a load in flight lost its protection"
         a.end_step()
-        a.unpin(keys[3:])                                    # request 1 is done
+        a.finish_loads(keys[3:])                                    # request 1 is done
         pinned_blocks(3)
-        a.unpin(keys[:3])
+        a.finish_loads(keys[:3])
         assert a._loads.holding, "keys[0] has a third load in flight"
         pinned_blocks(1)
-        a.unpin(keys[:1])
+        a.finish_loads(keys[:1])
         assert not a._loads and not a._loads.holding
         pinned_blocks(0)
         assert_floor_follows_the_index(a, keys[5])
@@ -468,7 +469,7 @@ def test_a_later_request_finishing_first_leaves_the_earlier_loads_protected(star
     try:
         assert store(a, keys) is not None
         assert [a.lookup(k) for k in keys] == [Lookup.HIT] * len(keys)
-        a.pin(keys, "r1")
+        a.start_loads(keys, "r1")
         floor = a._marks.published
         a.end_step()
         for n in range(12):        # through 128 slots: evictions, until the freed slots
@@ -477,17 +478,17 @@ def test_a_later_request_finishing_first_leaves_the_earlier_loads_protected(star
                 break
         assert [a.lookup(k) for k in keys] == [Lookup.HIT] * len(keys)
         assert a._index.reclaim_epoch > floor, "the test needs the epoch to move between loads"
-        a.pin(keys, "r2")
+        a.start_loads(keys, "r2")
         a.end_step()
-        a.unpin(keys[::-1], "r2")          # the later request is done (vLLM's order varies)
+        a.finish_loads(keys[::-1], "r2")          # the later request is done (vLLM's order varies)
         a.lookup(keys[0])
         assert a._marks.published == floor, "r1's loads lost their protection"
         a.end_step()
-        a.unpin(keys[:2], "r1")            # in parts: key by key, not as the pin it started
+        a.finish_loads(keys[:2], "r1")            # in parts: key by key, not as the pin it started
         a.lookup(keys[0])
         assert a._marks.published == floor, "r1's remaining loads lost their protection"
         a.end_step()
-        a.unpin(keys[2:], "r1")
+        a.finish_loads(keys[2:], "r1")
         assert not a._loads and not a._loads.holding
         settle(a)
         assert_floor_follows_the_index(a, keys[0])

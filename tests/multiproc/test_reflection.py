@@ -9,7 +9,7 @@ import os
 import grpc
 import pytest
 
-from tests.multiproc.conftest import Daemon, clean_env, target
+from tests.support.daemon import Daemon, clean_env, target
 
 pytestmark = pytest.mark.multiproc
 reflection_db = pytest.importorskip(

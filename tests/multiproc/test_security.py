@@ -16,7 +16,8 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from tests.fault.summary import record
-from tests.multiproc.conftest import PY, ROOT, clean_env, keys_for, spawn_daemon
+from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
+from tests.support.engine import keys_for
 
 pytestmark = [
     pytest.mark.multiproc,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.conftest import PY, ROOT, clean_env
+from tests.support.daemon import PY, ROOT, clean_env
 
 pytestmark = [
     pytest.mark.multiproc,

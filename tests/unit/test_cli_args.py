@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvd_proto import kvd_pb2
-from kvd_server import cli
+from kvd_server import admin_client, cli, cli_render
 from kvd_server.stats import StatsSnapshot
 
 SUBCOMMANDS = ("serve", "stats", "sessions", "reset", "drain", "health", "config")
@@ -214,7 +214,7 @@ SAMPLE = {
 
 
 def test_stats_rendering_is_grouped_and_fits_80_columns():
-    text = cli.render_stats(StatsSnapshot.from_dict(SAMPLE))
+    text = cli_render.render_stats(StatsSnapshot.from_dict(SAMPLE))
     for section in ("server", "pool", "blocks", "sessions", "stats", "tenants",
                     "namespaces (1)", "rpc"):
         assert f"# {section}" in text
@@ -225,7 +225,7 @@ def test_stats_rendering_is_grouped_and_fits_80_columns():
 
 
 def test_stats_rendering_says_what_pins_and_leases_count():
-    text = cli.render_stats(StatsSnapshot.from_dict(SAMPLE))
+    text = cli_render.render_stats(StatsSnapshot.from_dict(SAMPLE))
     assert "pinned (load or lease)  2" in text
     assert "load pins               2" in text and "lookup leases           1" in text
     assert "pins / leases" not in text
@@ -239,23 +239,23 @@ def _sessions() -> kvd_pb2.ListSessionsResponse:
 
 
 def test_sessions_cut_to_80_columns_or_whole_with_wide():
-    text = cli.render_sessions(_sessions())
+    text = cli_render.render_sessions(_sessions())
     assert all(len(line) <= 80 for line in text.splitlines()), text
     assert "..." in text and "Llama-3.1-70B-Instruct@0123456789abcdef" not in text
-    wide = cli.render_sessions(_sessions(), wide=True)
+    wide = cli_render.render_sessions(_sessions(), wide=True)
     assert "meta-llama/Llama-3.1-70B-Instruct@0123456789abcdef" in wide
     assert "s1-0123456789abcdef" in wide and str(2**40) in wide
 
 
 def test_sessions_json_prints_64_bit_counts_as_numbers():
-    doc = json.loads(json.dumps(cli.message_json(_sessions())))
+    doc = json.loads(json.dumps(cli_render.message_json(_sessions())))
     session = doc["sessions"][0]
     assert session["pending_stores"] == 2**40 and session["pins"] == 3 and session["leases"] == 7
     assert session["peer_pid"] == 4242 and doc["total"] == 1
 
 
 def test_stats_rendering_tolerates_an_empty_document():
-    text = cli.render_stats(StatsSnapshot.from_dict({}))
+    text = cli_render.render_stats(StatsSnapshot.from_dict({}))
     assert "# pool" in text
 
 
@@ -282,4 +282,4 @@ _FAILED = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0
     ],
 )
 def test_tls_failures_read_as_one_line(details, client_cert, expected):
-    assert cli._tls_problem(details, client_cert) == expected
+    assert admin_client._tls_problem(details, client_cert) == expected

@@ -155,16 +155,6 @@ def test_take_events_prunes_retried_cleanup_and_drains_once():
     assert m.take_events() == ([], False)
 
 
-def test_store_threshold_filters_first_offers():
-    """vLLM: test_filter_reused_manager."""
-    m = mgr(4, store_threshold=2)
-    assert m.prepare_store(ks([1, 2]), ANY).keys_to_store == []
-    assert m.counters.stores_skipped_total == 2
-    grant = m.prepare_store(ks([1, 2, 3]), ANY)
-    assert grant.keys_to_store == ks([1, 2])
-    assert grant.slots == [0, 1]
-
-
 def test_request_finish_orders_lru_prefix_independent_of_store_completion():
     """vLLM: test_request_finish_orders_lru_prefix_independent_of_store_completion."""
     m = mgr(3)

@@ -97,59 +97,59 @@ def keys(*names: str) -> list[bytes]:
 
 def test_a_load_finished_with_its_keys_in_any_order_ends_whole():
     t = LoadTracker()
-    t.pin(keys("a", "b", "c"), (5, 1, "r1"))
+    t.start(keys("a", "b", "c"), (5, 1, "r1"))
     assert t.holding and t.floor(9) == 5 and len(t) == 3
-    by_reset, unknown = t.unpin(keys("c", "a", "b"), "r1")
+    by_reset, unknown = t.finish(keys("c", "a", "b"), "r1")
     assert by_reset == {1: keys("c", "a", "b")} and unknown == 0
     assert not t.holding and t.floor(9) == 9 and len(t) == 0
 
 
 def test_keys_several_requests_load_are_held_until_each_load_ends():
     t = LoadTracker()
-    t.pin(keys("a", "b"), (5, 1, "r1"))
-    t.pin(keys("a", "b"), (7, 1, "r2"))              # a shared prefix, a later step
+    t.start(keys("a", "b"), (5, 1, "r1"))
+    t.start(keys("a", "b"), (7, 1, "r2"))              # a shared prefix, a later step
     assert t.floor(9) == 5
-    t.unpin(keys("b", "a"), "r2")                    # the later one finishes first
+    t.finish(keys("b", "a"), "r2")                    # the later one finishes first
     assert t.floor(9) == 5, "the earlier load's epoch must stay published"
-    t.unpin(keys("a", "b"), "r1")
+    t.finish(keys("a", "b"), "r1")
     assert not t.holding
 
 
 def test_a_load_finished_in_parts_or_without_its_request_goes_key_by_key():
     t = LoadTracker()
-    t.pin(keys("a", "b", "c"), (5, 1, "r1"))
-    t.pin(keys("a"), (7, 2, "r2"))
-    by_reset, unknown = t.unpin(keys("a", "zz"), "")  # no request named: the newest load
+    t.start(keys("a", "b", "c"), (5, 1, "r1"))
+    t.start(keys("a"), (7, 2, "r2"))
+    by_reset, unknown = t.finish(keys("a", "zz"), "")  # no request named: the newest load
     assert by_reset == {2: keys("a")} and unknown == 1
     assert t.floor(9) == 5
-    by_reset, _ = t.unpin(keys("a", "b"), "r1")
+    by_reset, _ = t.finish(keys("a", "b"), "r1")
     assert by_reset == {1: keys("a", "b")} and t.holding
-    by_reset, _ = t.unpin(keys("c"), "r1")
+    by_reset, _ = t.finish(keys("c"), "r1")
     assert by_reset == {1: keys("c")} and not t.holding and len(t) == 0
 
 
 def test_loads_in_flight_at_a_reset_stay_protected_until_it_is_flushed():
     t = LoadTracker()
-    t.pin(keys("a", "b"), (5, 1, "r1"))
+    t.start(keys("a", "b"), (5, 1, "r1"))
     t.reset()
     assert t.holding and t.floor(9) == 5 and len(t) == 0
-    t.pin(keys("c"), (8, 2, "r2"))
+    t.start(keys("c"), (8, 2, "r2"))
     assert {e: sorted(k) for e, k in t.reset_flushed().items()} == {1: keys("a", "b")}
     assert t.floor(9) == 8
-    t.unpin(keys("c"), "r2")
+    t.finish(keys("c"), "r2")
     assert not t.holding
 
 
 @pytest.mark.parametrize("finish", ["whole", "parts"])
 def test_the_same_request_loading_the_same_keys_twice_ends_one_load_at_a_time(finish):
     t = LoadTracker()
-    t.pin(keys("a", "b"), (5, 1, "r1"))
-    t.pin(keys("a", "b"), (6, 1, "r1"))              # reloaded after a preemption
+    t.start(keys("a", "b"), (5, 1, "r1"))
+    t.start(keys("a", "b"), (6, 1, "r1"))              # reloaded after a preemption
     if finish == "whole":
-        t.unpin(keys("a", "b"), "r1")
+        t.finish(keys("a", "b"), "r1")
     else:
-        t.unpin(keys("a"), "r1")
-        t.unpin(keys("b"), "r1")
+        t.finish(keys("a"), "r1")
+        t.finish(keys("b"), "r1")
     assert t.floor(9) == 5, "the newest ends first: the older epoch stays published"
-    t.unpin(keys("b", "a"), "r1")
+    t.finish(keys("b", "a"), "r1")
     assert not t.holding

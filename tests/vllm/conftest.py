@@ -18,7 +18,8 @@ except Exception as exc:  # pragma: no cover - only without the vllm test enviro
                 allow_module_level=True)
 
 # The daemon fixtures are the multi-process tests' own: a real `kvd serve` (64 MiB pool).
-from tests.multiproc.conftest import Daemon, daemon, start_daemon, workdir  # noqa: E402,F401
+from tests.support.daemon import Daemon  # noqa: E402,F401
+from tests.support.fixtures import daemon, start_daemon, workdir  # noqa: E402,F401
 
 from .harness import Engine  # noqa: E402
 

@@ -27,7 +27,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
 
-from tests.multiproc.conftest import Daemon, wait_until
+from tests.support.daemon import Daemon
+from tests.support.waits import wait_until
 
 from .harness import Engine
 

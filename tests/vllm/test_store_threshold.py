@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from bench.traces import Request
-from tests.multiproc.conftest import Daemon
+from tests.support.daemon import Daemon
 
 from .baseline import BaselineCPUSpec
 from .harness import Engine

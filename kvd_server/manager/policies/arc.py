@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from kvd_server.policy_names import ARC
+
 from ..blocks import READY, STORING, BlockTable
 from .base import Policy, RequestState, order_request_keys
 
@@ -25,7 +27,7 @@ _NONE, _T1, _T2 = 0, 1, 2
 
 
 class ARCPolicy(Policy):
-    name = "arc"
+    name = ARC
 
     def __init__(self, capacity: int, table: BlockTable) -> None:
         super().__init__(capacity, table)

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvd_server.policy_names import LRU
+
 from ..blocks import READY, BlockTable
 from .base import Policy, RequestState, order_request_keys
 
@@ -39,7 +41,7 @@ def _rank(order: int, position: int = 0) -> int:
 
 
 class LRUPolicy(Policy):
-    name = "lru"
+    name = LRU
 
     def __init__(self, capacity: int, table: BlockTable) -> None:
         super().__init__(capacity, table)
