@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from kvd_proto.barrier import fence  # publishing a tail, then reading DAEMON_IDLE, needs one
 
@@ -128,9 +129,10 @@ class _Words:
         self.view[offset >> 3] = value
 
 
-class RingWriter:
-    """The producer side of one ring. `write` appends without publishing; `publish` makes
-    everything appended visible to the consumer (one barrier and one store)."""
+class _RingEnd:
+    """One side of one ring: its bytes, the two position words, its bounds. `strict` (the
+    daemon's side) raises RingError for a position or record that cannot be; the engine's
+    side trusts the daemon and only stops."""
 
     def __init__(self, buf: memoryview, words: _Words, offset: int, size: int,
                  tail_word: int, head_word: int, max_record: int, *, strict: bool) -> None:
@@ -142,7 +144,18 @@ class RingWriter:
         self._head_word = head_word
         self.max_record = max_record
         self._strict = strict
-        self.tail = words.get(tail_word)     # what this side appended (published or not)
+
+    def release(self) -> None:
+        self._data.release()
+
+
+class RingWriter(_RingEnd):
+    """The producer side of one ring. `write` appends without publishing; `publish` makes
+    everything appended visible to the consumer (one barrier and one store)."""
+
+    def __init__(self, *args: Any, strict: bool) -> None:
+        super().__init__(*args, strict=strict)
+        self.tail = self._words.get(self._tail_word)   # what this side appended (published or not)
         self.published = self.tail
 
     def free(self) -> int:
@@ -229,26 +242,15 @@ class RingWriter:
         self.published = self.tail
         return True
 
-    def release(self) -> None:
-        self._data.release()
 
-
-class RingReader:
+class RingReader(_RingEnd):
     """The consumer side of one ring. `read` returns the next record (kind, payload bytes
     copied out of the shared memory, so the producer cannot change them under the caller);
     `commit` hands what was read back to the producer."""
 
-    def __init__(self, buf: memoryview, words: _Words, offset: int, size: int,
-                 tail_word: int, head_word: int, max_record: int, *, strict: bool) -> None:
-        self._data = buf[offset:offset + size]
-        self._words = words
-        self._size = size
-        self._mask = size - 1
-        self._tail_word = tail_word
-        self._head_word = head_word
-        self.max_record = max_record
-        self._strict = strict
-        self.head = words.get(head_word)
+    def __init__(self, *args: Any, strict: bool) -> None:
+        super().__init__(*args, strict=strict)
+        self.head = self._words.get(self._head_word)
         self.committed = self.head
 
     def pending(self) -> int:
@@ -294,9 +296,6 @@ class RingReader:
         if self.head != self.committed:
             self._words.set(self._head_word, self.head)
             self.committed = self.head
-
-    def release(self) -> None:
-        self._data.release()
 
 
 class ChannelView:

@@ -31,6 +31,7 @@ from tests.multiproc.offload_engine import (
     namespace,
     open_session,
     read_block,
+    reading_engine,
     settle,
     store,
     wait_idle,
@@ -67,25 +68,8 @@ def _stopped_reader(daemon, a: OffloadSession, seed: str, pin: str
                     ) -> tuple[EngineProcess, list[bytes], set[int]]:
     """An engine process that looked up 4 HITs, pinned them and has not copied yet, stopped
     (SIGSTOP) and reaped by the daemon for silence (its process lives on)."""
-    ready = keys_for(seed, 8)
-    assert store(a, ready) is not None
-    reaped = daemon.stats()["clients"]["reaped_total"]
-    reader = EngineProcess(daemon.socket, MODEL)
-    try:
-        assert reader.ask("lookup", ready[:4])["states"] == ["hit"] * 4
-        offsets = set(reader.ask("pin", ready[:4])["offsets"])
-        assert len(offsets) == 4
-        if pin == "pin-at-daemon":
-            reader.ask("end_step")
-            reader.ask("settle")
-            assert daemon.stats()["blocks"]["pinned"] == 4
-        reader.stop()
-        wait_until(lambda: daemon.stats()["clients"]["reaped_total"] > reaped, 10,
-                   "the stopped engine's session to be reaped")
-    except BaseException:
-        reader.kill()
-        raise
-    return reader, ready[:4], offsets
+    return reading_engine(daemon, a, MODEL, seed, reported=pin == "pin-at-daemon",
+                          stopped=True)
 
 
 def _check_accounting(daemon, a: OffloadSession, keys: list[bytes]) -> None:

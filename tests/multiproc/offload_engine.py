@@ -273,6 +273,35 @@ class EngineProcess:
         self._stderr.close()
 
 
+def reading_engine(daemon: Any, writer: OffloadSession, model: str, seed: str, *,
+                   reported: bool, stopped: bool) -> tuple[EngineProcess, list[bytes], set[int]]:
+    """An engine process that looked up 4 HITs (stored by `writer`) and pinned them without
+    copying yet, so its published epoch holds freed slots back: (process, its keys, their
+    offsets). `reported`: its step ended and the daemon read the PIN (the blocks are pinned
+    there too); `stopped`: it is then stopped (SIGSTOP) and reaped by the daemon for silence,
+    so an ended session whose process lives on holds."""
+    ready = keys_for(seed, 8)
+    assert store(writer, ready) is not None
+    reader = EngineProcess(daemon.socket, model)
+    try:
+        assert reader.ask("lookup", ready[:4])["states"] == ["hit"] * 4
+        offsets = set(reader.ask("pin", ready[:4])["offsets"])
+        assert len(offsets) == 4
+        if reported:
+            reader.ask("end_step")
+            reader.ask("settle")
+            assert daemon.stats()["blocks"]["pinned"] == 4
+        if stopped:
+            reaped = daemon.stats()["clients"]["reaped_total"]
+            reader.stop()
+            wait_until(lambda: daemon.stats()["clients"]["reaped_total"] > reaped, 10,
+                       "the stopped engine's session to be reaped")
+    except BaseException:
+        reader.kill()
+        raise
+    return reader, ready[:4], offsets
+
+
 def _serve(socket: str, model: str, reserve: int) -> int:
     session = open_session(socket, model, reserve=reserve)
     pinned: dict[bytes, tuple[Any, int]] = {}     # key -> (the mapping it was pinned in, offset)

@@ -27,6 +27,7 @@ from tests.multiproc.offload_engine import (
     close_session,
     namespace,
     open_session,
+    reading_engine,
     store,
 )
 from tests.support.engine import keys_for
@@ -43,23 +44,8 @@ def _holding_reader(daemon: Any, a: Any, seed: str, stopped: bool) -> tuple[Engi
     """An engine process that looked up 4 HITs and pinned them (its published epoch stays
     while the load is in flight), then goes idle; `stopped`: it is also stopped (SIGSTOP) and
     reaped, so an ended session whose process lives on holds."""
-    ready = keys_for(seed, 8)
-    assert store(a, ready) is not None
-    reader = EngineProcess(daemon.socket, MODEL)
-    try:
-        assert reader.ask("lookup", ready[:4])["states"] == ["hit"] * 4
-        assert None not in reader.ask("pin", ready[:4])["offsets"]
-        reader.ask("end_step")
-        reader.ask("settle")
-        if stopped:
-            reaped = daemon.stats()["clients"]["reaped_total"]
-            reader.stop()
-            wait_until(lambda: daemon.stats()["clients"]["reaped_total"] > reaped, 10,
-                       "the stopped engine's session to be reaped")
-    except BaseException:
-        reader.kill()
-        raise
-    return reader, ready[:4]
+    reader, reading, _ = reading_engine(daemon, a, MODEL, seed, reported=True, stopped=stopped)
+    return reader, reading
 
 
 def _stall(a: Any, seed: str) -> int:
