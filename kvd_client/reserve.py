@@ -8,7 +8,9 @@ keeps the reserve topped up, granting slots as they come free (after the evictio
 session's stores cause, once every reader has moved past the evicted slots). The target
 follows demand, measured directly: the most keys one step asked slots for (over the last
 DEMAND_WINDOW steps) plus the most the reserve was found short of its target at a step's start
-(what is consumed while the refill is on its way), with HEADROOM; at least `floor`. What demand
+(what is consumed while the refill is on its way), with HEADROOM; at least `floor`, and in a
+session's first DEMAND_WINDOW steps at least its initial size (a young session has not seen its
+bursts yet). What demand
 adds above the floor is capped at a quarter of the pool's slots (a small pool stays a cache;
 an engine that asks for a larger floor gets it). Slots far above the target (demand fell and
 stayed low for a window) go back.
@@ -25,8 +27,12 @@ from kvd_proto.wire import MAX_GRANTED_SLOTS
 DEMAND_WINDOW = 64           # steps over which the peak demand and the largest deficit count
 HEADROOM = 1.5
 DEFAULT_FLOOR = 16           # the smallest reserve of an engine that stores nothing
-DEFAULT_INITIAL = 256        # before any demand is seen: twice what vLLM's default step
-                             # budget (2048 tokens) stores in 16-token chunks
+DEFAULT_INITIAL = 768        # the least a session holds in its first DEMAND_WINDOW steps:
+                             # an engine's first steps admit many requests at once while the
+                             # daemon, behind on their records, refills a few steps late
+                             # (measured through vLLM's scheduler at 128 sequences flat out:
+                             # up to ~740 slots stored before the first refill; 256 answered
+                             # up to 57 prepare_store calls None)
 CAP_SHARE = 4                # demand takes the reserve to at most 1/CAP_SHARE of the pool
 
 
@@ -83,6 +89,10 @@ class StoreReserve:
         if max(self._demand) == 0 and len(self._demand) < DEMAND_WINDOW:
             return                               # nothing seen yet: keep the initial size
         wanted = math.ceil(HEADROOM * (max(self._demand) + max(self._deficit, default=0)))
+        if len(self._demand) < DEMAND_WINDOW:
+            # A young session has seen too few steps to know its bursts (an engine's first
+            # steps admit many requests at once): the initial size stays the least it holds.
+            wanted = max(wanted, self.initial)
         self.target = min(self.cap, max(self.floor, wanted))
 
     def to_send(self) -> tuple[int, bool] | None:

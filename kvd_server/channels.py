@@ -238,6 +238,7 @@ class ChannelHub:
                 n += 1
                 if answer is not None:
                     writer.write(answer)
+                    writer.publish()         # the engine may use it before the turn ends
             if refill and writer.free() >= room:
                 answer = self._handle.refill(channel.session)
                 if answer is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvd_client.loads import LoadTracker
-from kvd_client.reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, StoreReserve
+from kvd_client.reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, DEMAND_WINDOW, StoreReserve
 from kvd_proto.wire import MAX_GRANTED_SLOTS
 
 
@@ -31,8 +31,25 @@ def test_a_new_reserve_holds_its_initial_size_until_it_sees_stores():
     assert r.target == DEFAULT_INITIAL and r.to_send() is None
 
 
-def test_the_target_follows_peak_demand_and_what_the_refill_lags_behind():
+def test_a_young_session_holds_at_least_its_initial_size_for_a_window_of_steps():
+    """An engine's first steps admit many requests at once while the daemon refills late:
+    however small the first steps' demand, the target stays at the initial size until a
+    window of steps was seen; then it follows demand."""
     r = StoreReserve()
+    r.granted(list(range(DEFAULT_INITIAL)))
+    for _ in range(DEMAND_WINDOW - 1):
+        step(r, 40, refill=40)
+    assert r.target == DEFAULT_INITIAL
+    step(r, 40, refill=40)                           # a whole window seen
+    assert r.target == int(1.5 * 40)
+    burst = StoreReserve()
+    burst.granted(list(range(DEFAULT_INITIAL)))
+    step(burst, 2 * DEFAULT_INITIAL)                 # more than it holds: declined, counted
+    assert burst.declined == 1 and burst.target == 3 * DEFAULT_INITIAL
+
+
+def test_the_target_follows_peak_demand_and_what_the_refill_lags_behind():
+    r = StoreReserve(initial=16)
     r.granted(list(range(1000)))
     for _ in range(5):
         step(r, 40, refill=40)                       # refilled at once: lag 0
@@ -59,6 +76,8 @@ def test_a_declined_store_asks_the_daemon_to_evict_now():
 
 def test_demand_takes_the_reserve_to_a_quarter_of_the_pool_but_never_below_the_floor():
     r = StoreReserve()
+    r.size_for(400)
+    assert r.target == 100                           # the initial size too
     r.size_for(400)
     for _ in range(3):
         step(r, 500)
