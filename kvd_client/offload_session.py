@@ -90,6 +90,7 @@ class OffloadSession:
         self._reset_pending = 0       # the token of the reset asked for (0: none)
         self._reset_tokens = 0
         self._old = OldCopies()
+        self._releases: list[str] = []      # earlier sessions to release once connected
         # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
         # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
         # there, and the daemon hears the counts.
@@ -138,7 +139,8 @@ class OffloadSession:
         generation = self.client.generation
         if generation == self._generation:
             return
-        self._old.add(self.client.previous_session_id, len(self._loads) + len(self._stores))
+        release = self._old.add(self.client.previous_session_id,
+                                len(self._loads) + len(self._stores))
         self._generation = generation
         self._close_connection()
         self._hits.clear()
@@ -146,6 +148,7 @@ class OffloadSession:
         self._stores.clear()
         self._reserve.clear()
         self._reset_pending = 0
+        self._releases.extend(release)     # nothing of it in flight: let it go at once
         self._adopt()
 
     def _adopt(self) -> None:
@@ -163,6 +166,9 @@ class OffloadSession:
         self._reserve.size_for(handoff.index.header.capacity)
         self._reserve.slots.extend(handoff.offsets)
         self._pool_id = self.client.pool_id or ""
+        releases, self._releases = self._releases, []
+        for session_id in releases:
+            self._put([rec.encode_release_held(session_id)])
 
     def _close_connection(self) -> None:
         self._lookups.unbind()
@@ -451,6 +457,8 @@ class OffloadSession:
             elif isinstance(answer, rec.ResetDone):
                 if answer.token == self._reset_pending:
                     self._reset_done(answer.epoch)
+                else:                       # an earlier reset, asked again meanwhile
+                    self._stores.earlier_reset_done(answer.epoch)
             elif isinstance(answer, rec.Events):
                 self._events.add(answer)
             elif answer.kind == rec.RESET and self._reset_pending:    # refused (logged)

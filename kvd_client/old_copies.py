@@ -13,15 +13,19 @@ class OldCopies:
         self._sessions: list[str] = []        # ended sessions whose copies still run
         self._copies = 0
 
-    def add(self, session_id: str | None, copies: int) -> None:
-        """A session ended with `copies` loads and stores in flight."""
-        if session_id and copies:
-            self._sessions.append(session_id)
-            self._copies += copies
+    def add(self, session_id: str | None, copies: int) -> list[str]:
+        """A session ended with `copies` loads and stores in flight; the sessions to release
+        now (this one, when none of its copies runs and none of an earlier one does: the
+        daemon may hold what it had, after a reconnect or a daemon's warm restart)."""
+        if not session_id:
+            return []
+        self._sessions.append(session_id)
+        self._copies += copies
+        return self.finished(0)
 
     def finished(self, n: int = 1) -> list[str]:
         """`n` of those copies finished: the sessions to release once all have."""
-        if not self._copies or n <= 0:
+        if not self._sessions or n < 0:
             return []
         self._copies = max(0, self._copies - n)
         if self._copies:

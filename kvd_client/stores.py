@@ -164,9 +164,22 @@ class StoreTracker:
         return deferred
 
     def reset_flushed(self) -> dict[int, list[bytes]]:
-        """The copies in flight at the last reset finished: the stale stores to fail."""
+        """The copies in flight at the last reset finished: the stale stores to fail, by the
+        epoch the daemon bound them in. Stores made while an earlier reset of this engine was
+        on its way have no known epoch yet: they wait for that reset's answer
+        (`earlier_reset_done`), or for the session to end (the daemon lets go of them)."""
         stale, self._stale = self._stale, {}
+        unknown = stale.pop(UNKNOWN_EPOCH, None)
+        if unknown:
+            self._stale[UNKNOWN_EPOCH] = unknown
         return stale
+
+    def earlier_reset_done(self, epoch: int) -> None:
+        """An earlier reset of this engine (not the last one asked for) was done at `epoch`:
+        the stores made while it was on its way were bound in that epoch."""
+        unknown = self._stale.pop(UNKNOWN_EPOCH, None)
+        if unknown:
+            self._stale.setdefault(epoch, []).extend(unknown)
 
     def _clear(self) -> None:
         self.stores.clear()

@@ -63,13 +63,16 @@ class AttachRoles:
             return AttachReply(fields={"instance_id": core.instance_id})
         tenant = core.sessions.tenant_of(peer)
         core.sessions.check_peer(peer)
-        backing = self.pools.config.backing
+        backing = self.pools.backing
         if not may_hold(backing, peer.uid):
+            setting = "restart.warm = true" if self.pools.warm is not None else \
+                f'pool.backing = "{backing}"'
             raise FailedPrecondition(
-                f'pool.backing = "{backing}" hands the pool only to the daemon\'s uid '
-                f"({os.geteuid()}) and root, not to uid {peer.uid}: a pool file cannot be "
-                "sealed, so any engine holding it could truncate it under the others (SIGBUS); "
-                'run the daemon with pool.backing = "memfd" (the default) to serve other uids')
+                f"{setting} hands the pool only to the daemon's uid ({os.geteuid()}) and root, "
+                f"not to uid {peer.uid}: a pool file cannot be sealed, so any engine holding "
+                "it could truncate it under the others (SIGBUS); run the daemon as the engines' "
+                'uid, or with pool.backing = "memfd" (the default) and no warm restart to serve '
+                "other uids")
         try:
             pool = self.pools.for_tenant(tenant)   # only ever the peer's own tenant's file
         except (PoolError, OSError) as exc:

@@ -55,11 +55,15 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
      "warnings only (server.log_level)"),
     ("--log-format", "server.log_format",
      "text, or json: one object per line with UTC timestamps (server.log_format)"),
+    ("--restart-dir", "restart.directory",
+     "directory of the warm-restart files, e.g. /dev/shm/kvd (restart.directory)"),
 )
 # serve's on/off flags: present means true.
 _SERVE_SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("--allow-overcommit", "pool.allow_overcommit",
      "start even if the pool exceeds the memory available (pool.allow_overcommit)"),
+    ("--warm-restart", "restart.warm",
+     "keep the cache across a restart of the daemon, in --restart-dir (restart.warm)"),
     ("--reflection", "server.reflection",
      "serve gRPC server reflection for grpcurl and other generic tools; needs "
      "grpcio-reflection: pip install 'kvd-offload[reflection]' (server.reflection)"),
@@ -147,6 +151,10 @@ def build_parser() -> _Parser:
                                    "< KVD_<SECTION>_<KEY> env < flags. --socket sets "
                                    "server.socket. Sizes take K, M, G, T (powers of 1024: 8G = "
                                    "8Gi = 8GiB), durations ms, s, m, h.")
+    p.add_argument("--cold", action="store_true",
+                   help="with restart.warm: start cold, dropping what a previous daemon left "
+                        "in restart.directory (after a change the old files cannot serve, or "
+                        "to start over)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("stats", parents=common, help="show the daemon's statistics",
@@ -261,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvloop = None
     factory = uvloop.new_event_loop if uvloop is not None else None
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(serve(config))
+        return runner.run(serve(config, cold=args.cold))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ JSON for `--json`. No I/O and no daemon to talk to, so each is tested alone."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from google.protobuf.message import Message
 
     from kvd_proto import kvd_pb2
-    from kvd_server.stats import StatsSnapshot
+    from kvd_server.stats import RestartStats, StatsSnapshot
 
 WIDTH = 80
 
@@ -43,6 +44,28 @@ def _uptime(seconds: float) -> str:
     if hours:
         return f"{hours}h {minutes}m {secs}s"
     return f"{minutes}m {secs}s" if minutes else f"{secs}s"
+
+
+def _restart_rows(r: RestartStats) -> list[tuple[str, Any]]:
+    """The warm restart at a glance: off, or what this daemon adopted and when."""
+    if not r.enabled:
+        return [("warm", "off (restart.warm: the cache is lost when the daemon restarts)")]
+    rows: list[tuple[str, Any]] = [("warm", f"on, in {r.directory}")]
+    if r.adopted:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.adopted_at))
+        rows.append(("adopted", f"{r.blocks_adopted} blocks in {r.namespaces_adopted} "
+                                f"namespaces at {when} ({r.adopt_seconds:.3f}s)"))
+        dropped = sum(r.blocks_dropped.values())
+        rows.append(("dropped", f"{dropped} blocks" + (" (" + ", ".join(
+            f"{n} {why}" for why, n in sorted(r.blocks_dropped.items())) + ")"
+            if dropped else "")))
+        if r.held_sessions:
+            rows.append(("held", f"{r.held_sessions} engines of the previous daemon, "
+                                 f"{r.held_extents} free extents"))
+    else:
+        rows.append(("adopted", "nothing" + (f": started cold, {r.cold_reason}"
+                                             if r.cold_reason else " (a first start)")))
+    return rows
 
 
 def render_stats(snap: StatsSnapshot) -> str:
@@ -112,6 +135,7 @@ def render_stats(snap: StatsSnapshot) -> str:
         ("index loops", "compiled" if channels.native else "pure Python (no C compiler at "
                                                             "install: slower)"),
     ])
+    lines += [""] + _rows("restart", _restart_rows(snap.restart))
     if snap.tenants:
         lines += [""] + _rows("tenants", [
             (_cut(name, 21), f"{format_size(t.used_bytes)} of "

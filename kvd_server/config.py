@@ -107,11 +107,20 @@ class TenantsConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class RestartConfig:
+    warm: bool              # the cache outlives the daemon process (kvd_server/restart/)
+    directory: str          # where its memory files live (tmpfs, hugetlbfs, a hostPath)
+    hold_timeout: float     # seconds an engine of the previous daemon, attached again, may
+                            # hold freed slots back without saying its copies are done
+
+
+@dataclass(slots=True, frozen=True)
 class Config:
     server: ServerConfig
     pool: PoolConfig
     manager: ManagerConfig
     tenants: TenantsConfig
+    restart: RestartConfig
     source: str = field(default="", compare=False)  # the TOML file read, "" when none
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,7 +155,7 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SECTIONS = ("server", "pool", "manager", "tenants")
+_SECTIONS = ("server", "pool", "manager", "tenants", "restart")
 
 
 # --- schema --------------------------------------------------------------------------------
@@ -320,6 +329,9 @@ _SCHEMA: dict[str, _Key] = {
     # At most the daemon-wide limit (namespaces.MAX_NAMESPACES).
     "tenants.max_namespaces": _Key("int", _int(1, 1024)),
     "tenants.namespace_idle_timeout": _Key("duration", _duration),
+    "restart.warm": _Key("bool", _bool),
+    "restart.directory": _Key("str", _str),
+    "restart.hold_timeout": _Key("duration", _duration),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)
@@ -437,8 +449,11 @@ def load_config(
     values["pool.extent_size"] = min(values["pool.extent_size"], extent_cap)
 
     sections: dict[str, Any] = {}
+    if values["restart.directory"]:
+        values["restart.directory"] = os.path.abspath(values["restart.directory"])
     for name, cls in (("server", ServerConfig), ("pool", PoolConfig),
-                      ("manager", ManagerConfig), ("tenants", TenantsConfig)):
+                      ("manager", ManagerConfig), ("tenants", TenantsConfig),
+                      ("restart", RestartConfig)):
         kwargs = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(name + ".")}
         sections[name] = cls(**kwargs)
     return Config(**sections, source=source)
@@ -461,6 +476,14 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
                              "--pool-path /dev/shm or KVD_POOL_PATH)")
     if values["pool.persist"] and values["pool.backing"] != "file":
         fail("pool.persist", 'only applies to pool.backing = "file"')
+    if values["restart.warm"]:
+        if not values["restart.directory"]:
+            fail("restart.warm", "needs restart.directory, a directory that outlives the "
+                                 "daemon (tmpfs or hugetlbfs, e.g. /dev/shm/kvd; a hostPath "
+                                 "in Kubernetes): --restart-dir or KVD_RESTART_DIRECTORY")
+        if values["pool.backing"] == "file" or values["pool.persist"]:
+            fail("restart.warm", "keeps its own pool files in restart.directory: leave "
+                                 "pool.backing, pool.path and pool.persist at their defaults")
     if len((values["server.socket"] + ATTACH_SUFFIX).encode()) > 107:
         fail("server.socket", "is too long for a Unix socket path (at most 100 bytes)")
     for key in ("manager.heartbeat_interval", "manager.liveness_timeout",

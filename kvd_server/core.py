@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, KvLayout
 from kvd_server.callpath import CallPath
@@ -55,6 +55,16 @@ from kvd_server.sessions import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class SessionRecords(Protocol):
+    """The warm restart's side of sessions (kvd_server/restart/warm.py)."""
+
+    def registered(self, s: Session, ns: Namespace) -> None: ...
+
+    def ended(self, s: Session, held: bool) -> None: ...
+
+    def sweep(self, core: KvdCore) -> None: ...
 
 
 class DaemonState(enum.Enum):
@@ -135,6 +145,9 @@ class KvdCore:
         # Called first when a session ends (while it is still live): its channel is read
         # one last time and closed.
         self.on_session_end: list[Callable[[Session], None]] = []
+        # Warm restart (kvd_server/restart/warm.py): told of sessions as they register and
+        # end, swept with the rest; None when restart.warm is off.
+        self.warm: SessionRecords | None = None
 
     # ------------------------------------------------------------ lifecycle
     def set_serving(self) -> None:
@@ -180,7 +193,18 @@ class KvdCore:
                 raise FailedPrecondition(f"session {s.id} is already registered in namespace "
                                          f"{s.ns.id}; open another session for another layout")
         else:
-            s.ns = self.namespaces.join(model, layout, salt, s.tenant)
+            ns = self.namespaces.join(model, layout, salt, s.tenant)
+            if self.warm is not None:
+                try:
+                    self.warm.registered(s, ns)
+                except OSError as exc:
+                    self.namespaces.leave(ns)
+                    raise ResourceExhausted(
+                        f"cannot record the session in restart.directory ({exc.strerror}): "
+                        "a session off the record could write into slots a restarted daemon "
+                        "hands out again; free space there, or set restart.warm = false"
+                    ) from None
+            s.ns = ns
             s.engine = engine
             log.info("session %s registered: engine %s %s (%s), namespace %s (%s, %d bytes "
                      "per block)", s.id, engine.engine_kind or "?", engine.engine_id or "?",
@@ -221,6 +245,8 @@ class KvdCore:
             lives = not copies_done and self.quarantine.alive(s.peer.pid)
             if ns.reclaim is not None and s.reader:
                 ns.reclaim.end_reader(s.id, process_lives=lives)
+            if self.warm is not None:
+                self.warm.ended(s, held=lives)
             if lives:
                 self.quarantine.hold(held)
                 what = "holds (its process lives on)"
@@ -260,6 +286,8 @@ class KvdCore:
         now = self.clock()
         if self.quarantine:
             self.quarantine.release_due()
+        if self.warm is not None:
+            self.warm.sweep(self)
         self.leases.expire(now, self.sessions.get)
         for s, why in self.sessions.expired():
             self.close_session(s, why, reaped=True)

@@ -64,6 +64,21 @@ class ExtentAllocator:
             raise ValueError(f"extent {index} out of range")
         self._free.append(index)
 
+    def claim(self, index: int, tenant: str) -> bool:
+        """Take the free extent `index` for `tenant` as it is (a warm restart adopting the
+        blocks in it: its pages are in that tenant's file already, nothing moves)."""
+        if index not in self._free:
+            return False
+        self._free.remove(index)
+        self.owner[index] = tenant
+        return True
+
+    def hold_back(self) -> list[int]:
+        """Take every free extent out of use (a warm restart: an engine of the previous daemon
+        may still write into slots it was granted there); give them back with `give`."""
+        held, self._free = self._free, []
+        return held
+
     def free_extents(self) -> int:
         return len(self._free)
 
@@ -105,7 +120,21 @@ class Limbo(Protocol):
 
     def retire(self, slot: int) -> None: ...
 
+    def retire_many(self, slots: list[int]) -> None: ...
+
     def collect(self) -> list[int]: ...
+
+
+def slot_geometry(extent_bytes: int, slot_bytes: int) -> tuple[int, int]:
+    """(stride, slots per extent) of blocks of `slot_bytes` in extents of `extent_bytes`;
+    ValueError when a block does not fit one extent."""
+    if slot_bytes <= 0:
+        raise ValueError("slot size must be positive")
+    stride = align_up(slot_bytes)
+    if stride > extent_bytes:
+        raise ValueError(f"a block of {slot_bytes} bytes does not fit in one extent of "
+                         f"{extent_bytes} bytes; raise pool.extent_size")
+    return stride, extent_bytes // stride
 
 
 class NamespaceSlots:
@@ -127,15 +156,8 @@ class NamespaceSlots:
                  budget: TenantBudget | None = None,
                  reclaimer: Callable[[NamespaceSlots, int], bool] | None = None,
                  limbo: Limbo | None = None) -> None:
-        if slot_bytes <= 0:
-            raise ValueError("slot size must be positive")
-        self.stride = align_up(slot_bytes)
-        if self.stride > extents.extent_bytes:
-            raise ValueError(
-                f"a block of {slot_bytes} bytes does not fit in one extent of "
-                f"{extents.extent_bytes} bytes; raise pool.extent_size")
+        self.stride, self.per_extent = slot_geometry(extents.extent_bytes, slot_bytes)
         self.extents = extents
-        self.per_extent = extents.extent_bytes // self.stride
         self.budget = budget
         self.tenant = budget.tenant if budget is not None else DEFAULT_TENANT
         self.reclaimer = reclaimer
@@ -204,6 +226,32 @@ class NamespaceSlots:
 
     def in_limbo(self) -> int:
         return self.limbo.in_limbo if self.limbo is not None else 0
+
+    def adopt_extent(self, extent: int, ready: int, idle: list[int]) -> bool:
+        """Warm restart: hold `extent` again with `ready` blocks the index still shows in it;
+        its other slots (`idle`: free, or a store's the crash interrupted) wait in limbo,
+        since an engine of the previous daemon may still read or write them, and come back
+        once every reader has moved past them (kvd_server/restart/). False when the extent
+        is not free or the tenant's quota has no room."""
+        budget = self.budget
+        if budget is not None and budget.room(1) == 0:
+            return False
+        if not self.extents.claim(extent, self.tenant):
+            return False
+        self._hold(extent)
+        self._fresh.remove(extent)
+        per = self.per_extent
+        self._high[extent] = per
+        self._used[extent] = ready + len(idle)
+        self._in_use += ready + len(idle)
+        if idle:
+            if self.limbo is not None:
+                self.limbo.retire_many(idle)
+                self._retired[extent] += len(idle)
+            else:
+                for slot in idle:
+                    self._release(slot)
+        return True
 
     def free(self, slot: int) -> None:
         """Give a slot back: at once, or after every engine reading the namespace's index

@@ -36,6 +36,7 @@ from kvd_server.stats import (
     ChannelStats,
     NamespaceStats,
     PoolStats,
+    RestartStats,
     ServerStats,
     StatsSnapshot,
     TenantStats,
@@ -139,6 +140,7 @@ class StatsCollector(Collector):
         yield from _tenants(snap.tenants)
         yield from _transfers(snap.transfers)
         yield from _channels(snap.channels)
+        yield from _restart(snap.restart)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -320,6 +322,23 @@ def _channels(channels: ChannelStats) -> Iterator[Metric]:
                    channels.broken_total)
     yield _gauge("kvd_native", "1 when the shared index's loops run compiled (kvd_proto."
                  "_native), 0 on the pure-Python twins.", 1 if channels.native else 0)
+
+
+def _restart(restart: RestartStats) -> Iterator[Metric]:
+    yield _gauge("kvd_restart_warm", "1 when the cache is kept across a restart of the daemon "
+                 "(restart.warm).", 1 if restart.enabled else 0)
+    yield _gauge("kvd_restart_adopted_blocks", "Blocks this daemon adopted from its "
+                 "predecessor at start (warm restart).", restart.blocks_adopted)
+    yield _gauge("kvd_restart_adopted_timestamp_seconds", "When this daemon adopted its "
+                 "predecessor's blocks (unix time; 0: it did not).", restart.adopted_at)
+    dropped = CounterMetricFamily("kvd_restart_blocks_dropped", "Blocks a warm restart found "
+                                  "inconsistent or could not hold, by reason: dropped, never "
+                                  "served.", labels=["reason"])
+    for reason, n in sorted(restart.blocks_dropped.items()):
+        dropped.add_metric([reason], float(n))
+    yield dropped
+    yield _gauge("kvd_restart_held_sessions", "Engines of the previous daemon still holding "
+                 "what they may copy (their slots wait).", restart.held_sessions)
 
 
 class MetricsServer:

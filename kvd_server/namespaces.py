@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvd_proto.wire import KvLayout
 from kvd_server.config import TenantsConfig
@@ -25,6 +26,7 @@ from kvd_server.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd_server.extents import ExtentAllocator, NamespaceSlots, TenantBudget
 from kvd_server.manager import NamespaceManager
 from kvd_server.manager.requests import RecencyBudget
+from kvd_server.peer import process_start, same_process
 from kvd_server.shm_index import Reclamation, ShmIndex
 from kvd_server.units import format_duration, format_size
 
@@ -84,6 +86,18 @@ def namespace_id(model: str, layout: KvLayout, salt: str, tenant: str) -> str:
     return h.hexdigest()[:32]
 
 
+class NamespaceFiles(Protocol):
+    """Where namespaces' indexes live when they must outlive the daemon (warm restart,
+    kvd_server/restart/warm.py), told of namespaces as they come and go."""
+
+    def index(self, ns_id: str, capacity: int, key_width: int, per_extent: int, stride: int,
+              extent_bytes: int) -> ShmIndex: ...
+
+    def created(self, ns: Namespace) -> None: ...
+
+    def forgotten(self, ns: Namespace) -> None: ...
+
+
 class NamespaceTable:
     """Every namespace of the daemon and the tenants' extent budgets."""
 
@@ -93,6 +107,7 @@ class NamespaceTable:
         self.policy = policy
         self.tenants = tenants
         self.clock = clock
+        self.files: NamespaceFiles | None = None     # warm restart: indexes in files
         self._namespaces: dict[str, Namespace] = {}
         self._budgets: dict[str, TenantBudget] = {}     # tenant -> its extent quota
         self.recency = RecencyBudget(MAX_RECORDED_KEYS)
@@ -142,14 +157,25 @@ class NamespaceTable:
             if len(self._namespaces) >= MAX_NAMESPACES:
                 raise ResourceExhausted(f"{MAX_NAMESPACES} namespaces exist already (the "
                                         f"daemon's limit, whatever the tenant)")
+        ns = self.make(ns_id, model, layout, salt, tenant)
+        if self.files is not None:
+            self.files.created(ns)
+        return ns
+
+    def make(self, ns_id: str, model: str, layout: KvLayout, salt: str, tenant: str, *,
+             index: ShmIndex | None = None) -> Namespace:
+        """A namespace in the table over a new index (or `index`: one a warm restart adopts,
+        whose blocks the caller adopts next)."""
         try:
             slots = NamespaceSlots(self.extents, layout.block_bytes, budget=self.budget(tenant),
                                    reclaimer=self._reclaim)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        index = ShmIndex(self.extents.total * slots.per_extent, layout.index_key_width,
-                         slots.per_extent, slots.stride, self.extents.extent_bytes,
-                         name=f"kvd-index-{ns_id[:12]}")
+        if index is None:
+            geometry = (self.extents.total * slots.per_extent, layout.index_key_width,
+                        slots.per_extent, slots.stride, self.extents.extent_bytes)
+            index = self.files.index(ns_id, *geometry) if self.files is not None else \
+                ShmIndex(*geometry, name=f"kvd-index-{ns_id[:12]}")
         reclaim = Reclamation(index)
         slots.limbo = reclaim
         ns = Namespace(ns_id, model, layout, salt, tenant, slots,
@@ -213,6 +239,8 @@ class NamespaceTable:
             if ns.index is not None:
                 freed += ns.index.header.file_bytes
                 ns.index.close()
+            if self.files is not None:
+                self.files.forgotten(ns)
             self.forgotten_total += 1
         return freed
 
@@ -294,6 +322,7 @@ class Held:
     slots: list[int]                    # slots of unfinished stores it may still be writing
     pins: list[tuple[int, bytes]]       # (epoch, key) refs of blocks it may still be reading
     reader: bool = False                # its published index epoch still holds back reuse
+    start: int = 0                      # its process's start time (0: unknown, pid alone)
 
 
 class SlotQuarantine:
@@ -311,6 +340,18 @@ class SlotQuarantine:
         self.alive = alive
         self._held: list[Held] = []
 
+    def _lives(self, q: Held) -> bool:
+        """Whether `q`'s process still runs: with its start time known, that very process
+        (a reused pid is another one)."""
+        if q.start:
+            return same_process(q.pid, q.start)
+        return self.alive(q.pid)
+
+    def holds(self, session_id: str, pid: int | None = None) -> bool:
+        """Whether what the ended session `session_id` (of process `pid`) held is held."""
+        return any(q.session_id == session_id and (pid is None or q.pid == pid)
+                   for q in self._held)
+
     def hold(self, held: Held) -> None:
         if held.slots or held.pins or held.reader:
             self._held.append(held)
@@ -319,7 +360,7 @@ class SlotQuarantine:
         """Give back what processes that are gone held."""
         keep: list[Held] = []
         for q in self._held:
-            if self.alive(q.pid):
+            if self._lives(q):
                 keep.append(q)
             else:
                 self.release(q)
@@ -360,12 +401,9 @@ def pid_alive(pid: int) -> bool:
     """Whether `pid` may still run (and so still write through its mapping of the pool).
 
     0 (a peer in another pid namespace) is unknown: assumed alive. A zombie has no mappings.
+    A process /proc hides from the daemon (systemd's ProtectProc=invisible) is alive if the
+    kernel says it exists.
     """
     if pid <= 0:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+    return process_start(pid) != 0

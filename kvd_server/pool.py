@@ -7,6 +7,7 @@ cgroup up front and keeps page faults off the engines' copy path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -96,6 +97,7 @@ class HostPool:
         self.pool_id = pool_id
         self.prefaulted_bytes = 0
         self.mlocked = False
+        self.adopted = False        # a warm restart took it over with its bytes
         self._map: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED,
                                                 mmap.PROT_READ | mmap.PROT_WRITE)
 
@@ -146,6 +148,48 @@ class HostPool:
                 if exc.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG, errno.EINVAL) else ""
             raise PoolError(f"cannot create a pool of {size} bytes: {exc.strerror}{hint}") from exc
         return pool
+
+    @classmethod
+    def warm(cls, path: str, size: int, adopt_id: str = "") -> HostPool:
+        """A warm-restart pool file (kvd_server/restart/): with `adopt_id`, the existing file
+        at `path` as the previous daemon left it (its bytes, the id its record gives it;
+        PoolError when it is not that file); else a fresh file with a fresh id, replacing any
+        file there (an engine still mapping the old one keeps its bytes until it unmaps it).
+        Either way the file stays when the daemon exits."""
+        size = (size + PAGE - 1) // PAGE * PAGE
+        if adopt_id:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as exc:
+                raise PoolError(f"cannot open the pool file {path}: {exc.strerror}") from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    raise PoolError(f"{path} is not a regular file of uid {os.geteuid()}")
+                if st.st_size != size:
+                    raise PoolError(f"{path} has {st.st_size} bytes, not the pool's {size}")
+                pool = cls(fd, size, "file", path, True, adopt_id)
+            except (PoolError, OSError) as exc:
+                os.close(fd)
+                raise PoolError(str(exc)) from None
+            pool.adopted = True
+            return pool
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        _check_room(os.path.dirname(path), size)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except OSError as exc:
+            raise PoolError(f"cannot create the pool file {path}: {exc.strerror}") from None
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, size, "file", path, True, secrets.token_hex(8))
+        except OSError as exc:
+            os.close(fd)
+            Path(path).unlink(missing_ok=True)
+            raise PoolError(f"cannot create a pool of {size} bytes in {path}: "
+                            f"{exc.strerror}") from None
 
     def prefault(self, progress: Callable[[int, int], None] | None = None,
                  stop: threading.Event | None = None) -> bool:
@@ -270,6 +314,22 @@ class HostPool:
         except OSError:
             return False
         return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _check_room(directory: str, size: int) -> None:
+    """Refuse a pool file its filesystem cannot hold: a tmpfs that runs out of room would kill
+    the daemon or an engine with SIGBUS on a write, long after the start."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    room = st.f_bavail * st.f_frsize
+    if room < size:
+        from kvd_server.units import format_size
+
+        raise PoolError(f"{directory} has {format_size(room)} free, a pool file of "
+                        f"{format_size(size)} does not fit: enlarge that filesystem (a tmpfs: "
+                        "mount -o remount,size=...) or choose a smaller pool.size")
 
 
 def may_hold(backing: str, uid: int) -> bool:

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import gc
 import logging
+import mmap
 import os
 import resource
 import shutil
@@ -50,10 +51,12 @@ from kvd_server.core import KvdCore
 from kvd_server.extents import ExtentAllocator
 from kvd_server.front_door import FrontDoor
 from kvd_server.pool import HostPool, PoolError, check_fits
+from kvd_server.restart.state import StateError
+from kvd_server.restart.warm import WarmRestart
 from kvd_server.service import AdminService, EngineService, RpcRecorder
 from kvd_server.sessions import Session
 from kvd_server.snapshot import build_snapshot
-from kvd_server.stats import ChannelStats, DaemonFacts, StatsSnapshot
+from kvd_server.stats import ChannelStats, DaemonFacts, RestartStats, StatsSnapshot
 from kvd_server.tenant_pools import TenantPools
 from kvd_server.units import format_duration, format_size
 
@@ -213,8 +216,10 @@ def _remove(path: str) -> None:
 class Daemon:
     """One daemon's parts and its life cycle (start, serve, drain, stop)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, cold: bool = False) -> None:
         self.config = config
+        self._cold = cold
+        self._warm: WarmRestart | None = None
         self.pools: TenantPools | None = None
         self.core: KvdCore | None = None
         self._server: grpc.aio.Server | None = None
@@ -251,11 +256,13 @@ class Daemon:
         cfg, engine = self.config, self._engine
         return build_snapshot(self.core, DaemonFacts(
             socket=cfg.server.socket, attach_socket=cfg.server.attach_socket,
-            backing=cfg.pool.backing, path=cfg.pool.path or None,
+            backing=self.pools.backing if self.pools else cfg.pool.backing,
+            path=(self.pool.path if self.pools and self.pools.warm else cfg.pool.path) or None,
             prefault_bytes_done=self.pool.prefaulted_bytes, mlocked=self.pool.mlocked,
             step_calls_total=engine.step_calls if engine else 0,
             step_ops_total=engine.step_ops if engine else 0, rpc=self._rpc.counts,
-            channels=self._channel_stats()))
+            channels=self._channel_stats(),
+            restart=self._warm.stats if self._warm is not None else RestartStats()))
 
     def _channel_stats(self) -> ChannelStats:
         hub, service = self._channels, self._channel_service
@@ -318,10 +325,14 @@ class Daemon:
         cfg = self.config
         log.info("kvd %s starting (pid %d, config %s)", __version__, os.getpid(),
                  cfg.source or "embedded defaults")
-        log.info("pool: %s %s%s, prefault=%s, mlock=%s, extents of %s",
-                 format_size(cfg.pool.size), cfg.pool.backing,
-                 f" in {cfg.pool.path}" if cfg.pool.backing == "file" else "",
-                 cfg.pool.prefault, cfg.pool.mlock, format_size(cfg.pool.extent_size))
+        if cfg.restart.warm:
+            backing = f"file in {cfg.restart.directory} (warm restart)"
+        else:
+            backing = cfg.pool.backing + (f" in {cfg.pool.path}" if cfg.pool.backing == "file"
+                                          else "")
+        log.info("pool: %s %s, prefault=%s, mlock=%s, extents of %s",
+                 format_size(cfg.pool.size), backing, cfg.pool.prefault, cfg.pool.mlock,
+                 format_size(cfg.pool.extent_size))
         log.info("sockets: %s (gRPC), %s (attach), mode %04o", cfg.server.socket,
                  cfg.server.attach_socket, cfg.server.socket_mode)
         log.info("policy %s, heartbeat %s, liveness timeout %s, max %d sessions",
@@ -340,17 +351,26 @@ class Daemon:
 
     async def _start(self) -> None:
         cfg = self.config
-        pools = self.pools = TenantPools(cfg.pool)
+        size = (cfg.pool.size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        warm = self._warm = self._warm_restart(size)
+        pools = self.pools = TenantPools(cfg.pool, warm)
         try:
-            if not cfg.pool.allow_overcommit:
+            if not cfg.pool.allow_overcommit and not (warm and warm.adopting):
                 check_fits(cfg.pool.size)
             pool = pools.default
+            if warm is not None:
+                for tenant in warm.tenants_to_adopt():    # their blocks are in their files
+                    pools.for_tenant(tenant)
         except (PoolError, OSError) as exc:
             raise StartupError(f"cannot create the pool: {exc}") from None
         extents = ExtentAllocator(pool.size, cfg.pool.extent_size, first_owner=DEFAULT_TENANT,
                                   on_move=pools.relocate)
         pools.extent_bytes = extents.extent_bytes
         core = self.core = KvdCore(cfg, extents)
+        if warm is not None:
+            core.warm = warm
+            core.namespaces.files = warm
+            warm.adopt(core)
         if cfg.server.admin_token_file:
             try:
                 self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))
@@ -402,6 +422,21 @@ class Daemon:
         if cfg.server.admin_listen:
             await self._start_admin_listener(core)
         self._tasks.append(asyncio.create_task(self._sweeper(core), name="kvd-sweeper"))
+
+    def _warm_restart(self, pool_size: int) -> WarmRestart | None:
+        """restart.warm: the directory checked, what a previous daemon left read (adopted
+        later, or removed for a cold start); None when off."""
+        cfg = self.config
+        if not cfg.restart.warm:
+            if self._cold:
+                log.info("--cold: restart.warm is off, every start is cold")
+            return None
+        try:
+            warm = WarmRestart(cfg, cold=self._cold)
+            warm.begin(pool_size, ExtentAllocator(pool_size, cfg.pool.extent_size).extent_bytes)
+        except (StateError, OSError) as exc:
+            raise StartupError(f"restart.directory: {exc}") from None
+        return warm
 
     async def _start_admin_listener(self, core: KvdCore) -> None:
         """The optional remote admin port: KvdAdmin and health only, TLS only, every call
@@ -490,7 +525,10 @@ class Daemon:
         cfg = self.config.pool
         pool = self.pool
         assert pool is not None
-        if cfg.prefault:
+        if cfg.prefault and pool.adopted:
+            log.info("pool adopted from the previous daemon: its pages are there already, "
+                     "no pre-fault")
+        elif cfg.prefault:
             started = time.monotonic()
             loop = asyncio.get_running_loop()
             last = [-1]
@@ -709,8 +747,9 @@ def tune_gc() -> None:
     gc.set_threshold(100_000, 50, 1000)
 
 
-async def serve(config: Config) -> int:
-    """Run a daemon until it is drained (SIGTERM/SIGINT or KvdAdmin.Drain); the exit code."""
+async def serve(config: Config, *, cold: bool = False) -> int:
+    """Run a daemon until it is drained (SIGTERM/SIGINT or KvdAdmin.Drain); the exit code.
+    `cold`: with restart.warm, drop what a previous daemon left instead of adopting it."""
     tune_gc()
     raise_open_files_limit()
-    return await Daemon(config).run()
+    return await Daemon(config, cold=cold).run()

@@ -13,10 +13,12 @@ ListSessions) and, once it has held writers back for HOLD_WARN_S, warned about i
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from kvd_proto.barrier import fence
 from kvd_proto.index_layout import (
     FIRST_RECLAIM_EPOCH,
     GENERATION_SHIFT,
+    HEADER_BYTES,
     MARKS_BYTES,
     RECLAIM_EPOCH_OFFSET,
     RESET_EPOCH_OFFSET,
@@ -49,27 +52,37 @@ class ShmIndex:
     """The namespace's index in a memory file; `fd` is handed to its engines (read-only)."""
 
     def __init__(self, capacity: int, key_width: int, per_extent: int, stride: int,
-                 extent_bytes: int, name: str = "kvd-index", *, private: bool = False) -> None:
+                 extent_bytes: int, name: str = "kvd-index", *, private: bool = False,
+                 path: str | None = None, adopt: bool = False) -> None:
+        """A new index: in a sealed memfd (default), in anonymous memory (`private`), or in
+        the file `path` (warm restart: it outlives the daemon). With `adopt`, the existing
+        file at `path` is taken over as it is (ValueError when it is not an index of this
+        geometry): its keys, states and epochs are the previous daemon's."""
         self.header = Header(capacity=capacity, buckets=buckets_for(capacity),
                              key_width=key_width, per_extent=per_extent, stride=stride,
                              extent_bytes=extent_bytes)
         h = self.header
         self.name = name            # kvd-index-<namespace id prefix>: the log names it
+        self.path = path
         if private:
             # Nobody else reads it (a manager without engines: tests, benchmarks): anonymous
             # memory, no descriptor to hand out or to leak.
             self.fd = -1
             self._map = mmap.mmap(-1, h.file_bytes)
+        elif path is not None:
+            self.fd, self._map = _index_file(path, h, adopt)
         else:
             self.fd, self._map = self._shared_file(name, h.file_bytes)
-        self._map[:len(h.pack())] = h.pack()
+        if not adopt:
+            self._map[:len(h.pack())] = h.pack()
         view = memoryview(self._map)
         self._meta = view[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
         self._epochs = view[RESET_EPOCH_OFFSET:RECLAIM_EPOCH_OFFSET + 8].cast("Q")
         # The reclaim epoch starts at 1: a reader publishes the epoch it sees before its first
         # lookup, and a published 0 means "nothing read yet" (Reclamation.floor skips it), so
         # an epoch of 0 would leave a fresh namespace's first readers holding nothing.
-        self.reclaim_epoch = FIRST_RECLAIM_EPOCH
+        if not adopt or self.reclaim_epoch < FIRST_RECLAIM_EPOCH:
+            self.reclaim_epoch = FIRST_RECLAIM_EPOCH
         self._width = h.key_width
         # find / insert / remove / key_of: compiled where built (kvd_proto/native.py)
         self._table = IndexTable(self._map, *h.geometry)
@@ -142,6 +155,22 @@ class ShmIndex:
     def state(self, slot: int) -> int:
         return self._meta[slot] & STATE_MASK
 
+    def meta_array(self) -> np.ndarray:
+        """Every slot's meta word (a view, for one vectorised pass: adoption)."""
+        return np.frombuffer(self._meta, dtype="<u8", count=self.header.capacity)
+
+    def buckets_array(self) -> np.ndarray:
+        """The buckets (slot id + 1, 0 empty), a view."""
+        h = self.header
+        return np.frombuffer(self._map, dtype="<u4", count=h.buckets,
+                             offset=h.buckets_offset)
+
+    def keys_array(self) -> np.ndarray:
+        """Every slot's key bytes, one row per slot (a view)."""
+        h = self.header
+        return np.frombuffer(self._map, dtype=np.uint8, count=h.capacity * h.key_width,
+                             offset=h.keys_offset).reshape(h.capacity, h.key_width)
+
     def find(self, key: bytes) -> int:
         """The slot `key` is published in (storing or ready), or -1: the daemon's own key ->
         slot lookup (the index is its only key store)."""
@@ -162,9 +191,54 @@ class ShmIndex:
         self._table.release()
         for view in (self._meta, self._epochs):
             view.release()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:       # a numpy view of it still lives: the GC unmaps it
+            log.debug("index %s mapping still exported; left to the GC", self.name)
         if self.fd >= 0:
             os.close(self.fd)
+            self.fd = -1
+
+    def unlink(self) -> None:
+        """Remove a file-backed index's name (its namespace is gone for good)."""
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+def _index_file(path: str, header: Header, adopt: bool) -> tuple[int, mmap.mmap]:
+    """(a read-only descriptor for engines, the daemon's read/write mapping) of the index
+    file at `path`: a new one (never an existing file), or with `adopt` the existing one,
+    checked against `header`. A regular file cannot be sealed; its engines get a read-only
+    descriptor instead, which can neither write it nor change its size."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    rw = os.open(path, flags if adopt else flags | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        st = os.fstat(rw)
+        if adopt:
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise ValueError(f"{path} is not a regular file of uid {os.geteuid()}")
+            if st.st_size != header.file_bytes:
+                raise ValueError(f"{path} has {st.st_size} bytes, an index of this "
+                                 f"namespace's geometry {header.file_bytes}")
+        else:
+            os.ftruncate(rw, header.file_bytes)
+        mapping = mmap.mmap(rw, header.file_bytes, mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE)
+        if adopt:
+            try:
+                found = Header.unpack(mapping[:HEADER_BYTES])
+            except ValueError as exc:
+                mapping.close()
+                raise ValueError(f"{path}: {exc}") from None
+            if found != header:
+                mapping.close()
+                raise ValueError(f"{path} is an index of another geometry ({found}, "
+                                 f"expected {header})")
+        ro = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    finally:
+        os.close(rw)
+    return ro, mapping
 
 
 class ReaderMarks:
@@ -227,6 +301,16 @@ class Reclamation:
     def retire(self, slot: int) -> None:
         self._pending.append(slot)
         self.in_limbo += 1          # from now: whether sealed yet must not change what counts
+
+    def retire_many(self, slots: list[int]) -> None:
+        self._pending.extend(slots)
+        self.in_limbo += len(slots)
+
+    def hold(self, session_id: str, pid: int, epoch: int) -> None:
+        """An ended reader whose process may still act on epochs up to `epoch` (a reader of
+        the previous daemon, after a warm restart): held like one ended here."""
+        self.held[session_id] = max(FIRST_RECLAIM_EPOCH, epoch)
+        self._pids[session_id] = pid
 
     def seal(self) -> None:
         """Raise the reclaim epoch past the slots freed since the last seal."""

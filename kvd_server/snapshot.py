@@ -94,6 +94,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
             load_bytes_total=t.load_bytes, load_seconds_total=t.load_seconds,
             store_bytes_total=t.store_bytes, store_seconds_total=t.store_seconds),
         channels=facts.channels,
+        restart=facts.restart,
         rpc=dict(sorted(facts.rpc.items())),
     )
 

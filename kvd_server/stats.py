@@ -166,6 +166,29 @@ class ChannelStats:
 
 
 @dataclass(slots=True)
+class RestartStats:
+    """Warm restart (kvd_server/restart/): what this daemon adopted from its predecessor."""
+
+    enabled: bool = False
+    directory: str = ""
+    adopted: bool = False               # it took over a predecessor's files
+    adopted_at: float = 0.0             # unix time
+    adopt_seconds: float = 0.0
+    cold_reason: str = ""               # why it started cold ("": adopted, or a first start)
+    blocks_adopted: int = 0
+    namespaces_adopted: int = 0
+    namespaces_dropped: int = 0         # whose index could not be adopted
+    blocks_dropped: dict[str, int] = field(default_factory=dict)    # reason -> blocks
+    previous_sessions: int = 0          # engines of the predecessor whose process still ran
+    held_sessions: int = 0              # ... still holding what they may copy
+    held_extents: int = 0               # free extents held back for them
+
+    @property
+    def blocks_dropped_total(self) -> int:
+        return sum(self.blocks_dropped.values())
+
+
+@dataclass(slots=True)
 class StatsSnapshot:
     server: ServerStats = field(default_factory=ServerStats)
     pool: PoolStats = field(default_factory=PoolStats)
@@ -177,6 +200,7 @@ class StatsSnapshot:
     stats: Totals = field(default_factory=Totals)
     transfers: TransferTotals = field(default_factory=TransferTotals)
     channels: ChannelStats = field(default_factory=ChannelStats)
+    restart: RestartStats = field(default_factory=RestartStats)
     rpc: dict[str, RpcCount] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,6 +229,7 @@ class DaemonFacts:
     step_ops_total: int = 0
     rpc: dict[str, RpcCount] = field(default_factory=dict)
     channels: ChannelStats = field(default_factory=ChannelStats)
+    restart: RestartStats = field(default_factory=RestartStats)
 
 
 def _load(cls: type, value: Any) -> Any:

@@ -19,6 +19,7 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from kvd_server.config import DEFAULT_TENANT, PoolConfig
 from kvd_server.pool import HostPool
@@ -26,16 +27,28 @@ from kvd_server.pool import HostPool
 log = logging.getLogger(__name__)
 
 
+class WarmFiles(Protocol):
+    """Where a warm restart keeps the tenants' pool files (kvd_server/restart/warm.py)."""
+
+    def pool(self, tenant: str, size: int) -> HostPool: ...
+
+
 class TenantPools:
     """The pool files by tenant; `default` is created (and pre-faulted by the daemon) at start,
     the others on a tenant's first attach."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, warm: WarmFiles | None = None) -> None:
         self.config = config
+        self.warm = warm            # warm restart: the pool files live in its directory
         self._pools: dict[str, HostPool] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-pool")
         self.extent_bytes = 0       # set by the daemon once the extent size is known
         self.moves_total = 0
+
+    @property
+    def backing(self) -> str:
+        """memfd or file (a warm restart's pools are files)."""
+        return "file" if self.warm is not None else self.config.backing
 
     @property
     def default(self) -> HostPool:
@@ -48,7 +61,10 @@ class TenantPools:
             cfg = self.config
             name = "kvd-pool" if tenant == DEFAULT_TENANT else \
                 "kvd-pool." + hashlib.sha256(tenant.encode()).hexdigest()[:16]
-            pool = HostPool.create(cfg.size, cfg.backing, cfg.path, cfg.persist, name=name)
+            if self.warm is not None:
+                pool = self.warm.pool(tenant, cfg.size)
+            else:
+                pool = HostPool.create(cfg.size, cfg.backing, cfg.path, cfg.persist, name=name)
             self._pools[tenant] = pool
             if tenant != DEFAULT_TENANT:
                 log.info("tenant %s has its own pool file now (%s)", tenant,

@@ -113,6 +113,12 @@ class BlockTable:
         if state >= READY:
             self.index.set_ready(new)
 
+    def adopt(self, ready: np.ndarray) -> None:
+        """Blocks the index already shows READY in `ready` (a warm restart's checked slots):
+        readable and unpinned, as they were."""
+        self.state_array[ready] = READY
+        self.count += len(ready)
+
     def resident(self) -> np.ndarray:
         """Every slot holding a block (a copy, ascending)."""
         return np.flatnonzero(self.state_array)

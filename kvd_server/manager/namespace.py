@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvd_proto.wire import DEFAULT_INDEX_KEY_BYTES
 from kvd_server.errors import NotReady
 from kvd_server.policy_names import LRU
@@ -90,6 +92,14 @@ class NamespaceManager:
             pinned=resident - self._storing - self._evictable,
             zombie=len(self._zombies),
         )
+
+    def adopt(self, ready: np.ndarray) -> None:
+        """Warm restart: the READY blocks the index shows in `ready` (checked, least recently
+        used first) are this manager's, readable and evictable, in the index's reset epoch."""
+        self.epoch = self.index.reset_epoch
+        self.table.adopt(ready)
+        self._evictable += len(ready)
+        self.policy.adopt(ready)
 
     def is_empty(self) -> bool:
         return not len(self.table) and not self._zombies

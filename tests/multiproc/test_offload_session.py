@@ -416,6 +416,31 @@ def test_a_load_in_flight_at_a_reset_stays_protected_until_the_reset_is_flushed(
         close_session(a)
 
 
+def test_a_second_reset_before_the_first_is_answered_settles_every_store(daemon):
+    """Stores made while a reset is on its way have no epoch until its answer; a second reset
+    before that answer makes them stale with the epoch still unknown: flushing must not send
+    them with a made-up epoch (it crashed the engine), and once the answers arrive their
+    slots come back."""
+    a = open_session(daemon.socket, MODEL, reserve=32)
+    try:
+        assert store(a, keys_for("before-resets", 4)) is not None
+        a.reset()                                      # not read by the daemon yet ...
+        new, offsets = a.store_slots(keys_for("between-resets", 4), "r")
+        assert len(new) == 4
+        for key, offset in zip(new, offsets, strict=True):
+            write_block(a, offset, key)
+        a.reset()                                      # ... nor this one
+        a.reset_flushed()                              # vLLM: the copies are done
+        a.end_step()
+        settle(a)
+        a.reset_flushed()
+        a.end_step()
+        settle(a)
+    finally:
+        close_session(a)
+    assert_no_slot_leaked(daemon, MODEL)
+
+
 def test_overlapping_loads_of_one_key_each_hold_it_until_done(daemon):
     """Requests load the same blocks in different steps: the session's floor stays at the
     oldest load's epoch until that load completes, each load holds its blocks at the daemon

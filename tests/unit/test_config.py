@@ -207,5 +207,5 @@ def test_dict_rendering_is_json_with_base_units():
     assert doc["pool"]["size"] == 1 << 30
     assert doc["manager"]["liveness_timeout"] == 10.0
     assert doc["server"]["socket_mode"] == "0660"
-    assert set(doc) == {"server", "pool", "manager", "tenants"}
+    assert set(doc) == {"server", "pool", "manager", "tenants", "restart"}
     assert sum(len(v) for v in doc.values()) == len(KEYS)

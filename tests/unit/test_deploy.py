@@ -45,6 +45,7 @@ def test_systemd_unit_has_required_settings():
     for setting in (
         "Type=notify",
         "RuntimeDirectory=kvd",
+        "RuntimeDirectoryPreserve=restart",
         "User=kvd",
         "Group=kvd",
         "LimitMEMLOCK=",
@@ -74,8 +75,10 @@ def _validate(*files: pathlib.Path) -> str:
 
 
 def test_kubernetes_manifests_validate():
+    # Overlays' files (a CRD's resource, partial patches) are checked as kustomize renders
+    # them, in the tests of each overlay.
     files = [p for p in _manifests()
-             if p.name not in ("kustomization.yaml", "servicemonitor.yaml")]
+             if p.name != "kustomization.yaml" and p.parent.name in ("base", "k8s")]
     assert files
     _validate(*files)
 
@@ -129,6 +132,32 @@ def test_kustomize_monitoring_overlay_adds_the_servicemonitor(tmp_path):
     assert all(labels.get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == [
         p["name"] for p in service["spec"]["ports"]]
+
+
+def test_kustomize_warm_restart_overlay_keeps_the_state_on_the_node(tmp_path):
+    """deploy/k8s/warm-restart: the base plus a node tmpfs directory for the warm-restart
+    files (a replaced pod adopts them), owned by the daemon's uid, and restart.warm on."""
+    rendered, docs = _kustomize(DEPLOY / "k8s" / "warm-restart", tmp_path)
+    assert _kinds(docs) == BASE_KINDS
+    report = _validate(rendered)
+    assert "WARN" not in report, report
+    (ds,) = [doc for doc in docs if doc["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    (state,) = [v for v in spec["volumes"] if v["name"] == "kvd-state"]
+    assert state["hostPath"]["path"].startswith("/dev/shm/")
+    (kvd,) = [c for c in spec["containers"] if c["name"] == "kvd"]
+    env = {e["name"]: e["value"] for e in kvd["env"]}
+    assert env["KVD_RESTART_WARM"] == "true"
+    mounts = {m["name"]: m["mountPath"] for m in kvd["volumeMounts"]}
+    assert mounts["kvd-state"] == env["KVD_RESTART_DIRECTORY"]
+    assert {m["name"] for m in kvd["volumeMounts"]} >= {"run-kvd", "config", "kvd-state"}
+    (init,) = spec["initContainers"]
+    assert init["command"][-2:] == ["/run/kvd", env["KVD_RESTART_DIRECTORY"]]
+    assert {m["name"] for m in init["volumeMounts"]} == {"run-kvd", "kvd-state"}
+    from kvd_server.config import load_config
+
+    cfg = load_config(None, env={k: v for k, v in env.items() if k.startswith("KVD_RESTART")})
+    assert cfg.restart.warm and cfg.restart.directory == "/var/lib/kvd/state"
 
 
 def test_probes_time_out_after_their_commands_wait(tmp_path):

@@ -152,6 +152,19 @@ class ARCPolicy(Policy):
                 if slot >= 0 and self._unlink(slot):
                     self._append(_T2, slot)
 
+    def adopt(self, slots: np.ndarray) -> None:
+        """Into T1 (used once, as far as this daemon knows), in order, linked in one pass."""
+        n = len(slots)
+        if not n:
+            return
+        head = self._head[_T1]
+        last = self._prev[head]
+        chain = np.concatenate(([last], slots.astype(np.int32), [head])).astype(np.int32)
+        self._next_array[chain[:-1]] = chain[1:]
+        self._prev_array[chain[1:]] = chain[:-1]
+        self._list_array[slots] = _T1
+        self._size[_T1] += n
+
     def clear(self) -> None:
         self._list_array[np.flatnonzero(self._list_array)] = _NONE
         for which in (_T1, _T2):

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from ..blocks import BlockTable
 
@@ -104,3 +106,8 @@ class Policy(ABC):
 
     def mark_evictable(self, slot: int) -> None:  # noqa: B027
         """The block in `slot` became READY and unpinned."""
+
+    @abstractmethod
+    def adopt(self, slots: np.ndarray) -> None:
+        """READY blocks a warm restart adopted, least recently used first (no request
+        scope, no ghosts: what the previous daemon knew of their use is gone)."""

@@ -158,6 +158,16 @@ class LRUPolicy(Policy):
     def mark_evictable(self, slot: int) -> None:
         self._push(slot)
 
+    def adopt(self, slots: np.ndarray) -> None:
+        n = len(slots)
+        if n + self._next_rank >= self.max_order:
+            self._renumber()
+        orders = np.arange(self._next_rank + 1, self._next_rank + n + 1, dtype=np.int64)
+        self.rank_array[slots] = orders * _POS + (_POS - 1)          # _rank(order)
+        self._next_rank += n
+        self._front.clear()
+        self._threshold = _NO_THRESHOLD       # the next eviction refills the front
+
     def clear(self) -> None:
         self._front.clear()
         self._threshold = _NO_THRESHOLD

@@ -1,0 +1,261 @@
+"""What a warm-restart directory holds, and the record that says what it is.
+
+Layout of `restart.directory` (state layout version STATE_VERSION, docs/operations.md):
+
+  state.json           the record: layout versions, pool and extent size, the tenants' pool
+                       files (and their pool ids), every namespace (identity and layout)
+  pool, pool.<hash>    the default tenant's pool file, and each other tenant's
+  index-<namespace>    a namespace's shared index (kvd_proto/index_layout.py, version 1):
+                       keys, slot states, generations, the reset and reclaim epochs
+  sessions/<id>        one small JSON file per registered engine session: its namespace and
+                       its process (pid and start time), removed when the session ends
+
+The record changes only when a namespace or a tenant's file comes or goes, and is replaced
+atomically (written beside, then renamed), so a daemon killed at any instant leaves either the
+old record or the new one. What changes per block lives in the index files themselves, so
+nothing is written per store. A session's file is written before the session can be granted
+a slot, so an engine that may write into the pool is always on record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvd_proto.index_layout import VERSION as INDEX_VERSION
+from kvd_proto.version import __version__
+from kvd_proto.wire import KvLayout
+from kvd_server.config import DEFAULT_TENANT
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1             # this directory's layout; a daemon adopts only its own version
+STATE_FILE = "state.json"
+SESSIONS = "sessions"
+MAX_SESSION_RECORDS = 65536   # what a daemon reads back (more cannot be: max_sessions)
+
+
+class StateError(Exception):
+    """The directory cannot hold warm-restart state (the message says why)."""
+
+
+@dataclass(slots=True, frozen=True)
+class NamespaceRecord:
+    """A namespace's identity: everything namespace_id digests, to recreate it as it was."""
+
+    id: str
+    model: str
+    salt: str
+    tenant: str
+    block_bytes: int
+    num_ranks: int
+    shard_bytes: int
+    tokens_per_block: int
+    dtype: str
+    max_key_bytes: int
+
+    @property
+    def layout(self) -> KvLayout:
+        return KvLayout(self.block_bytes, self.num_ranks, self.shard_bytes,
+                        self.tokens_per_block, self.dtype, self.max_key_bytes)
+
+    @classmethod
+    def of(cls, ns_id: str, model: str, layout: KvLayout, salt: str,
+           tenant: str) -> NamespaceRecord:
+        return cls(ns_id, model, salt, tenant, layout.block_bytes, layout.num_ranks,
+                   layout.shard_bytes, layout.tokens_per_block, layout.dtype,
+                   layout.max_key_bytes)
+
+
+@dataclass(slots=True)
+class Manifest:
+    """The record of a warm-restart directory (see the module doc)."""
+
+    pool_size: int
+    extent_bytes: int
+    state_version: int = STATE_VERSION
+    index_version: int = INDEX_VERSION
+    kvd_version: str = __version__
+    tenants: dict[str, str] = field(default_factory=dict)    # tenant -> its pool file's id
+    namespaces: dict[str, NamespaceRecord] = field(default_factory=dict)
+    written_at: float = 0.0                                  # unix time
+
+    def to_json(self) -> str:
+        doc = dataclasses.asdict(self)
+        return json.dumps(doc, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        namespaces = {k: NamespaceRecord(**v) for k, v in dict(doc.pop("namespaces")).items()}
+        tenants = {str(k): str(v) for k, v in dict(doc.pop("tenants")).items()}
+        return cls(namespaces=namespaces, tenants=tenants, **doc)
+
+    def unservable(self, pool_size: int, extent_bytes: int) -> str | None:
+        """Why this daemon cannot adopt what the record describes (None: it can)."""
+        if self.state_version != STATE_VERSION:
+            return (f"its state layout is version {self.state_version}, this kvd "
+                    f"{__version__} reads version {STATE_VERSION}")
+        if self.index_version != INDEX_VERSION:
+            return (f"its indexes are layout version {self.index_version}, this kvd reads "
+                    f"version {INDEX_VERSION}")
+        if self.pool_size != pool_size:
+            return f"pool.size changed ({self.pool_size} -> {pool_size} bytes)"
+        if self.extent_bytes != extent_bytes:
+            return f"pool.extent_size changed ({self.extent_bytes} -> {extent_bytes} bytes)"
+        return None
+
+
+@dataclass(slots=True, frozen=True)
+class SessionRecord:
+    """An engine session of a daemon: whose process may still copy into or out of the pool."""
+
+    session: str
+    namespace: str
+    pid: int
+    start: int            # the process's start time (clock ticks after boot): its identity
+    uid: int
+
+
+def pool_file_name(tenant: str) -> str:
+    if tenant == DEFAULT_TENANT:
+        return "pool"
+    return "pool." + hashlib.sha256(tenant.encode()).hexdigest()[:16]
+
+
+class StateDir:
+    """The warm-restart directory of one daemon (see the module doc)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.sessions = self.path / SESSIONS
+
+    def prepare(self) -> None:
+        """Create the directory (0700) if missing; refuse one another uid owns or that this
+        daemon cannot write (StateError naming it)."""
+        for d in (self.path, self.sessions):
+            try:
+                d.mkdir(mode=0o700, parents=d is self.path, exist_ok=True)
+                st = os.stat(d, follow_symlinks=False)
+            except OSError as exc:
+                raise StateError(f"cannot use {d} as the warm-restart directory: "
+                                 f"{exc.strerror}") from None
+            if not stat.S_ISDIR(st.st_mode):
+                raise StateError(f"{d} is not a directory")
+            if st.st_uid != os.geteuid():
+                raise StateError(f"{d} belongs to uid {st.st_uid}, not to the daemon's uid "
+                                 f"{os.geteuid()}: the pool's bytes would be another user's "
+                                 "to read and change")
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise StateError(f"{d} is not writable by uid {os.geteuid()}")
+
+    # ------------------------------------------------------------------ paths
+    def pool_path(self, tenant: str) -> Path:
+        return self.path / pool_file_name(tenant)
+
+    def index_path(self, ns_id: str) -> Path:
+        return self.path / f"index-{ns_id}"
+
+    # ------------------------------------------------------------------ the record
+    def read(self) -> Manifest | None:
+        """The record a previous daemon left (None: none). ValueError when it is unreadable
+        (the caller starts cold and says why)."""
+        try:
+            fd = os.open(self.path / STATE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ValueError(f"cannot open it: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(64 << 20)
+        try:
+            return Manifest.from_json(text.decode())
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{STATE_FILE} is not a kvd state record ({exc})") from None
+
+    def write(self, manifest: Manifest) -> None:
+        """Replace the record atomically."""
+        manifest.written_at = time.time()
+        self._replace(self.path / STATE_FILE, manifest.to_json().encode())
+
+    @staticmethod
+    def _replace(path: Path, data: bytes) -> None:
+        tmp = path.with_name(path.name + ".new")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+    # ------------------------------------------------------------------ sessions
+    def record_session(self, record: SessionRecord) -> None:
+        """On record before the session can be granted a slot (see the module doc)."""
+        self._replace(self.sessions / record.session,
+                      json.dumps(dataclasses.asdict(record)).encode())
+
+    def forget_session(self, session_id: str) -> None:
+        with contextlib.suppress(OSError):
+            (self.sessions / session_id).unlink()
+
+    def old_sessions(self) -> list[SessionRecord]:
+        """The sessions a previous daemon had on record (unreadable records are skipped:
+        they were being written when it died, before the session could hold anything)."""
+        out: list[SessionRecord] = []
+        try:
+            names = sorted(os.listdir(self.sessions))[:MAX_SESSION_RECORDS]
+        except OSError:
+            return out
+        for name in names:
+            if name.endswith(".new"):
+                continue
+            try:
+                fd = os.open(self.sessions / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
+                    doc: Any = json.loads(f.read(4096))
+                out.append(SessionRecord(**doc))
+            except (OSError, ValueError, TypeError):
+                log.warning("skipped an unreadable session record %s of the previous daemon",
+                            name)
+        return out
+
+    def clear_sessions(self) -> None:
+        """The previous daemon's sessions were taken over: this daemon records its own."""
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.sessions):
+                with contextlib.suppress(OSError):
+                    (self.sessions / name).unlink()
+
+    # ------------------------------------------------------------------ a cold start
+    def clear(self) -> int:
+        """Remove what a previous daemon left (its record first: a daemon killed while this
+        runs starts cold again); how many files. An engine still mapping an old pool file
+        keeps that memory until it unmaps it: nothing new is ever stored under it."""
+        removed = 0
+        names = [STATE_FILE] + sorted(n for n in os.listdir(self.path) if n != STATE_FILE)
+        for name in names:
+            if name == SESSIONS:
+                continue
+            if name == STATE_FILE or name.startswith(("pool", "index-")) or name.endswith(".new"):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / name).unlink()
+                    removed += 1
+        self.clear_sessions()
+        return removed
