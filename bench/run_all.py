@@ -58,6 +58,7 @@ def main() -> int:
     import dataplane_cpu
     import hitrate
     import replay
+    import restart
 
     print("daemon: throughput, lookup latency, memory ...", flush=True)
     d = daemon.run(quick=quick)
@@ -67,6 +68,9 @@ def main() -> int:
     hr = hitrate.measure("smoke" if quick else "small")
     print("replay through vLLM's scheduler: kvd vs in-process baseline ...", flush=True)
     rp = replay.run("chat", "smoke" if quick else "small")
+    print("warm restart: exec to serving with 1, 16 and 64 GiB adopted; hits after a "
+          "restart ...", flush=True)
+    rs = restart.run((1,) if quick else (1, 16, 64), "chat/smoke" if quick else "chat/small")
     print("control plane: scheduler-thread manager time, kvd vs vLLM in-process, LRU and ARC "
           "...", flush=True)
     size = CONTROL_PLANE_QUICK if quick else CONTROL_PLANE_FULL
@@ -118,6 +122,7 @@ def main() -> int:
         "dataplane": {"cpu_fraction_of_memcpy": dp["fraction_of_memcpy"], "cpu": dp},
         "memory": {"bytes_per_block": d["memory"]["bytes_per_block"], **d["memory"]},
         "hit_rate": hr,
+        "restart": rs,
     }
     p99_growth = d["lookup_big"]["p99_seconds"] / d["lookup_10k"]["p99_seconds"]
     within = [abs(c["hits"]["kvd_over_vllm"] - 1) for c in cells]
@@ -138,6 +143,7 @@ def main() -> int:
         "lookup_p99_growth_le_1.2x": p99_growth <= 1.2,
         "lookup_p99_growth": p99_growth,
         "dataplane_cpu_ge_70pct_memcpy": dp["fraction_of_memcpy"] >= 0.7,
+        **{f"restart_{name}": met for name, met in rs["met"].items()},
     }
     latest["elapsed_seconds"] = time.time() - t0
     RESULTS.mkdir(exist_ok=True)

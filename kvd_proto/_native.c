@@ -526,6 +526,32 @@ static PyObject *IndexTable_key_of(IndexTable *self, PyObject *arg) {
                                      (Py_ssize_t)((w >> 2) & 0xFF));
 }
 
+/* reachable(slots) -> bytes: per slot id (int64, native order), 1 when a lookup of the key
+   it holds finds that very slot (a warm restart's check of an adopted index), else 0. */
+static PyObject *IndexTable_reachable(IndexTable *self, PyObject *arg) {
+    Py_buffer slots;
+    if (check_bound(self) < 0) return NULL;
+    if (!PyArg_Parse(arg, "y*", &slots)) return NULL;
+    Py_ssize_t n = slots.len / (Py_ssize_t)sizeof(int64_t);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out != NULL) {
+        Geometry *g = &self->g;
+        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+        const int64_t *src = (const int64_t *)slots.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s = src[i];
+            dst[i] = 0;
+            if (s < 0 || (uint64_t)s >= g->capacity) continue;
+            uint64_t w = load_acquire64(&g->meta[s]), word;
+            Py_ssize_t len = (Py_ssize_t)((w >> 2) & 0xFF);
+            if ((w & 3) == STATE_FREE || len == 0 || len > g->width) continue;
+            dst[i] = probe(g, g->keys + (uint64_t)s * g->width, len, &word) == s;
+        }
+    }
+    PyBuffer_Release(&slots);
+    return out;
+}
+
 static PyObject *IndexTable_release(IndexTable *self, PyObject *unused) {
     geometry_release(&self->g);
     Py_RETURN_NONE;
@@ -537,6 +563,8 @@ static PyMethodDef IndexTable_methods[] = {
     {"remove", (PyCFunction)IndexTable_remove, METH_O, "remove(slot)"},
     {"key_of", (PyCFunction)IndexTable_key_of, METH_O, "key_of(slot) -> bytes (empty if free)"},
     {"set_ready", (PyCFunction)IndexTable_set_ready, METH_O, "set_ready(slot): storing -> ready"},
+    {"reachable", (PyCFunction)IndexTable_reachable, METH_O,
+     "reachable(int64 slots) -> bytes: 1 where a lookup of the slot's key finds it"},
     {"release", (PyCFunction)IndexTable_release, METH_NOARGS, "let go of the mapping"},
     {NULL}};
 

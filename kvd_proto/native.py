@@ -200,6 +200,16 @@ class PyIndexTable:
         self.overflows += 1
         return False
 
+    def reachable(self, slots: bytes) -> bytes:
+        ids = memoryview(slots).cast("q")
+        r = self._r
+        out = bytearray(len(ids))
+        for i, slot in enumerate(ids):
+            if 0 <= slot < r.capacity and meta_state(r.meta[slot]) != STATE_FREE:
+                key = self.key_of(slot)
+                out[i] = bool(key) and self.find(key) == slot
+        return bytes(out)
+
     def _home(self, slot: int, key_len: int) -> int:
         r = self._r
         off = slot * r.width

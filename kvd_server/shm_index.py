@@ -187,6 +187,12 @@ class ShmIndex:
         """The key published in `slot` (empty when none is)."""
         return self._table.key_of(slot)
 
+    def reachable(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot, whether a lookup of the key it holds finds that very slot (compiled
+        where built: a warm restart checks every adopted block this way)."""
+        found = self._table.reachable(np.ascontiguousarray(slots, dtype=np.int64).tobytes())
+        return np.frombuffer(found, dtype=np.uint8).astype(bool)
+
     def close(self) -> None:
         self._table.release()
         for view in (self._meta, self._epochs):

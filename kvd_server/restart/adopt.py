@@ -5,8 +5,8 @@ restart may serve is exactly the READY slots that pass every check:
 
 - a key length of 1 to the index's key width;
 - exactly one bucket names the slot (nothing else points there);
-- no other READY slot holds the same key;
-- a lookup of its key finds it (its bytes hash to where the bucket is).
+- a lookup of its key finds it (its bytes hash to where the bucket is; of two READY slots
+  holding one key, only the one a lookup finds).
 
 STORING slots (a store the crash interrupted) and READY slots that fail a check are dropped:
 their meta word becomes FREE (next generation), so no reader's memo of them holds. When any
@@ -66,26 +66,16 @@ def check_index(index: ShmIndex) -> IndexCheck:
     dropped["not found by its bucket"] = int((not_once & ~bad).sum())
     bad |= not_once
 
-    keep = ready[~bad]
-    if len(keep) > 1:
-        # A key held by two READY slots: neither is trusted.
-        rows = np.ascontiguousarray(index.keys_array()[keep])
-        lens = ((meta[keep] >> KEY_LEN_SHIFT) & KEY_LEN_MASK).astype(np.uint8)
-        full = np.concatenate([lens[:, None], rows], axis=1)
-        packed = full.view(np.dtype((np.void, full.shape[1]))).ravel()
-        _, inverse, counts = np.unique(packed, return_inverse=True, return_counts=True)
-        twice = counts[inverse] > 1
-        dropped["key held twice"] = int(twice.sum())
-        keep = keep[~twice]
-
     # Each key kept must be found where it lies: its bytes hash to the bucket that names
-    # the slot (a key changed under the daemon's feet is not served under another name).
-    if len(keep):
-        find, key_of = index.find, index.key_of
-        found = np.fromiter((find(key_of(slot)) == slot for slot in keep.tolist()),
-                            dtype=bool, count=len(keep))
+    # the slot (a key changed under the daemon's feet is not served under another name), and
+    # a key two READY slots hold (a move the crash interrupted) is served from the one a
+    # lookup finds: both hold its bytes.
+    keep_mask = ~bad
+    if keep_mask.any():
+        found = index.reachable(ready[keep_mask])
         dropped["not found under its key"] = int((~found).sum())
-        keep = keep[found]
+        keep_mask[np.flatnonzero(keep_mask)[~found]] = False
+    keep = ready[keep_mask]
 
     # Buckets must name exactly the slots kept, once each, and perhaps an interrupted store
     # (the daemon died between its meta and its bucket): anything else and they are rebuilt.
@@ -94,7 +84,7 @@ def check_index(index: ShmIndex) -> IndexCheck:
     expected[storing] = True
     stale = bool(times_named[~expected].any()) or bool((times_named[storing] > 1).any())
     dropped["being stored"] = len(storing)
-    drop = np.setdiff1d(np.concatenate([ready, storing]), keep)
+    drop = np.concatenate([ready[~keep_mask], storing])
     rebuilt = False
     if stale:
         _free_meta(meta, drop)

@@ -223,24 +223,26 @@ class WarmRestart:
         slots, index = ns.slots, ns.index
         assert index is not None
         per = slots.per_extent
-        extents = ready // per
         keep = np.ones(len(ready), dtype=bool)
-        for extent in np.unique(extents).tolist():
-            mine = extents == extent
+        is_ready = np.zeros(index.header.capacity, dtype=bool)
+        is_ready[ready] = True
+        # `ready` ascends, so each extent's blocks are one run of it.
+        extents, starts, counts = np.unique(ready // per, return_index=True, return_counts=True)
+        for extent, start, count in zip(extents.tolist(), starts.tolist(), counts.tolist(),
+                                        strict=True):
             reason = ""
             if claims.get(extent, 0) > 1:
                 reason = "extent claimed by two namespaces"
             else:
-                in_extent = ready[mine]
                 base = extent * per
-                idle = np.setdiff1d(np.arange(base, base + per), in_extent).tolist()
-                if not slots.adopt_extent(extent, len(in_extent), idle):
+                idle = (np.flatnonzero(~is_ready[base:base + per]) + base).tolist()
+                if not slots.adopt_extent(extent, count, idle):
                     reason = "tenant quota"
             if reason:
-                keep &= ~mine
-                for slot in ready[mine].tolist():
+                keep[start:start + count] = False
+                for slot in ready[start:start + count].tolist():
                     index.remove(slot)
-                self._dropped(reason, int(mine.sum()))
+                self._dropped(reason, count)
         return ready[keep]
 
     def _take_over_sessions(self, core: KvdCore, adopted: dict[str, Namespace]) -> None:

@@ -47,16 +47,30 @@ def test_ready_blocks_are_kept_and_interrupted_stores_dropped():
     assert [idx.find(key(i)) for i in (1, 5, 9)] == [1, 5, 9]
 
 
-def test_a_key_held_twice_is_served_by_neither():
+def test_a_key_held_twice_is_served_from_the_slot_a_lookup_finds():
     idx = index_with({1: key(1), 2: key(7)})
-    # The daemon died between two writes: slot 4 holds key 7 too, READY, with its own bucket.
+    # A move the crash interrupted: slot 4 holds key 7 too, READY, with its own bucket.
     assert idx.insert(4, key(7))
     idx.set_ready(4)
     check = check_index(idx)
-    assert check.ready.tolist() == [1]
-    assert check.dropped["key held twice"] == 2 and check.rebuilt
-    assert idx.find(key(7)) == -1 and idx.find(key(1)) == 1
-    assert idx.state(2) == idx.state(4) == STATE_FREE
+    assert check.ready.tolist() == [1, 2]
+    assert check.dropped["not found under its key"] == 1 and check.rebuilt
+    assert idx.find(key(7)) == 2 and idx.find(key(1)) == 1
+    assert idx.state(4) == STATE_FREE
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_reachable_is_the_same_compiled_and_in_python(native):
+    from kvd_proto import native as kn
+
+    if native and not kn.NATIVE:
+        pytest.skip("kvd_proto._native not built")
+    idx = index_with({1: key(1), 3: key(3), 5: key(5)})
+    table = kn.PyIndexTable(idx._map, *idx.header.geometry) if not native else idx._table
+    idx.keys_array()[5, 0] ^= 0xFF
+    slots = np.array([1, 3, 5, 7, -1, CAP + 3], dtype=np.int64)
+    found = table.reachable(slots.tobytes())
+    assert list(found) == [1, 1, 0, 0, 0, 0]
 
 
 def test_a_ready_slot_no_bucket_names_and_a_bucket_naming_a_free_slot_are_repaired():
