@@ -59,6 +59,22 @@ def table(d: dict) -> str:
         ("daemon memory per resident block (1M)", f"{d['memory']['bytes_per_block']:.0f} B",
          "<= 100 B", t["memory_le_100_bytes_per_block"]),
     ]
+    rs = d.get("restart")
+    if rs:
+        big = max(rs["serving"], key=lambda x: x["pool_gib"])
+        hits = rs["hits"]
+        rows += [
+            (f"warm restart: exec to serving, {big['pool_gib']} GiB adopted "
+             f"({big['blocks']} blocks; " + ", ".join(
+                 f"{x['pool_gib']} GiB {x['exec_to_serving_seconds']:.2f} s"
+                 for x in rs["serving"]) + ")",
+             f"{big['exec_to_serving_seconds']:.2f} s", "<= 1 s",
+             big["exec_to_serving_seconds"] <= 1.0),
+            (f"hit tokens after a warm restart / untouched ({hits['trace']}, second pass; "
+             f"cold restart {hits['cold_over_untouched']:.3f})",
+             f"{hits['warm_over_untouched']:.3f}", "equal (within the runs' 1% spread)",
+             hits["warm_over_untouched"] >= 0.99),
+        ]
     head = (f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB, "
             f"Python {m['python']}. Commit: `{d['commit']}`.\n\n"
             "| target | measured | target | |\n|---|---|---|---|\n")

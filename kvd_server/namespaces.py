@@ -93,6 +93,8 @@ class NamespaceFiles(Protocol):
     def index(self, ns_id: str, capacity: int, key_width: int, per_extent: int, stride: int,
               extent_bytes: int) -> ShmIndex: ...
 
+    def policy_memory(self, ns_id: str, nbytes: int, *, adopt: bool) -> object | None: ...
+
     def created(self, ns: Namespace) -> None: ...
 
     def forgotten(self, ns: Namespace) -> None: ...
@@ -171,15 +173,20 @@ class NamespaceTable:
                                    reclaimer=self._reclaim)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        adopting = index is not None
         if index is None:
             geometry = (self.extents.total * slots.per_extent, layout.index_key_width,
                         slots.per_extent, slots.stride, self.extents.extent_bytes)
             index = self.files.index(ns_id, *geometry) if self.files is not None else \
                 ShmIndex(*geometry, name=f"kvd-index-{ns_id[:12]}")
+        # Warm restart: the policy's order lives beside the index (LRU's ranks).
+        memory = self.files.policy_memory(ns_id, 8 * index.header.capacity, adopt=adopting) \
+            if self.files is not None else None
         reclaim = Reclamation(index)
         slots.limbo = reclaim
         ns = Namespace(ns_id, model, layout, salt, tenant, slots,
-                       NamespaceManager(slots, self.policy, budget=self.recency, index=index),
+                       NamespaceManager(slots, self.policy, budget=self.recency, index=index,
+                                        policy_memory=memory),
                        index, reclaim)
         self._namespaces[ns_id] = ns
         return ns

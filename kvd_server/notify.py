@@ -8,6 +8,7 @@ does not run under a `Type=notify` unit, so callers never need to check.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import socket
@@ -87,3 +88,54 @@ def watchdog_interval() -> float | None:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+# --- the file-descriptor store (FileDescriptorStoreMax=) ---------------------------------------
+
+LISTEN_FDS_START = 3        # sd_listen_fds(3): the first descriptor passed
+
+
+def store_fds(name: str, fds: list[int]) -> bool:
+    """Hand `fds` to systemd's file-descriptor store under `name` (`FDSTORE=1`): systemd keeps
+    them open while the daemon restarts and passes them back to the next one (`listen_fds`).
+    False when not under systemd (or the unit has no store: systemd then logs and drops them,
+    which the daemon cannot see; the unit must set FileDescriptorStoreMax=)."""
+    address = _address(os.environ.get(_ENV, ""))
+    if address is None:
+        return False
+    message = f"FDSTORE=1\nFDNAME={name}".encode()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", fds).tobytes())])
+        return True
+    except OSError as exc:
+        log.warning("could not hand %s to systemd's descriptor store: %s", name, exc)
+        return False
+
+
+def remove_fds(name: str) -> bool:
+    """Drop every descriptor stored under `name` (`FDSTOREREMOVE=1`)."""
+    return notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
+
+
+def listen_fds() -> dict[str, list[int]]:
+    """The descriptors systemd passed to this process (`LISTEN_FDS`, `LISTEN_FDNAMES`), by
+    name; empty when none are for this pid. The variables are consumed (not inherited)."""
+    pid, count = os.environ.pop("LISTEN_PID", ""), os.environ.pop("LISTEN_FDS", "")
+    names = os.environ.pop("LISTEN_FDNAMES", "")
+    if not count or pid != str(os.getpid()):
+        return {}
+    try:
+        n = int(count)
+    except ValueError:
+        return {}
+    labels = names.split(":") if names else []
+    out: dict[str, list[int]] = {}
+    for i in range(n):
+        fd = LISTEN_FDS_START + i
+        label = labels[i] if i < len(labels) else "unknown"
+        os.set_inheritable(fd, False)
+        out.setdefault(label, []).append(fd)
+    return out

@@ -325,7 +325,9 @@ class Daemon:
         cfg = self.config
         log.info("kvd %s starting (pid %d, config %s)", __version__, os.getpid(),
                  cfg.source or "embedded defaults")
-        if cfg.restart.warm:
+        if cfg.restart.warm and cfg.restart.store == "systemd":
+            backing = "memfd in systemd's descriptor store (warm restart)"
+        elif cfg.restart.warm:
             backing = f"file in {cfg.restart.directory} (warm restart)"
         else:
             backing = cfg.pool.backing + (f" in {cfg.pool.path}" if cfg.pool.backing == "file"

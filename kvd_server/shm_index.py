@@ -13,7 +13,6 @@ ListSessions) and, once it has held writers back for HOLD_WARN_S, warned about i
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import mmap
@@ -53,11 +52,12 @@ class ShmIndex:
 
     def __init__(self, capacity: int, key_width: int, per_extent: int, stride: int,
                  extent_bytes: int, name: str = "kvd-index", *, private: bool = False,
-                 path: str | None = None, adopt: bool = False) -> None:
+                 path: str | None = None, adopt: bool = False, create: bool = True) -> None:
         """A new index: in a sealed memfd (default), in anonymous memory (`private`), or in
-        the file `path` (warm restart: it outlives the daemon). With `adopt`, the existing
-        file at `path` is taken over as it is (ValueError when it is not an index of this
-        geometry): its keys, states and epochs are the previous daemon's."""
+        the file `path` (warm restart: it outlives the daemon; a new file unless `create` is
+        False, for a memory file systemd keeps, named /proc/self/fd/N). With `adopt`, the
+        existing file at `path` is taken over as it is (ValueError when it is not an index of
+        this geometry): its keys, states and epochs are the previous daemon's."""
         self.header = Header(capacity=capacity, buckets=buckets_for(capacity),
                              key_width=key_width, per_extent=per_extent, stride=stride,
                              extent_bytes=extent_bytes)
@@ -70,7 +70,7 @@ class ShmIndex:
             self.fd = -1
             self._map = mmap.mmap(-1, h.file_bytes)
         elif path is not None:
-            self.fd, self._map = _index_file(path, h, adopt)
+            self.fd, self._map = _index_file(path, h, adopt, create)
         else:
             self.fd, self._map = self._shared_file(name, h.file_bytes)
         if not adopt:
@@ -205,20 +205,19 @@ class ShmIndex:
             os.close(self.fd)
             self.fd = -1
 
-    def unlink(self) -> None:
-        """Remove a file-backed index's name (its namespace is gone for good)."""
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
 
-
-def _index_file(path: str, header: Header, adopt: bool) -> tuple[int, mmap.mmap]:
+def _index_file(path: str, header: Header, adopt: bool, create: bool = True
+                ) -> tuple[int, mmap.mmap]:
     """(a read-only descriptor for engines, the daemon's read/write mapping) of the index
-    file at `path`: a new one (never an existing file), or with `adopt` the existing one,
-    checked against `header`. A regular file cannot be sealed; its engines get a read-only
-    descriptor instead, which can neither write it nor change its size."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    rw = os.open(path, flags if adopt else flags | os.O_CREAT | os.O_EXCL, 0o600)
+    file at `path`: a new one (never an existing file; with `create` False, the empty or
+    right-sized file there), or with `adopt` the existing one, checked against `header`. A
+    regular file cannot be sealed against writes; its engines get a read-only descriptor
+    instead, which can neither write it nor change its size."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if not path.startswith("/proc/self/fd/"):
+        flags |= os.O_NOFOLLOW
+    rw = os.open(path, flags if adopt or not create else flags | os.O_CREAT | os.O_EXCL,
+                 0o600)
     try:
         st = os.fstat(rw)
         if adopt:
@@ -227,7 +226,7 @@ def _index_file(path: str, header: Header, adopt: bool) -> tuple[int, mmap.mmap]
             if st.st_size != header.file_bytes:
                 raise ValueError(f"{path} has {st.st_size} bytes, an index of this "
                                  f"namespace's geometry {header.file_bytes}")
-        else:
+        elif st.st_size != header.file_bytes:
             os.ftruncate(rw, header.file_bytes)
         mapping = mmap.mmap(rw, header.file_bytes, mmap.MAP_SHARED,
                             mmap.PROT_READ | mmap.PROT_WRITE)
@@ -241,7 +240,7 @@ def _index_file(path: str, header: Header, adopt: bool) -> tuple[int, mmap.mmap]
                 mapping.close()
                 raise ValueError(f"{path} is an index of another geometry ({found}, "
                                  f"expected {header})")
-        ro = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        ro = os.open(path, (flags & ~os.O_RDWR) | os.O_RDONLY)
     finally:
         os.close(rw)
     return ro, mapping

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 class WarmFiles(Protocol):
     """Where a warm restart keeps the tenants' pool files (kvd_server/restart/warm.py)."""
 
+    backing: str            # "file" (a directory) or "memfd" (systemd's store)
+
     def pool(self, tenant: str, size: int) -> HostPool: ...
 
 
@@ -48,7 +50,7 @@ class TenantPools:
     @property
     def backing(self) -> str:
         """memfd or file (a warm restart's pools are files)."""
-        return "file" if self.warm is not None else self.config.backing
+        return self.warm.backing if self.warm is not None else self.config.backing
 
     @property
     def default(self) -> HostPool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,10 @@ class NamespaceManager:
     """The index key -> block of one namespace over a `SlotSource`. Pure logic, no I/O."""
 
     def __init__(self, slots: SlotSource, policy: str = LRU, *, enable_events: bool = True,
-                 budget: RecencyBudget | None = None, index: ShmIndex | None = None) -> None:
+                 budget: RecencyBudget | None = None, index: ShmIndex | None = None,
+                 policy_memory: Any = None) -> None:
+        """`policy_memory`: where the policy keeps its per-slot order when it must outlive
+        the daemon (warm restart; see make_policy)."""
         self.slots = slots
         if index is None:   # no engine reads it (tests, benchmarks): a private one
             cap = max(1, slots.capacity())
@@ -61,7 +65,7 @@ class NamespaceManager:
         # stored where is published there as it happens.
         self.index = index
         self.table = BlockTable(index, index.header.capacity)
-        self.policy = make_policy(policy, slots.capacity(), self.table)
+        self.policy = make_policy(policy, slots.capacity(), self.table, policy_memory)
         self.epoch = 0
         self.counters = ManagerCounters()
         self._events = EventQueue(enabled=enable_events)

@@ -7,6 +7,7 @@ Layout of `restart.directory` (state layout version STATE_VERSION, docs/operatio
   pool, pool.<hash>    the default tenant's pool file, and each other tenant's
   index-<namespace>    a namespace's shared index (kvd_proto/index_layout.py, version 1):
                        keys, slot states, generations, the reset and reclaim epochs
+  ranks-<namespace>    its LRU ranks (int64 per slot), so the eviction order carries on
   sessions/<id>        one small JSON file per registered engine session: its namespace and
                        its process (pid and start time), removed when the session ends
 
@@ -24,17 +25,20 @@ import dataclasses
 import hashlib
 import json
 import logging
+import mmap
 import os
 import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvd_proto.index_layout import VERSION as INDEX_VERSION
 from kvd_proto.version import __version__
 from kvd_proto.wire import KvLayout
 from kvd_server.config import DEFAULT_TENANT
+from kvd_server.pool import HostPool
+from kvd_server.shm_index import ShmIndex
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +138,45 @@ def pool_file_name(tenant: str) -> str:
     return "pool." + hashlib.sha256(tenant.encode()).hexdigest()[:16]
 
 
+class Keeper(Protocol):
+    """Where a warm restart keeps the memory files and the records: a directory
+    (`StateDir`) or systemd's file-descriptor store (kvd_server/restart/fdstore.py)."""
+
+    where: str                      # for the log and `kvd stats`
+
+    def prepare(self) -> None: ...
+
+    def read(self) -> Manifest | None: ...
+
+    def write(self, manifest: Manifest) -> None: ...
+
+    def pool(self, tenant: str, size: int, adopt_id: str) -> HostPool: ...
+
+    def index(self, ns_id: str, geometry: tuple[int, int, int, int, int], *,
+              adopt: bool) -> ShmIndex: ...
+
+    def drop_index(self, ns_id: str, index: ShmIndex | None) -> None: ...
+
+    def policy_memory(self, ns_id: str, nbytes: int, *, adopt: bool) -> mmap.mmap: ...
+
+    def record_session(self, record: SessionRecord) -> None: ...
+
+    def forget_session(self, session_id: str) -> None: ...
+
+    def old_sessions(self) -> list[SessionRecord]: ...
+
+    def clear_sessions(self) -> None: ...
+
+    def clear(self) -> int: ...
+
+
 class StateDir:
     """The warm-restart directory of one daemon (see the module doc)."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self.sessions = self.path / SESSIONS
+        self.where = str(self.path)
 
     def prepare(self) -> None:
         """Create the directory (0700) if missing; refuse one another uid owns or that this
@@ -166,6 +203,47 @@ class StateDir:
 
     def index_path(self, ns_id: str) -> Path:
         return self.path / f"index-{ns_id}"
+
+    # ------------------------------------------------------------------ memory files
+    def pool(self, tenant: str, size: int, adopt_id: str) -> HostPool:
+        """The tenant's pool file (adopted as it is with `adopt_id`, else a fresh one)."""
+        return HostPool.warm(str(self.pool_path(tenant)), size, adopt_id)
+
+    def index(self, ns_id: str, geometry: tuple[int, int, int, int, int], *,
+              adopt: bool) -> ShmIndex:
+        """A namespace's index file: the previous daemon's (`adopt`) or a new one."""
+        path = self.index_path(ns_id)
+        if not adopt:
+            path.unlink(missing_ok=True)        # a leftover of a namespace never recorded
+        return ShmIndex(*geometry, name=f"kvd-index-{ns_id[:12]}", path=str(path),
+                        adopt=adopt)
+
+    def drop_index(self, ns_id: str, index: ShmIndex | None) -> None:
+        self.index_path(ns_id).unlink(missing_ok=True)
+        (self.path / f"ranks-{ns_id}").unlink(missing_ok=True)
+
+    def policy_memory(self, ns_id: str, nbytes: int, *, adopt: bool) -> mmap.mmap:
+        """The file `ranks-<namespace>` mapped: the previous daemon's (`adopt`, when it has
+        the right size), else a new one of zeros."""
+        path = self.path / f"ranks-{ns_id}"
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = -1
+        if adopt:
+            try:
+                fd = os.open(path, flags)
+                if os.fstat(fd).st_size != nbytes:
+                    os.close(fd)
+                    fd = -1
+            except OSError:
+                fd = -1
+        if fd < 0:
+            path.unlink(missing_ok=True)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, nbytes)
+        try:
+            return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ the record
     def read(self) -> Manifest | None:
@@ -253,7 +331,8 @@ class StateDir:
         for name in names:
             if name == SESSIONS:
                 continue
-            if name == STATE_FILE or name.startswith(("pool", "index-")) or name.endswith(".new"):
+            if name == STATE_FILE or name.startswith(("pool", "index-", "ranks-")) \
+                    or name.endswith(".new"):
                 with contextlib.suppress(FileNotFoundError):
                     (self.path / name).unlink()
                     removed += 1

@@ -30,7 +30,8 @@ from kvd_server.namespaces import Held, Namespace
 from kvd_server.peer import process_start, same_process
 from kvd_server.pool import HostPool
 from kvd_server.restart.adopt import check_index
-from kvd_server.restart.state import Manifest, NamespaceRecord, SessionRecord, StateDir
+from kvd_server.restart.fdstore import FdStore
+from kvd_server.restart.state import Keeper, Manifest, NamespaceRecord, SessionRecord, StateDir
 from kvd_server.shm_index import ShmIndex
 from kvd_server.stats import RestartStats
 
@@ -59,9 +60,11 @@ class WarmRestart:
 
     def __init__(self, config: Config, *, cold: bool = False) -> None:
         self.config = config
-        self.dir = StateDir(config.restart.directory)
+        self.dir: Keeper = FdStore() if config.restart.store == "systemd" else \
+            StateDir(config.restart.directory)
         self.dir.prepare()
-        self.stats = RestartStats(enabled=True, directory=str(self.dir.path))
+        self.backing = "memfd" if config.restart.store == "systemd" else "file"
+        self.stats = RestartStats(enabled=True, directory=self.dir.where)
         self._previous: Manifest | None = None
         self._cold = cold
         self._manifest: Manifest | None = None     # set by `begin`, once extents are known
@@ -93,12 +96,12 @@ class WarmRestart:
         if self._cold and previous is not None:
             reason = "kvd serve --cold"
         if previous is None and not reason:
-            log.info("warm restart: nothing to adopt in %s (a first start)", self.dir.path)
+            log.info("warm restart: nothing to adopt in %s (a first start)", self.dir.where)
         elif reason:
             removed = self.dir.clear()
             self.stats.cold_reason = reason
             log.warning("warm restart: starting cold, %s; removed the %d files the previous "
-                        "daemon left in %s", reason, removed, self.dir.path)
+                        "daemon left in %s", reason, removed, self.dir.where)
             previous = None
         self._previous = previous
         # What is adopted stays on record from the start: a daemon killed while it adopts
@@ -116,7 +119,7 @@ class WarmRestart:
         """The tenant's pool file: the previous daemon's, as it left it, or a fresh one."""
         assert self._manifest is not None, "begin() first"
         adopt_id = self._previous.tenants.get(tenant, "") if self._previous else ""
-        pool = HostPool.warm(str(self.dir.pool_path(tenant)), size, adopt_id)
+        pool = self.dir.pool(tenant, size, adopt_id)
         self._manifest.tenants[tenant] = pool.pool_id
         self.dir.write(self._manifest)
         return pool
@@ -124,10 +127,18 @@ class WarmRestart:
     # ------------------------------------------------------------------ files (NamespaceTable)
     def index(self, ns_id: str, capacity: int, key_width: int, per_extent: int, stride: int,
               extent_bytes: int) -> ShmIndex:
-        path = self.dir.index_path(ns_id)
-        path.unlink(missing_ok=True)            # a leftover of a namespace never recorded
-        return ShmIndex(capacity, key_width, per_extent, stride, extent_bytes,
-                        name=f"kvd-index-{ns_id[:12]}", path=str(path))
+        return self.dir.index(ns_id, (capacity, key_width, per_extent, stride, extent_bytes),
+                              adopt=False)
+
+    def policy_memory(self, ns_id: str, nbytes: int, *, adopt: bool) -> object | None:
+        """Where the namespace's policy keeps its order (LRU's ranks), beside its index: the
+        previous daemon's when adopting (None if it cannot be had: the order restarts)."""
+        try:
+            return self.dir.policy_memory(ns_id, nbytes, adopt=adopt)
+        except (OSError, ValueError) as exc:
+            log.warning("warm restart: namespace %s keeps its eviction order in memory of its "
+                        "own (%s)", ns_id, exc)
+            return None
 
     def created(self, ns: Namespace) -> None:
         assert self._manifest is not None
@@ -139,8 +150,7 @@ class WarmRestart:
         assert self._manifest is not None
         self._manifest.namespaces.pop(ns.id, None)
         self.dir.write(self._manifest)
-        if ns.index is not None:
-            ns.index.unlink()
+        self.dir.drop_index(ns.id, ns.index)
 
     # ------------------------------------------------------------------ sessions (KvdCore)
     def registered(self, s: Session, ns: Namespace) -> None:
@@ -191,7 +201,7 @@ class WarmRestart:
         log.info("warm restart: adopted %d blocks in %d namespaces from %s in %.3f s%s; "
                  "%d engines of the previous daemon still run (what they may copy is held "
                  "until they are done)", self.stats.blocks_adopted,
-                 self.stats.namespaces_adopted, self.dir.path, self.stats.adopt_seconds,
+                 self.stats.namespaces_adopted, self.dir.where, self.stats.adopt_seconds,
                  "" if not dropped else f"; dropped {dropped} blocks ("
                  + ", ".join(f"{n} {why}" for why, n in self.stats.blocks_dropped.items())
                  + ")", len(self._predecessors))
@@ -200,18 +210,17 @@ class WarmRestart:
         """The namespace of `record` over its index file, or None (its blocks dropped, said)."""
         table = core.namespaces
         extent_bytes = table.extents.extent_bytes
-        path = self.dir.index_path(record.id)
         try:
             layout = record.layout
             stride, per_extent = slot_geometry(extent_bytes, layout.block_bytes)
-            index = ShmIndex(table.extents.total * per_extent, layout.index_key_width,
-                             per_extent, stride, extent_bytes,
-                             name=f"kvd-index-{record.id[:12]}", path=str(path), adopt=True)
+            index = self.dir.index(record.id, (table.extents.total * per_extent,
+                                               layout.index_key_width, per_extent, stride,
+                                               extent_bytes), adopt=True)
         except (OSError, ValueError, TypeError) as exc:
             log.warning("warm restart: namespace %s (%s) starts empty: its index cannot be "
                         "adopted (%s)", record.id, record.model, exc)
             self.stats.namespaces_dropped += 1
-            path.unlink(missing_ok=True)
+            self.dir.drop_index(record.id, None)
             return None
         return table.make(record.id, record.model, layout, record.salt, record.tenant,
                           index=index)
@@ -250,7 +259,8 @@ class WarmRestart:
         now = core.clock()
         for record in self.dir.old_sessions():
             if record.pid > 0 and not same_process(record.pid, record.start):
-                continue                    # died while the daemon was down: holds nothing
+                self.dir.forget_session(record.session)   # died while it was down: holds
+                continue                                  # nothing
             ns = adopted.get(record.namespace)
             held = ns is not None and ns.reclaim is not None
             # A process in another pid namespace (pid 0) cannot be watched: it holds for

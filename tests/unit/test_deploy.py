@@ -46,6 +46,7 @@ def test_systemd_unit_has_required_settings():
         "Type=notify",
         "RuntimeDirectory=kvd",
         "RuntimeDirectoryPreserve=restart",
+        "FileDescriptorStoreMax=",
         "User=kvd",
         "Group=kvd",
         "LimitMEMLOCK=",

@@ -61,3 +61,56 @@ def test_watchdog_interval(monkeypatch):
     assert notify.watchdog_interval() == 2.0
     monkeypatch.setenv("WATCHDOG_PID", "1")
     assert notify.watchdog_interval() is None
+
+
+def test_descriptors_go_to_the_store_with_their_name_and_come_back_by_name(notify_socket,
+                                                                         monkeypatch):
+    r, w = os.pipe()
+    try:
+        assert notify.store_fds("kvd-pool", [r])
+        data, fds, _, _ = socket.recv_fds(notify_socket, 4096, 4)
+        assert data == b"FDSTORE=1\nFDNAME=kvd-pool" and len(fds) == 1
+        os.write(w, b"k")
+        assert os.read(fds[0], 1) == b"k"            # the very pipe, passed along
+        os.close(fds[0])
+        assert notify.remove_fds("kvd-pool")
+        assert notify_socket.recv(4096) == b"FDSTOREREMOVE=1\nFDNAME=kvd-pool"
+    finally:
+        os.close(r)
+        os.close(w)
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    assert notify.store_fds("x", [0]) is False
+
+
+def test_listen_fds_are_named_and_only_for_this_process(monkeypatch):
+    monkeypatch.setenv("LISTEN_PID", str(os.getpid() + 1))
+    monkeypatch.setenv("LISTEN_FDS", "2")
+    assert notify.listen_fds() == {}                  # another process's
+    assert "LISTEN_FDS" not in os.environ             # consumed either way
+    keep = [os.dup(3) if _open(3) else None, os.dup(4) if _open(4) else None]
+    r, w = os.pipe()
+    try:
+        os.dup2(r, 3)
+        os.dup2(w, 4)
+        monkeypatch.setenv("LISTEN_PID", str(os.getpid()))
+        monkeypatch.setenv("LISTEN_FDS", "2")
+        monkeypatch.setenv("LISTEN_FDNAMES", "kvd-pool:kvd-pool")
+        assert notify.listen_fds() == {"kvd-pool": [3, 4]}
+        assert not os.get_inheritable(3)
+    finally:
+        for fd, saved in zip((3, 4), keep, strict=True):
+            if saved is None:
+                os.close(fd)
+            else:
+                os.dup2(saved, fd)
+                os.close(saved)
+        os.close(r)
+        os.close(w)
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True

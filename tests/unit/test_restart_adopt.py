@@ -203,3 +203,25 @@ def test_an_earlier_session_with_nothing_in_flight_is_released_at_once():
     assert old.finished(1) == []
     assert old.finished(1) == ["s2", "s3"]
     assert old.add(None, 3) == []
+
+
+def test_lru_ranks_that_outlived_the_daemon_keep_the_eviction_order():
+    """The previous daemon's ranks (in memory that outlived it) decide the order: the block it
+    used least recently goes first, whatever its slot; a block with no rank ranks after them."""
+    import mmap
+
+    from kvd_server.manager.blocks import BlockTable
+    from kvd_server.manager.policies import make_policy
+
+    idx = index_with({1: key(1), 2: key(2), 3: key(3), 4: key(4)})
+    memory = mmap.mmap(-1, 8 * CAP)
+    ranks = np.frombuffer(memory, dtype=np.int64, count=CAP)
+    for slot, order in ((1, 30), (2, 10), (3, 20)):              # slot 4: never ranked
+        ranks[slot] = (order << 24) | ((1 << 24) - 1)
+    table = BlockTable(idx, CAP)
+    lru = make_policy("lru", CAP, table, memory)
+    ready = np.array([1, 2, 3, 4])
+    table.adopt(ready)
+    lru.adopt(ready)
+    assert lru._next_rank == 31                  # new ranks come after the kept ones
+    assert [k for k, _ in lru.evict(4, set())] == [key(2), key(3), key(1), key(4)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,9 +44,13 @@ def _rank(order: int, position: int = 0) -> int:
 class LRUPolicy(Policy):
     name = LRU
 
-    def __init__(self, capacity: int, table: BlockTable) -> None:
+    def __init__(self, capacity: int, table: BlockTable, ranks: Any = None) -> None:
+        """`ranks`: a buffer of table.capacity int64 that outlives the daemon (warm restart),
+        read by `adopt`; None: zeros of its own."""
         super().__init__(capacity, table)
-        self.rank_array = np.zeros(table.capacity, dtype=np.int64)
+        self.persisted = ranks is not None
+        self.rank_array = np.zeros(table.capacity, dtype=np.int64) if ranks is None else \
+            np.frombuffer(ranks, dtype=np.int64, count=table.capacity)
         self.ranks = memoryview(self.rank_array)
         self._front: list[tuple[int, bytes, int]] = []    # (rank, key, slot), a min-heap
         self._threshold = _NO_THRESHOLD
@@ -159,12 +164,21 @@ class LRUPolicy(Policy):
         self._push(slot)
 
     def adopt(self, slots: np.ndarray) -> None:
+        """With ranks that outlived the previous daemon, its order carries on: adopted blocks
+        keep their ranks, the next rank follows the highest; blocks with no rank (or none
+        kept) rank oldest first in slot order."""
+        kept = self.rank_array[slots] if self.persisted else np.zeros(0, dtype=np.int64)
+        if len(kept) and len(slots):
+            orders = kept >> POSITION_BITS
+            self._next_rank = max(self._next_rank, int(orders.max()))
+            slots = slots[kept <= 0]                     # never ranked: fresh ranks below
         n = len(slots)
         if n + self._next_rank >= self.max_order:
             self._renumber()
-        orders = np.arange(self._next_rank + 1, self._next_rank + n + 1, dtype=np.int64)
-        self.rank_array[slots] = orders * _POS + (_POS - 1)          # _rank(order)
-        self._next_rank += n
+        if n:
+            orders = np.arange(self._next_rank + 1, self._next_rank + n + 1, dtype=np.int64)
+            self.rank_array[slots] = orders * _POS + (_POS - 1)      # _rank(order)
+            self._next_rank += n
         self._front.clear()
         self._threshold = _NO_THRESHOLD       # the next eviction refills the front
 
