@@ -64,7 +64,8 @@ def table(d: dict) -> str:
         big = max(rs["serving"], key=lambda x: x["pool_gib"])
         hits = rs["hits"]
         rows += [
-            (f"warm restart: exec to serving, {big['pool_gib']} GiB adopted "
+            (f"warm restart{' (at ' + rs['commit'] + ')' if rs.get('commit') else ''}: "
+             f"exec to serving, {big['pool_gib']} GiB adopted "
              f"({big['blocks']} blocks; " + ", ".join(
                  f"{x['pool_gib']} GiB {x['exec_to_serving_seconds']:.2f} s"
                  for x in rs["serving"]) + ")",
