@@ -202,3 +202,17 @@ def test_an_index_that_cannot_be_adopted_is_dropped_and_the_rest_served(start_da
     assert json.dumps(metrics)                  # plain JSON in kvd stats --json
     text = daemon.kvd("stats").stdout
     assert "adopted" in text and "16 blocks in 1 namespaces" in text, text
+
+
+def test_a_reset_before_the_restart_is_a_reset_after_it(start_daemon, state_dir):
+    """kvd reset drops every block: the index a restarted daemon adopts shows none."""
+    daemon = _start(start_daemon, state_dir)
+    engine = Engine(daemon.socket, MODEL)
+    assert len(engine.store(keys_for("reset", 8)).keys_to_store) == 8
+    engine.call("CloseSession", kvd_pb2.CloseSessionRequest())
+    engine.close()
+    assert daemon.kvd("reset", "--yes").returncode == 0
+    daemon = _restart(start_daemon, daemon, state_dir)
+    restart = daemon.stats()["restart"]
+    assert restart["adopted"] and restart["blocks_adopted"] == 0, restart
+    assert not restart["cold_reason"]
