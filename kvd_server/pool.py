@@ -162,18 +162,7 @@ class HostPool:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError as exc:
                 raise PoolError(f"cannot open the pool file {path}: {exc.strerror}") from None
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                    raise PoolError(f"{path} is not a regular file of uid {os.geteuid()}")
-                if st.st_size != size:
-                    raise PoolError(f"{path} has {st.st_size} bytes, not the pool's {size}")
-                pool = cls(fd, size, "file", path, True, adopt_id)
-            except (PoolError, OSError) as exc:
-                os.close(fd)
-                raise PoolError(str(exc)) from None
-            pool.adopted = True
-            return pool
+            return cls.adopt(fd, size, "file", adopt_id, path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         _check_room(os.path.dirname(path), size)
@@ -190,6 +179,30 @@ class HostPool:
             Path(path).unlink(missing_ok=True)
             raise PoolError(f"cannot create a pool of {size} bytes in {path}: "
                             f"{exc.strerror}") from None
+
+    @classmethod
+    def adopt(cls, fd: int, size: int, backing: str, pool_id: str,
+              path: str | None = None) -> HostPool:
+        """A previous daemon's pool in `fd` (owned from now on; closed on failure), checked:
+        a regular file of the daemon's uid, the pool's size, and for a memfd its seals against
+        size changes. PoolError says what does not match."""
+        what = path or f"the kept {backing} pool"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise PoolError(f"{what} is not a regular file of uid {os.geteuid()}")
+            if st.st_size != size:
+                raise PoolError(f"{what} has {st.st_size} bytes, not the pool's {size}")
+            if backing == "memfd":
+                wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & wanted != wanted:
+                    raise PoolError(f"{what} is not sealed against size changes")
+            pool = cls(fd, size, backing, path, True, pool_id)
+        except (PoolError, OSError) as exc:
+            os.close(fd)
+            raise PoolError(str(exc)) from None
+        pool.adopted = True
+        return pool
 
     def prefault(self, progress: Callable[[int, int], None] | None = None,
                  stop: threading.Event | None = None) -> bool:

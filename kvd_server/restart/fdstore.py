@@ -136,18 +136,7 @@ class FdStore:
         name = "kvd-" + pool_file_name(tenant)
         fd = self._take(name) if adopt_id else None
         if fd is not None:
-            try:
-                st = os.fstat(fd)
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-                if st.st_size != size or seals & SIZE_SEALS != SIZE_SEALS:
-                    raise PoolError(f"the stored pool {name} has {st.st_size} bytes and seals "
-                                    f"{seals:#x}, not the pool's {size} bytes, sealed")
-                pool = HostPool(fd, size, "memfd", None, True, adopt_id)
-            except (OSError, PoolError) as exc:
-                os.close(fd)
-                raise PoolError(str(exc)) from None
-            pool.adopted = True
-            return pool
+            return HostPool.adopt(fd, size, "memfd", adopt_id)
         pool = HostPool.create(size, "memfd", name=name)
         notify.remove_fds(name)
         if not notify.store_fds(name, [pool.fd]):
