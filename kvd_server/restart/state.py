@@ -8,6 +8,7 @@ Layout of `restart.directory` (state layout version STATE_VERSION, docs/operatio
   index-<namespace>    a namespace's shared index (kvd_proto/index_layout.py, version 1):
                        keys, slot states, generations, the reset and reclaim epochs
   ranks-<namespace>    its LRU ranks (int64 per slot), so the eviction order carries on
+  lock                 flock-ed by the daemon using the directory (one at a time), its pid
   sessions/<id>        one small JSON file per registered engine session: its namespace and
                        its process (pid and start time), removed when the session ends
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1             # this directory's layout; a daemon adopts only its own version
 STATE_FILE = "state.json"
+LOCK_FILE = "lock"                # held (flock) by the daemon that uses the directory
 SESSIONS = "sessions"
 MAX_SESSION_RECORDS = 65536   # what a daemon reads back (more cannot be: max_sessions)
 
@@ -196,6 +199,19 @@ class StateDir:
                                  "to read and change")
             if not os.access(d, os.W_OK | os.X_OK):
                 raise StateError(f"{d} is not writable by uid {os.geteuid()}")
+        # One daemon per directory, for as long as it runs: two would adopt, clear and write
+        # the same pool files under each other.
+        self._lock = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._lock, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock)
+            raise StateError(f"{self.path} is in use by another kvd daemon (pid {holder}); "
+                             "give each daemon its own restart.directory") from None
+        os.ftruncate(self._lock, 0)
+        os.pwrite(self._lock, f"{os.getpid()}\n".encode(), 0)
 
     # ------------------------------------------------------------------ paths
     def pool_path(self, tenant: str) -> Path:

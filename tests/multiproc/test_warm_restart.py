@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from tests.multiproc.offload_engine import (
     open_session,
     store,
 )
-from tests.support.daemon import HEARTBEAT, LIVENESS, clean_env
+from tests.support.daemon import HEARTBEAT, LIVENESS, PY, ROOT, clean_env
 from tests.support.engine import Engine, keys_for
 from tests.support.waits import wait_until
 
@@ -216,3 +217,15 @@ def test_a_reset_before_the_restart_is_a_reset_after_it(start_daemon, state_dir)
     restart = daemon.stats()["restart"]
     assert restart["adopted"] and restart["blocks_adopted"] == 0, restart
     assert not restart["cold_reason"]
+
+
+def test_a_second_daemon_on_the_same_directory_is_refused(start_daemon, state_dir, workdir):
+    first = _start(start_daemon, state_dir)
+    proc = subprocess.run([PY, "-m", "kvd_server", "serve", "--socket",
+                           str(workdir / "other.sock"), *POOL, "--warm-restart",
+                           "--restart-dir", str(state_dir)], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "in use by another kvd daemon" in last and f"pid {first.proc.pid}" in last, last
+    assert first.serving()

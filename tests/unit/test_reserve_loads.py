@@ -42,6 +42,11 @@ def test_a_young_session_holds_at_least_its_initial_size_for_a_window_of_steps()
     assert r.target == DEFAULT_INITIAL
     step(r, 40, refill=40)                           # a whole window seen
     assert r.target == int(1.5 * 40)
+    small = StoreReserve()
+    small.size_for(600)                              # a small pool: a sixteenth of it
+    for _ in range(3):
+        step(small, 10, refill=10)
+    assert small.target == 600 // 16
     burst = StoreReserve()
     burst.granted(list(range(DEFAULT_INITIAL)))
     step(burst, 2 * DEFAULT_INITIAL)                 # more than it holds: declined, counted
