@@ -181,7 +181,7 @@ def test_session_records_and_a_cold_start_clear(tmp_path: Path):
     for name in ("pool", "pool.abc", "index-n1", "state.json", "unrelated"):
         (tmp_path / name).write_bytes(b"x")
     assert d.clear() == 4
-    assert sorted(os.listdir(tmp_path)) == ["sessions", "unrelated"]
+    assert sorted(os.listdir(tmp_path)) == ["lock", "sessions", "unrelated"]
     assert d.old_sessions() == []
 
 
