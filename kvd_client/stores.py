@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import is_, itemgetter
 
 from .index_reader import STATE_READY
 
@@ -35,15 +37,23 @@ class Shared:
 
 
 Store = tuple[int, Shared]      # a store in flight: (slot offset, its call's record)
+_SHARED = itemgetter(1)
+
+
+def _values(keys: Sequence[bytes], table: dict[bytes, Store]) -> tuple[Store, ...]:
+    """`table[k]` for every key, in one C-level call (KeyError if one is missing)."""
+    got = itemgetter(*keys)(table)
+    return got if len(keys) > 1 else (got,)
 
 
 class StoreTracker:
     def __init__(self) -> None:
         self.stores: dict[bytes, Store] = {}       # key -> store (kvd_proto.native reads it)
         self.completed: set[bytes] = set()         # of those, the copies that finished
-        # completed stores in completion order, (seq, key, store), to forget once the daemon
-        # has read them
-        self._settling: collections.deque[tuple[int, bytes, Store]] = collections.deque()
+        # completed stores in completion order, (seq, keys, their stores) per completion, to
+        # forget once the daemon has read them
+        self._settling: collections.deque[tuple[int, tuple[bytes, ...], tuple[Store, ...]]] = \
+            collections.deque()
         self._stale: dict[int, list[bytes]] = {}   # reset epoch -> keys in flight at a reset
         self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
         # key -> the slot of its store that failed, until the daemon has read the failure
@@ -108,6 +118,10 @@ class StoreTracker:
         that were no store of this session). Those of an unknown epoch wait (`reset_done`).
         `seq`: the step whose records tell the daemon (a failure is the engine's own until
         then, see the module doc)."""
+        if success and keys:
+            done = self._complete_call(keys)
+            if done is not None:
+                return done, 0
         by_reset: dict[int, list[bytes]] = {}
         stores, completed, settling = self.stores, self.completed, self._settling
         unknown = 0
@@ -119,7 +133,7 @@ class StoreTracker:
             shared = store[1]
             if success:
                 completed.add(key)           # lookups answer HIT from now on
-                settling.append((shared.seq, key, store))
+                settling.append((shared.seq, (key,), (store,)))
             else:
                 del stores[key]
                 completed.discard(key)
@@ -132,16 +146,41 @@ class StoreTracker:
             by_reset.setdefault(shared.reset_epoch, []).append(key)
         return by_reset, unknown
 
+    def _complete_call(self, keys: Sequence[bytes]) -> dict[int, list[bytes]] | None:
+        """The common completion, without per-key Python: every key a store of this session
+        made by one call (one `Shared`) of a known epoch, completing at once. None: not so
+        (the caller takes the key-by-key path)."""
+        try:
+            got = _values(keys, self.stores)
+        except KeyError:
+            return None
+        shared = got[0][1]
+        if shared.reset_epoch == UNKNOWN_EPOCH or \
+                not all(map(is_, map(_SHARED, got), repeat(shared, len(got)))):
+            return None
+        keys = tuple(keys)
+        self.completed.update(keys)               # lookups answer HIT from now on
+        self._settling.append((shared.seq, keys, got))
+        return {shared.reset_epoch: list(keys)}
+
     def settle(self, acked: int) -> None:
         """Completed stores the daemon has read are answered by the index from now on (in
         completion order: one not read yet keeps the later ones a little longer, which only
         sends their lookups down the slow path)."""
-        settling, stores = self._settling, self.stores
+        settling, stores, completed = self._settling, self.stores, self.completed
         while settling and settling[0][0] <= acked:
-            _, key, store = settling.popleft()
-            if stores.get(key) is store:
-                del stores[key]
-                self.completed.discard(key)
+            _, keys, got = settling.popleft()
+            try:                                  # one call's stores, all still ours
+                if all(map(is_, _values(keys, stores), got)):
+                    collections.deque(map(stores.__delitem__, keys), 0)
+                    completed.difference_update(keys)
+                    continue
+            except KeyError:
+                pass
+            for key, store in zip(keys, got, strict=True):
+                if stores.get(key) is store:
+                    del stores[key]
+                    completed.discard(key)
         failing, failed = self._failing, self.failed
         while failing and failing[0][0] <= acked:
             _, key, offset = failing.popleft()
