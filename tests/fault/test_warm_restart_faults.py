@@ -1,6 +1,7 @@
 """Warm restart under fire: engine processes on the fast path keep storing, loading and
 resetting (tests/fault/warm_worker.py) while the daemon is SIGKILLed at random moments (mid-
-store, mid-eviction: the pool is small; mid-reset) and restarted on the same directory.
+store, mid-eviction: the pool is small; mid-reset) and restarted on the same directory, or
+through systemd's descriptor store with the test playing systemd.
 
 What must hold, in every round: every block the new daemon serves is byte-exact (the engines
 check every load, those in flight across a restart included, and a verifier loads every HIT
@@ -30,6 +31,7 @@ from tests.fault.warm_worker import universe
 from tests.multiproc.offload_engine import namespace, readline_within, wait_idle
 from tests.support.daemon import HEARTBEAT, LIVENESS, PY, ROOT, clean_env
 from tests.support.engine import Engine, block_bytes_of
+from tests.support.systemd import FakeSystemd
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
@@ -122,9 +124,35 @@ def _ready(doc: dict, model: str) -> int:
     return namespace(doc, model)["blocks"]["ready"]
 
 
-def test_the_daemon_killed_at_random_moments_keeps_serving_exact_bytes(start_daemon, state_dir):
+@pytest.fixture(params=["directory", "systemd"])
+def launch(request, start_daemon, state_dir, workdir):
+    """Start (or start again) the daemon with warm restart in one store: a directory, or
+    systemd's descriptor store with this test playing systemd (tests/support/systemd.py)."""
+    if request.param == "directory":
+        yield lambda socket=None: start_daemon(*_args(state_dir), env=ENV, socket=socket)
+        return
+    unit = FakeSystemd(workdir)
+    started = []
+
+    def start(socket=None):
+        daemon = unit.start(workdir, socket or str(workdir / "kvd.sock"), *POOL,
+                            KVD_RESTART_HOLD_TIMEOUT="1s")
+        started.append(daemon)
+        return daemon
+
+    try:
+        yield start
+    finally:
+        for daemon in started:
+            daemon.close()
+        unit.close()
+        for daemon in started:
+            assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_the_daemon_killed_at_random_moments_keeps_serving_exact_bytes(launch):
     rng = random.Random(20261126)
-    daemon = start_daemon(*_args(state_dir), env=ENV)
+    daemon = launch()
     socket = daemon.socket
     duration = 2.0 + 1.5 * ROUNDS
     workers = _workers(socket, "fire", duration)
@@ -133,7 +161,7 @@ def test_the_daemon_killed_at_random_moments_keeps_serving_exact_bytes(start_dae
             time.sleep(rng.uniform(0.5, 1.2))
             daemon.proc.kill()                  # wherever it was: storing, evicting, resetting
             daemon.proc.wait(20)
-            daemon = start_daemon(*_args(state_dir), env=ENV, socket=socket)
+            daemon = launch(socket)
             restart = daemon.stats()["restart"]
             assert restart["adopted"] and not restart["cold_reason"], restart
             record("warm restarts")
@@ -157,7 +185,7 @@ def test_the_daemon_killed_at_random_moments_keeps_serving_exact_bytes(start_dae
     # Killed once more with nothing running: the same blocks come back and hit again.
     daemon.proc.kill()
     daemon.proc.wait(20)
-    daemon = start_daemon(*_args(state_dir), env=ENV, socket=socket)
+    daemon = launch(socket)
     restart = daemon.stats()["restart"]
     assert restart["blocks_adopted"] == sum(len(v) for v in served.values()), restart
     assert not restart["blocks_dropped"], restart
