@@ -85,41 +85,77 @@ class SessionChannel:
         self.fd = self.wake_fd = -1
 
 
+class _Step:
+    """One engine step's records not in the ring yet, in order."""
+
+    __slots__ = ("seq", "records", "essential")
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.records: list[bytes] = []
+        self.essential = False
+
+
 class Outbox:
-    """Records on their way into a channel, tagged with the engine step (`seq`) they belong
-    to; `acked` is the last step whose every record the daemon has read."""
+    """Records on their way into a channel, by the engine step (`seq`) they belong to;
+    `acked` is the last step whose every record the daemon has read. Kept per step, not per
+    record: a step's records go into the ring with one copy and no per-record Python."""
 
     def __init__(self) -> None:
-        # (seq, record, essential): not in the ring yet. Essential records are the ones an
-        # engine waits for (all but grant requests, counters and returned slots).
-        self._waiting: deque[tuple[int, bytes, bool]] = deque()
+        # Steps whose records are not (all) in the ring yet. Essential records are the ones
+        # an engine waits for (all but grant requests, counters and returned slots).
+        self._waiting: deque[_Step] = deque()
         self._waiting_bytes = 0
-        self._written: deque[tuple[int, int, bool]] = deque()   # (seq, end position, essential)
+        # (seq, end position of its last record written, essential): what the daemon has to
+        # read before it has read that step's records
+        self._written: deque[tuple[int, int, bool]] = deque()
         self.sent = 0                                           # records written, ever
 
+    def _step(self, seq: int) -> _Step:
+        waiting = self._waiting
+        if waiting and waiting[-1].seq == seq:
+            return waiting[-1]
+        step = _Step(seq)
+        waiting.append(step)
+        return step
+
     def put(self, seq: int, data: bytes, essential: bool = True) -> None:
-        self._waiting.append((seq, data, essential))
+        step = self._step(seq)
+        step.records.append(data)
+        step.essential |= essential
         self._waiting_bytes += len(data)
+
+    def put_many(self, seq: int, records: list[bytes], essential: bool = True) -> None:
+        step = self._step(seq)
+        step.records.extend(records)
+        step.essential |= essential
+        self._waiting_bytes += sum(map(len, records))
 
     @property
     def overflowing(self) -> bool:
         return self._waiting_bytes > MAX_WAITING_BYTES
 
     def waiting(self) -> int:
-        return len(self._waiting)
+        return sum(len(step.records) for step in self._waiting)
 
     def flush(self, channel: SessionChannel) -> int:
         """Append what fits, in order, and publish it; how many records are still waiting."""
         waiting, written, writer = self._waiting, self._written, channel.writer
-        if waiting:
-            ends = writer.write_many([data for _, data, _ in waiting])
-            for end in ends:           # each record's end position in the ring: see `acked`
-                seq, data, essential = waiting.popleft()
-                self._waiting_bytes -= len(data)
-                written.append((seq, end, essential))
-            self.sent += len(ends)
+        while waiting:
+            step = waiting[0]
+            ends = writer.write_many(step.records)
+            n = len(ends)
+            if n:
+                written.append((step.seq, ends[-1], step.essential))
+                self.sent += n
+                self._waiting_bytes -= sum(map(len, step.records[:n])) \
+                    if n < len(step.records) else sum(map(len, step.records))
+            if n < len(step.records):
+                del step.records[:n]
+                break
+            waiting.popleft()
         channel.publish()
-        return len(waiting)
+        return self.waiting()
 
     def acked(self, channel: SessionChannel | None, current: int) -> int:
         """The last step (< `current`, the step being built) the daemon has read entirely."""
@@ -132,7 +168,7 @@ class Outbox:
         if written:
             floor = min(floor, written[0][0])
         if self._waiting:
-            floor = min(floor, self._waiting[0][0])
+            floor = min(floor, self._waiting[0].seq)
         return floor - 1
 
     def unread(self, channel: SessionChannel | None) -> bool:
@@ -142,7 +178,7 @@ class Outbox:
             head = channel.read_position
             while written and written[0][1] <= head:
                 written.popleft()
-        return any(e for _, _, e in written) or any(e for _, _, e in self._waiting)
+        return any(e for _, _, e in written) or any(s.essential for s in self._waiting)
 
     def clear(self) -> None:
         self._waiting.clear()
@@ -177,8 +213,7 @@ class Messenger:
     def put(self, records: list[bytes], essential: bool = True) -> None:
         if self.channel is None:
             return
-        for data in records:
-            self.outbox.put(self.seq, data, essential)
+        self.outbox.put_many(self.seq, records, essential)
         self.essential |= essential
 
     def flush(self) -> bool:
