@@ -78,18 +78,21 @@ def test_reserve_store_complete_and_counters_apply_as_their_stepstream_ops(h):
     assert h.service.records["store"] == 1 and h.service.rejected_total == 0
 
 
-def test_each_store_is_replaced_as_it_is_read_not_after_the_turn(h):
-    """A turn behind a burst reads several steps' stores: the reserve is topped up after
-    each (a GRANTED per STORE, in order), so the engine gets slots while the rest is read."""
+def test_a_reserve_run_low_is_replaced_as_each_store_is_read_not_after_the_turn(h):
+    """A turn behind a burst reads several steps' stores: once a store takes the reserve
+    below half its target it is topped up at once (a GRANTED right after that STORE), so the
+    engine gets slots while the rest is read; above half, the turn's one top-up does."""
     s, ch, out = h.engine()
     (granted,) = h.send(ch, out, rec.encode_reserve(4))
     offs = granted.offsets
     answers = h.send(ch, out, rec.encode_store(keys(1), "r", [0], [0], offs[:1]),
                      rec.encode_store(keys(2, 3), "r", [0, 1], [0, 1], offs[1:3]),
-                     rec.encode_request_finished("r"))
-    assert [type(a) for a in answers] == [rec.Granted, rec.Granted]
-    assert [len(a.offsets) for a in answers] == [1, 2]
-    assert len(s.granted) == 4 and not set(offs[:3]) & set(answers[0].offsets + answers[1].offsets)
+                     rec.encode_take_events(16))
+    # 4 -> 3 (no top-up yet) -> 1 (below half: topped up to 4 at once, before the answer to
+    # the next record), then nothing owed at the turn's end.
+    assert [type(a) for a in answers] == [rec.Granted, rec.Events]
+    assert len(answers[0].offsets) == 3
+    assert len(s.granted) == 4 and not set(offs[:3]) & set(answers[0].offsets)
 
 
 def test_a_refused_record_is_answered_and_the_next_one_still_applies(h):
