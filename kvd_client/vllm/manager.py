@@ -60,7 +60,7 @@ class KvdOffloadingManager(OffloadingManager):
         return self.session.client
 
     @staticmethod
-    def _positions(keys: Sequence[bytes], ctx: ReqContext) -> list[int] | None:
+    def _positions(keys: Sequence[bytes], ctx: ReqContext) -> Sequence[int] | None:
         """The keys' token positions (vLLM's public ReqContext.get_offload_key_position),
         which the daemon uses only to order a request's blocks for eviction. The keys of one
         call are almost always consecutive chunks: then three reads (first, middle, last)
@@ -74,7 +74,7 @@ class KvdOffloadingManager(OffloadingManager):
         if first is not None and last is not None and middle is not None:
             step, rest = divmod(last - first, n - 1)
             if step > 0 and not rest and middle == first + step * (n // 2):
-                return list(range(first, last + 1, step))
+                return range(first, last + 1, step)      # type: ignore[return-value]
         positions = list(map(position, keys))
         return None if None in positions else positions  # type: ignore[return-value]
 

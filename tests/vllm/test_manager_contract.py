@@ -91,7 +91,7 @@ def test_positions_come_from_vllms_public_api_only(engines):
     # Not consecutive: every key's position is read, and all are passed on.
     assert KvdOffloadingManager._positions(keys[:3] + keys[10:12], ctx) == \
         [16, 32, 48, 176, 192]
-    assert KvdOffloadingManager._positions(keys[:10], ctx) == [16 * i for i in range(1, 11)]
+    assert list(KvdOffloadingManager._positions(keys[:10], ctx)) == [16 * i for i in range(1, 11)]
     manager.complete_store(keys, ctx, success=True)
     step(manager)
 
