@@ -79,6 +79,7 @@ def lay_out(directory: Path, pool_bytes: int) -> int:
     manifest.namespaces[ns_id] = NamespaceRecord.of(ns_id, "bench-restart", layout, "",
                                                     "default")
     state.write(manifest)
+    state.release()                         # the daemon under test takes the directory
     return capacity
 
 

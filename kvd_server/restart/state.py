@@ -213,6 +213,12 @@ class StateDir:
         os.ftruncate(self._lock, 0)
         os.pwrite(self._lock, f"{os.getpid()}\n".encode(), 0)
 
+    def release(self) -> None:
+        """Let go of the directory's lock (another process may use it from now on)."""
+        lock, self._lock = getattr(self, "_lock", -1), -1
+        if lock >= 0:
+            os.close(lock)
+
     # ------------------------------------------------------------------ paths
     def pool_path(self, tenant: str) -> Path:
         return self.path / pool_file_name(tenant)
