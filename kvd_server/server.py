@@ -292,7 +292,7 @@ class Daemon:
 
     async def run(self) -> int:
         cfg = self.config
-        self._log_summary()
+        log_summary(cfg)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -321,32 +321,6 @@ class Daemon:
                 # Last, after the shutdown's lines: the line an operator reads names the fix.
                 log.error("%s", failure)
 
-    def _log_summary(self) -> None:
-        cfg = self.config
-        log.info("kvd %s starting (pid %d, config %s)", __version__, os.getpid(),
-                 cfg.source or "embedded defaults")
-        if cfg.restart.warm and cfg.restart.store == "systemd":
-            backing = "memfd in systemd's descriptor store (warm restart)"
-        elif cfg.restart.warm:
-            backing = f"file in {cfg.restart.directory} (warm restart)"
-        else:
-            backing = cfg.pool.backing + (f" in {cfg.pool.path}" if cfg.pool.backing == "file"
-                                          else "")
-        log.info("pool: %s %s, prefault=%s, mlock=%s, extents of %s",
-                 format_size(cfg.pool.size), backing, cfg.pool.prefault, cfg.pool.mlock,
-                 format_size(cfg.pool.extent_size))
-        log.info("sockets: %s (gRPC), %s (attach), mode %04o", cfg.server.socket,
-                 cfg.server.attach_socket, cfg.server.socket_mode)
-        log.info("policy %s, heartbeat %s, liveness timeout %s, max %d sessions",
-                 cfg.manager.policy, format_duration(cfg.manager.heartbeat_interval),
-                 format_duration(cfg.manager.liveness_timeout), cfg.server.max_sessions)
-        log.info("metrics: %s", f"http://{cfg.server.metrics_address}:{cfg.server.metrics_port}"
-                 "/metrics" if cfg.server.metrics_port else "off")
-        if not NATIVE:
-            log.warning("the shared index's loops run in pure Python (kvd_proto._native was "
-                        "not built: no C compiler or Python headers at install, or "
-                        "KVD_NATIVE=0); kvd works, more slowly per key")
-
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.request_drain():
             log.info("%s received: draining", signal.Signals(sig).name)
@@ -354,7 +328,10 @@ class Daemon:
     async def _start(self) -> None:
         cfg = self.config
         size = (cfg.pool.size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        warm = self._warm = self._warm_restart(size)
+        try:
+            warm = self._warm = WarmRestart.open(cfg, size, cold=self._cold)
+        except (StateError, OSError) as exc:
+            raise StartupError(f"restart.directory: {exc}") from None
         pools = self.pools = TenantPools(cfg.pool, warm)
         try:
             if not cfg.pool.allow_overcommit and not (warm and warm.adopting):
@@ -424,21 +401,6 @@ class Daemon:
         if cfg.server.admin_listen:
             await self._start_admin_listener(core)
         self._tasks.append(asyncio.create_task(self._sweeper(core), name="kvd-sweeper"))
-
-    def _warm_restart(self, pool_size: int) -> WarmRestart | None:
-        """restart.warm: the directory checked, what a previous daemon left read (adopted
-        later, or removed for a cold start); None when off."""
-        cfg = self.config
-        if not cfg.restart.warm:
-            if self._cold:
-                log.info("--cold: restart.warm is off, every start is cold")
-            return None
-        try:
-            warm = WarmRestart(cfg, cold=self._cold)
-            warm.begin(pool_size, ExtentAllocator(pool_size, cfg.pool.extent_size).extent_bytes)
-        except (StateError, OSError) as exc:
-            raise StartupError(f"restart.directory: {exc}") from None
-        return warm
 
     async def _start_admin_listener(self, core: KvdCore) -> None:
         """The optional remote admin port: KvdAdmin and health only, TLS only, every call
@@ -699,6 +661,33 @@ class Activity:
             parts.append("channel records " + ", ".join(
                 f"{kind} {n}" for kind, n in sorted(new_records.items())))
         return "activity: " + "; ".join(parts) if parts else None
+
+
+def log_summary(cfg: Config) -> None:
+    """What a starting daemon says of itself: version, pool, sockets, policy, metrics."""
+    log.info("kvd %s starting (pid %d, config %s)", __version__, os.getpid(),
+             cfg.source or "embedded defaults")
+    if cfg.restart.warm and cfg.restart.store == "systemd":
+        backing = "memfd in systemd's descriptor store (warm restart)"
+    elif cfg.restart.warm:
+        backing = f"file in {cfg.restart.directory} (warm restart)"
+    else:
+        backing = cfg.pool.backing + (f" in {cfg.pool.path}" if cfg.pool.backing == "file"
+                                      else "")
+    log.info("pool: %s %s, prefault=%s, mlock=%s, extents of %s",
+             format_size(cfg.pool.size), backing, cfg.pool.prefault, cfg.pool.mlock,
+             format_size(cfg.pool.extent_size))
+    log.info("sockets: %s (gRPC), %s (attach), mode %04o", cfg.server.socket,
+             cfg.server.attach_socket, cfg.server.socket_mode)
+    log.info("policy %s, heartbeat %s, liveness timeout %s, max %d sessions",
+             cfg.manager.policy, format_duration(cfg.manager.heartbeat_interval),
+             format_duration(cfg.manager.liveness_timeout), cfg.server.max_sessions)
+    log.info("metrics: %s", f"http://{cfg.server.metrics_address}:{cfg.server.metrics_port}"
+             "/metrics" if cfg.server.metrics_port else "off")
+    if not NATIVE:
+        log.warning("the shared index's loops run in pure Python (kvd_proto._native was "
+                    "not built: no C compiler or Python headers at install, or "
+                    "KVD_NATIVE=0); kvd works, more slowly per key")
 
 
 def _layout(ns: Namespace) -> str:

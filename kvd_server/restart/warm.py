@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvd_server.extents import slot_geometry
+from kvd_server.extents import ExtentAllocator, slot_geometry
 from kvd_server.namespaces import Held, Namespace
 from kvd_server.peer import process_start, same_process
 from kvd_server.pool import HostPool
@@ -73,6 +73,19 @@ class WarmRestart:
         self._ended_held: set[str] = set()        # ended sessions whose process holds
 
     # ------------------------------------------------------------------ start
+    @classmethod
+    def open(cls, config: Config, pool_size: int, *, cold: bool = False) -> WarmRestart | None:
+        """restart.warm: the store checked, what a previous daemon left read (adopted later
+        by `adopt`, or removed for a cold start); None when off. StateError when the store
+        cannot be used."""
+        if not config.restart.warm:
+            if cold:
+                log.info("--cold: restart.warm is off, every start is cold")
+            return None
+        warm = cls(config, cold=cold)
+        warm.begin(pool_size, ExtentAllocator(pool_size, config.pool.extent_size).extent_bytes)
+        return warm
+
     @property
     def adopting(self) -> bool:
         """A previous daemon's files are being adopted (their memory is in use already)."""
