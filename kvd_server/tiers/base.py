@@ -1,0 +1,86 @@
+"""The interface of a tier below the pool, shared by the disk tier and the cluster tier.
+
+A tier is asynchronous: `demote` and `promote` return at once with a Future (or None when the
+tier refuses the work now: full queue, degraded, over quota) and do their I/O on the tier's own
+threads. Callers never wait for a tier on the daemon's event loop: a slow or dead tier costs
+MISSes, never a stalled pool or engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class TierKey:
+    """A block's name in every tier: its namespace (a digest of tenant, model and layout,
+    kvd_server/namespaces.py) and its key within it. `tenant` rides along for quotas."""
+
+    namespace: str
+    key: bytes
+    tenant: str = ""
+
+
+class TierHealth(enum.Enum):
+    OK = "ok"
+    DEGRADED = "degraded"        # I/O failed (disk full, read-only, errors): refuses new work
+
+
+@dataclass(slots=True)
+class TierStats:
+    """A tier's counters, for `kvd stats` and Prometheus (kvd_tier_*{tier=...})."""
+
+    name: str
+    health: TierHealth = TierHealth.OK
+    reason: str = ""                      # why it is degraded ("" when OK)
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hits_total: int = 0                   # promotions that served a block
+    misses_total: int = 0                 # promotions of a key the tier does not hold
+    demotions_total: int = 0              # blocks written
+    demoted_bytes_total: int = 0
+    promotions_total: int = 0             # blocks read back and verified
+    promoted_bytes_total: int = 0
+    demotions_refused_total: int = 0      # queue full, degraded, over quota, too large
+    evictions_total: int = 0              # blocks the tier dropped for room
+    corrupt_total: int = 0                # checksum mismatches: dropped, never served
+    failures_total: int = 0               # I/O errors
+    queue_depth: int = 0                  # demotions and promotions not finished
+    write_seconds_total: float = 0.0      # time the I/O threads spent writing
+    read_seconds_total: float = 0.0
+    by_tenant_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class Tier(Protocol):
+    """A tier below the pool (see the module doc)."""
+
+    name: str
+
+    def contains(self, key: TierKey) -> bool:
+        """Whether the tier holds `key` (a block written and not dropped since)."""
+
+    def demote(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
+        """Write `data` as `key`'s block (the bytes are copied before this returns, so the
+        caller's slot may be reused at once); None when refused now. The Future says whether
+        the block was written."""
+
+    def promote(self, key: TierKey, dest: memoryview) -> Future[bool] | None:
+        """Read `key`'s block into `dest` (exactly its length), verifying its checksum; None
+        when the tier does not hold `key`. The Future says whether `dest` holds the block
+        byte-exact (False: missing, corrupt or an I/O error; a corrupt block is dropped)."""
+
+    def remove(self, key: TierKey) -> bool:
+        """Drop `key`'s block; whether it was held."""
+
+    def remove_namespace(self, namespace: str) -> int:
+        """Drop every block of a namespace (a reset); how many."""
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters."""
+
+    def close(self) -> None:
+        """Finish the I/O in flight, persist the index, let go of the files."""

@@ -1,0 +1,222 @@
+"""The disk tier on real files: byte-exact round trips past its capacity, LRU eviction,
+checksums, its journal across a restart, tenants and quotas, and degrading on bad disks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvd_server.tiers import TierHealth, TierKey
+from kvd_server.tiers.disk import DATA_FILE, JOURNAL_FILE, DiskTier
+from kvd_server.tiers.disk_space import DiskSpace
+
+BLOCK = 64 << 10
+EXTENT = 256 << 10
+SIZE = 1 << 20                    # 16 blocks of 64 KiB
+NS = "ns-a"
+
+
+def block(i: int, n: int = BLOCK) -> bytes:
+    return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
+
+
+def key(i: int, ns: str = NS, tenant: str = "") -> TierKey:
+    return TierKey(ns, f"key-{i}".encode(), tenant)
+
+
+def demote_all(tier: DiskTier, keys: list[TierKey], size: int = BLOCK) -> None:
+    for k in keys:
+        future = tier.demote(k, block(int(k.key[4:]), size))
+        assert future is not None, k
+        assert future.result(timeout=10)
+
+
+def read(tier: DiskTier, k: TierKey, n: int = BLOCK) -> bytes | None:
+    dest = bytearray(n)
+    future = tier.promote(k, memoryview(dest))
+    if future is None or not future.result(timeout=10):
+        return None
+    return bytes(dest)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier(str(tmp_path / "disk"), SIZE, extent_bytes=EXTENT, io_threads=2)
+    yield t
+    t.close()
+
+
+def test_more_than_it_holds_comes_back_byte_exact_newest_first(tier):
+    keys = [key(i) for i in range(40)]
+    demote_all(tier, keys)
+    held = [k for k in keys if tier.contains(k)]
+    assert held == keys[-16:]                      # LRU: the newest 16 of 40
+    for k in held:
+        assert read(tier, k) == block(int(k.key[4:]))
+    assert read(tier, keys[0]) is None
+    st = tier.stats()
+    assert (st.blocks, st.used_bytes, st.demotions_total) == (16, SIZE, 40)
+    assert st.evictions_total == 24 and st.promotions_total == 16 and st.misses_total == 1
+    assert st.health is TierHealth.OK and st.queue_depth == 0
+
+
+def test_a_promotion_keeps_a_block_recent(tier):
+    keys = [key(i) for i in range(16)]
+    demote_all(tier, keys)
+    assert read(tier, keys[0]) == block(0)         # now the most recent
+    demote_all(tier, [key(100)])
+    assert tier.contains(keys[0]) and not tier.contains(keys[1])
+
+
+def test_blocks_survive_a_restart(tmp_path):
+    directory = str(tmp_path / "disk")
+    t = DiskTier(directory, SIZE, extent_bytes=EXTENT)
+    demote_all(t, [key(i) for i in range(10)])
+    t.remove(key(3))
+    t.close()
+    again = DiskTier(directory, SIZE, extent_bytes=EXTENT)
+    try:
+        assert again.stats().blocks == 9
+        assert not again.contains(key(3))
+        for i in (0, 1, 2, 4, 9):
+            assert read(again, key(i)) == block(i)
+        demote_all(again, [key(50)])               # and it goes on from there
+        assert read(again, key(50)) == block(50)
+    finally:
+        again.close()
+
+
+def test_a_corrupt_block_is_dropped_not_served(tier):
+    demote_all(tier, [key(1), key(2)])
+    entry = tier._space.get(key(1))
+    with open(os.path.join(tier.directory, DATA_FILE), "r+b") as f:
+        f.seek(entry.offset + 100)
+        f.write(b"\xff\xfe")
+    assert read(tier, key(1)) is None
+    assert not tier.contains(key(1))
+    assert read(tier, key(2)) == block(2)
+    assert tier.stats().corrupt_total == 1
+
+
+def test_a_torn_journal_tail_loses_only_the_torn_record(tmp_path):
+    directory = str(tmp_path / "disk")
+    t = DiskTier(directory, SIZE, extent_bytes=EXTENT)
+    demote_all(t, [key(i) for i in range(5)])
+    t.close()
+    path = os.path.join(directory, JOURNAL_FILE)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 7)     # the last PUT cut short
+    again = DiskTier(directory, SIZE, extent_bytes=EXTENT)
+    try:
+        assert [again.contains(key(i)) for i in range(5)] == [True] * 4 + [False]
+        assert read(again, key(3)) == block(3)
+    finally:
+        again.close()
+
+
+def test_another_layout_starts_empty(tmp_path, caplog):
+    directory = str(tmp_path / "disk")
+    t = DiskTier(directory, SIZE, extent_bytes=EXTENT)
+    demote_all(t, [key(1)])
+    t.close()
+    again = DiskTier(directory, 2 * SIZE, extent_bytes=EXTENT)
+    try:
+        assert again.stats().blocks == 0 and not again.contains(key(1))
+        assert "starting empty" in caplog.text
+    finally:
+        again.close()
+
+
+def test_tenants_are_kept_apart_and_within_their_quota(tmp_path):
+    quotas = {"small": 2 * BLOCK}
+    t = DiskTier(str(tmp_path / "disk"), SIZE, extent_bytes=EXTENT,
+                 quota_of=lambda tenant: quotas.get(tenant, 0))
+    try:
+        a = [key(i, "ns-small", "small") for i in range(5)]
+        b = [key(i, "ns-big", "big") for i in range(5)]
+        demote_all(t, a + b)
+        assert [t.contains(k) for k in a] == [False, False, False, True, True]
+        assert all(t.contains(k) for k in b)
+        assert t.stats().by_tenant_bytes == {"small": 2 * BLOCK, "big": 5 * BLOCK}
+        # the same key in another namespace is another block
+        assert read(t, key(4, "ns-small", "small")) == block(4)
+        assert t.promote(key(4, "ns-other", "small"), memoryview(bytearray(BLOCK))) is None
+    finally:
+        t.close()
+
+
+def test_block_sizes_share_the_file(tier):
+    small = [key(i) for i in range(8)]
+    for k in small:
+        assert tier.demote(k, block(int(k.key[4:]), 4096)).result(timeout=10)
+    large = [key(100 + i) for i in range(16)]
+    demote_all(tier, large)                       # takes the small blocks' extent back
+    assert all(tier.contains(k) for k in large[-12:])
+    for k in large[-12:]:
+        assert read(tier, k) == block(int(k.key[4:]))
+
+
+def test_remove_namespace_drops_only_it(tier):
+    demote_all(tier, [key(1, "x"), key(2, "x"), key(3, "y")])
+    assert tier.remove_namespace("x") == 2
+    assert not tier.contains(key(1, "x")) and tier.contains(key(3, "y"))
+
+
+def test_a_full_queue_refuses_instead_of_waiting(tmp_path):
+    t = DiskTier(str(tmp_path / "disk"), SIZE, extent_bytes=EXTENT, queue_bytes=BLOCK)
+    try:
+        futures = [t.demote(key(i), block(i)) for i in range(50)]
+        accepted = [f for f in futures if f is not None]
+        assert accepted and len(accepted) < 50
+        assert all(f.result(timeout=10) for f in accepted)
+        assert t.stats().demotions_refused_total == 50 - len(accepted)
+    finally:
+        t.close()
+
+
+def test_an_unusable_directory_degrades_the_tier(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    t = DiskTier(str(blocker / "disk"), SIZE, extent_bytes=EXTENT)
+    try:
+        assert t.demote(key(1), block(1)) is None
+        st = t.stats()
+        assert st.health is TierHealth.DEGRADED and "Not a directory" in st.reason
+        assert st.demotions_refused_total == 1
+        assert t.promote(key(1), memoryview(bytearray(BLOCK))) is None
+    finally:
+        t.close()
+
+
+def test_a_disk_too_small_for_the_tier_degrades_it(tmp_path):
+    huge = 1 << 50                                 # a PiB: no test machine has it free
+    t = DiskTier(str(tmp_path / "disk"), huge, extent_bytes=1 << 30)
+    try:
+        st = t.stats()
+        assert st.health is TierHealth.DEGRADED, st
+        assert t.demote(key(1), block(1)) is None
+    finally:
+        t.close()
+
+
+def test_a_second_daemon_cannot_share_the_directory(tier, tmp_path):
+    other = DiskTier(tier.directory, SIZE, extent_bytes=EXTENT)
+    try:
+        assert other.stats().health is TierHealth.DEGRADED
+        assert "another kvd daemon" in other.stats().reason
+    finally:
+        other.close()
+
+
+def test_space_bookkeeping_frees_extents():
+    space = DiskSpace(SIZE, EXTENT)
+    entries = [space.allocate(key(i), BLOCK)[0] for i in range(16)]
+    for i, e in enumerate(entries):
+        space.ready(e, i)
+    assert space.allocate(key(99), 3 * EXTENT)[0] is None       # larger than an extent
+    for e in entries[:4]:
+        space.release(e)
+    assert space.used_bytes == 12 * BLOCK
+    small, evicted = space.allocate(key(200), 4096)
+    assert small is not None and evicted == []                  # the freed extent, reshaped
