@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from google.protobuf.message import Message
 
     from kvd_proto import kvd_pb2
-    from kvd_server.stats import RestartStats, StatsSnapshot
+    from kvd_server.stats import RestartStats, StatsSnapshot, TierStats
 
 WIDTH = 80
 
@@ -44,6 +44,24 @@ def _uptime(seconds: float) -> str:
     if hours:
         return f"{hours}h {minutes}m {secs}s"
     return f"{minutes}m {secs}s" if minutes else f"{secs}s"
+
+
+def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
+    """A tier below the pool at a glance: health, room, traffic, trouble."""
+    health = t.health if t.health == "ok" else f"{t.health}: {t.reason}"
+    return [
+        ("health", health),
+        ("directory", f"{t.directory} ({'direct' if t.direct_io else 'buffered'} I/O)"),
+        ("used", f"{format_size(t.used_bytes)} of {format_size(t.capacity_bytes)} "
+                 f"({t.blocks} blocks)"),
+        ("demoted", f"{t.demotions_total} blocks, {format_size(t.demoted_bytes_total)} in "
+                    f"{t.write_seconds_total:.2f}s ({t.demotions_refused_total} refused)"),
+        ("promoted", f"{t.promotions_total} blocks, {format_size(t.promoted_bytes_total)} in "
+                     f"{t.read_seconds_total:.2f}s ({t.misses_total} misses)"),
+        ("evictions_total", t.evictions_total),
+        ("trouble", f"{t.corrupt_total} corrupt blocks dropped, {t.failures_total} I/O errors"),
+        ("queue_depth", t.queue_depth),
+    ]
 
 
 def _restart_rows(r: RestartStats) -> list[tuple[str, Any]]:
@@ -136,6 +154,8 @@ def render_stats(snap: StatsSnapshot) -> str:
                                                             "install: slower)"),
     ])
     lines += [""] + _rows("restart", _restart_rows(snap.restart))
+    for tier in snap.tiers:
+        lines += [""] + _rows(f"tier {tier.name}", _tier_rows(tier))
     if snap.tenants:
         lines += [""] + _rows("tenants", [
             (_cut(name, 21), f"{format_size(t.used_bytes)} of "

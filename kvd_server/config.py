@@ -117,12 +117,23 @@ class RestartConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class DiskTierConfig:
+    path: str               # the tier's directory on a local drive ("": no disk tier)
+    size: int               # bytes of its data file (preallocated)
+    extent_size: int        # its files are cut in extents of this size, one block size each
+    io_threads: int         # reads and writes in flight at once
+    queue_size: int         # bytes of demotions and promotions in flight; past it, refused
+    tenant_quota: int       # bytes one tenant may hold on the disk (0: no limit)
+
+
+@dataclass(slots=True, frozen=True)
 class Config:
     server: ServerConfig
     pool: PoolConfig
     manager: ManagerConfig
     tenants: TenantsConfig
     restart: RestartConfig
+    tiers_disk: DiskTierConfig
     source: str = field(default="", compare=False)  # the TOML file read, "" when none
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,8 +141,8 @@ class Config:
         out: dict[str, Any] = {}
         for section in _SECTIONS:
             values = {}
-            for f in dataclasses.fields(getattr(self, section)):
-                value = getattr(getattr(self, section), f.name)
+            for f in dataclasses.fields(getattr(self, _attr(section))):
+                value = getattr(getattr(self, _attr(section)), f.name)
                 kind = _SCHEMA[f"{section}.{f.name}"].kind
                 if kind == "mode":
                     value = f"{value:04o}"
@@ -157,7 +168,13 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SECTIONS = ("server", "pool", "manager", "tenants", "restart")
+_SECTIONS = ("server", "pool", "manager", "tenants", "restart", "tiers.disk")
+_GROUPS = {"tiers"}              # tables that only hold sections: [tiers.disk]
+
+
+def _attr(section: str) -> str:
+    """The Config attribute of a section: `tiers.disk` -> `tiers_disk`."""
+    return section.replace(".", "_")
 
 
 # --- schema --------------------------------------------------------------------------------
@@ -335,6 +352,12 @@ _SCHEMA: dict[str, _Key] = {
     "restart.store": _Key("str", _choice(RESTART_STORES)),
     "restart.directory": _Key("str", _str),
     "restart.hold_timeout": _Key("duration", _duration),
+    "tiers.disk.path": _Key("str", _str),
+    "tiers.disk.size": _Key("size", _size),
+    "tiers.disk.extent_size": _Key("size", _size),
+    "tiers.disk.io_threads": _Key("int", _int(1, 256)),
+    "tiers.disk.queue_size": _Key("size", _size),
+    "tiers.disk.tenant_quota": _Key("size", _size),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)
@@ -359,7 +382,7 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 
 def _flatten(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
-    for section, table in doc.items():
+    for section, table in _sections(doc, source):
         if section not in _SECTIONS:
             hint = did_you_mean(section, _SECTIONS)
             raise ConfigError(f"unknown section [{section}] in {source}{hint}")
@@ -371,6 +394,18 @@ def _flatten(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
                 raise ConfigError(f"unknown key {name} in {source}{did_you_mean(name, _SCHEMA)}")
             flat[name] = value
     return flat
+
+
+def _sections(doc: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
+    """(section, table) of a parsed file, `[tiers.disk]` as the section "tiers.disk"."""
+    out = []
+    for name, table in doc.items():
+        if name in _GROUPS and isinstance(table, dict):
+            for sub, subtable in table.items():
+                out.append((f"{name}.{sub}", subtable))
+        else:
+            out.append((name, table))
+    return out
 
 
 def _read_toml(path: str, source: str) -> dict[str, Any]:
@@ -395,7 +430,8 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             # Names under one of our sections (or a misspelt one: KVD_POLL_SIZE) are ours;
             # other KVD_* names (the client's, KVD_SOCKET, ...) are left alone.
             section = name[len(ENV_PREFIX):].split("_", 1)[0].lower()
-            if section in _SECTIONS or difflib.get_close_matches(section, _SECTIONS, n=1):
+            ours = (*_SECTIONS, *_GROUPS)
+            if section in ours or difflib.get_close_matches(section, ours, n=1):
                 raise ConfigError(f"unknown setting in environment variable {name}"
                                   f"{did_you_mean(name, _ENV_TO_KEY)}")
             continue
@@ -454,11 +490,13 @@ def load_config(
     sections: dict[str, Any] = {}
     if values["restart.directory"]:
         values["restart.directory"] = os.path.abspath(values["restart.directory"])
+    if values["tiers.disk.path"]:
+        values["tiers.disk.path"] = os.path.abspath(values["tiers.disk.path"])
     for name, cls in (("server", ServerConfig), ("pool", PoolConfig),
                       ("manager", ManagerConfig), ("tenants", TenantsConfig),
-                      ("restart", RestartConfig)):
-        kwargs = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(name + ".")}
-        sections[name] = cls(**kwargs)
+                      ("restart", RestartConfig), ("tiers.disk", DiskTierConfig)):
+        kwargs = {k[len(name) + 1:]: v for k, v in values.items() if k.startswith(name + ".")}
+        sections[_attr(name)] = cls(**kwargs)
     return Config(**sections, source=source)
 
 
@@ -522,6 +560,16 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
         if quota < smallest:
             fail("tenants.quotas", f"quota of tenant {tenant!r} ({quota} bytes) is smaller "
                                    f"than one extent ({smallest} bytes, pool.extent_size)")
+    if values["tiers.disk.path"]:
+        disk_extent = values["tiers.disk.extent_size"]
+        if disk_extent < 4096 or disk_extent % 4096:
+            fail("tiers.disk.extent_size", "must be a positive multiple of 4096 bytes")
+        if values["tiers.disk.size"] < disk_extent:
+            fail("tiers.disk.size", f"must be at least one extent ({disk_extent} bytes, "
+                                    "tiers.disk.extent_size)")
+        if values["tiers.disk.queue_size"] < disk_extent // 16:
+            fail("tiers.disk.queue_size", "must hold a few blocks: at least "
+                                          f"{disk_extent // 16} bytes")
     if 0 < values["tenants.default_quota"] < smallest:
         fail("tenants.default_quota", f"must be 0 (no quota) or at least one extent "
                                       f"({smallest} bytes, pool.extent_size)")

@@ -40,6 +40,7 @@ from kvd_server.stats import (
     ServerStats,
     StatsSnapshot,
     TenantStats,
+    TierStats,
     Totals,
     TransferTotals,
 )
@@ -141,6 +142,7 @@ class StatsCollector(Collector):
         yield from _transfers(snap.transfers)
         yield from _channels(snap.channels)
         yield from _restart(snap.restart)
+        yield from _tiers(snap.tiers)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -322,6 +324,55 @@ def _channels(channels: ChannelStats) -> Iterator[Metric]:
                    channels.broken_total)
     yield _gauge("kvd_native", "1 when the shared index's loops run compiled (kvd_proto."
                  "_native), 0 on the pure-Python twins.", 1 if channels.native else 0)
+
+
+_TIER_COUNTERS = (
+    ("kvd_tier_demotions", "Blocks written to the tier (demoted from the pool).",
+     "demotions_total"),
+    ("kvd_tier_demoted_bytes", "Bytes written to the tier.", "demoted_bytes_total"),
+    ("kvd_tier_promotions", "Blocks read back from the tier, checksum verified.",
+     "promotions_total"),
+    ("kvd_tier_promoted_bytes", "Bytes read back from the tier.", "promoted_bytes_total"),
+    ("kvd_tier_hits", "Promotions that served a block.", "hits_total"),
+    ("kvd_tier_misses", "Promotions of a key the tier did not hold.", "misses_total"),
+    ("kvd_tier_demotions_refused", "Demotions refused (queue full, degraded, over quota, "
+     "block larger than an extent): the block was lost instead.", "demotions_refused_total"),
+    ("kvd_tier_evictions", "Blocks the tier dropped for room (LRU, tenant quota).",
+     "evictions_total"),
+    ("kvd_tier_corrupt_blocks", "Blocks that failed their checksum: dropped, never served.",
+     "corrupt_total"),
+    ("kvd_tier_io_failures", "Reads and writes that failed.", "failures_total"),
+    ("kvd_tier_write_seconds", "Time the tier's I/O threads spent writing.",
+     "write_seconds_total"),
+    ("kvd_tier_read_seconds", "Time the tier's I/O threads spent reading (and verifying).",
+     "read_seconds_total"),
+)
+
+
+def _tiers(tiers: list[TierStats]) -> Iterator[Metric]:
+    """Each tier below the pool, labelled by its name (bounded: one per kind of tier)."""
+    if not tiers:
+        return
+    up = GaugeMetricFamily("kvd_tier_up", "1 when the tier takes demotions (0: degraded: "
+                           "a disk full, read-only or failing).", labels=["tier"])
+    capacity = GaugeMetricFamily("kvd_tier_capacity_bytes", "Bytes the tier may hold.",
+                                 labels=["tier"])
+    used = GaugeMetricFamily("kvd_tier_used_bytes", "Bytes of blocks the tier holds.",
+                             labels=["tier"])
+    blocks = GaugeMetricFamily("kvd_tier_blocks", "Blocks the tier holds.", labels=["tier"])
+    queue = GaugeMetricFamily("kvd_tier_queue_depth", "Demotions and promotions not finished.",
+                              labels=["tier"])
+    counters = {name: CounterMetricFamily(name, doc, labels=["tier"])
+                for name, doc, _ in _TIER_COUNTERS}
+    for t in tiers:
+        up.add_metric([t.name], 1.0 if t.health == "ok" else 0.0)
+        capacity.add_metric([t.name], float(t.capacity_bytes))
+        used.add_metric([t.name], float(t.used_bytes))
+        blocks.add_metric([t.name], float(t.blocks))
+        queue.add_metric([t.name], float(t.queue_depth))
+        for name, _, attr in _TIER_COUNTERS:
+            counters[name].add_metric([t.name], float(getattr(t, attr)))
+    yield from (up, capacity, used, blocks, queue, *counters.values())
 
 
 def _restart(restart: RestartStats) -> Iterator[Metric]:

@@ -110,6 +110,7 @@ class NamespaceTable:
         self.tenants = tenants
         self.clock = clock
         self.files: NamespaceFiles | None = None     # warm restart: indexes in files
+        self.on_made: list[Callable[[Namespace], None]] = []   # e.g. a tier joins each
         self._namespaces: dict[str, Namespace] = {}
         self._budgets: dict[str, TenantBudget] = {}     # tenant -> its extent quota
         self.recency = RecencyBudget(MAX_RECORDED_KEYS)
@@ -189,6 +190,8 @@ class NamespaceTable:
                                         policy_memory=memory),
                        index, reclaim)
         self._namespaces[ns_id] = ns
+        for hook in self.on_made:
+            hook(ns)
         return ns
 
     def budget(self, tenant: str) -> TenantBudget:

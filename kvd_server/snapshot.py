@@ -95,6 +95,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
             store_bytes_total=t.store_bytes, store_seconds_total=t.store_seconds),
         channels=facts.channels,
         restart=facts.restart,
+        tiers=list(facts.tiers),
         rpc=dict(sorted(facts.rpc.items())),
     )
 

@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd_server.tiers.base import TierStats
+
 
 @dataclass(slots=True)
 class ServerStats:
@@ -201,6 +203,7 @@ class StatsSnapshot:
     transfers: TransferTotals = field(default_factory=TransferTotals)
     channels: ChannelStats = field(default_factory=ChannelStats)
     restart: RestartStats = field(default_factory=RestartStats)
+    tiers: list[TierStats] = field(default_factory=list)     # below the pool (disk)
     rpc: dict[str, RpcCount] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,6 +233,7 @@ class DaemonFacts:
     rpc: dict[str, RpcCount] = field(default_factory=dict)
     channels: ChannelStats = field(default_factory=ChannelStats)
     restart: RestartStats = field(default_factory=RestartStats)
+    tiers: list[TierStats] = field(default_factory=list)
 
 
 def _load(cls: type, value: Any) -> Any:

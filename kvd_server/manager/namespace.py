@@ -12,7 +12,7 @@ is recorded apart (manager/requests.py), so are the events (manager/events.py).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,11 @@ class NamespaceManager:
         self._evictable = 0
         self._zombies = Zombies()
         self.requests = RequestLog(self.policy, budget)
+        # A tier below the pool (kvd_server/tiers/demotion.py): given the evicted (key, slot)
+        # pairs before their slots are freed, it copies what it takes and returns those keys
+        # (their removed events wait until no tier holds them: `lost_below`).
+        self.below: Callable[[Sequence[tuple[bytes, int]]], Collection[bytes]] | None = None
+        self.below_reset: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -223,14 +228,28 @@ class NamespaceManager:
         if victims is None:
             return None
         self._evictable -= len(victims)
+        kept = self.below(victims) if self.below is not None else ()
         evicted = []
         for key, slot in victims:
             self.table.drop(slot)
             self.slots.free(slot)
             evicted.append(key)
         self.counters.evictions_total += len(victims)
-        self._emit(OffloadEvent(tuple(evicted), removed=True))
+        self._emit_removed(evicted, kept)
         return evicted
+
+    def _emit_removed(self, keys: Sequence[bytes], kept: Collection[bytes]) -> None:
+        gone = tuple(k for k in keys if k not in kept) if kept else tuple(keys)
+        if gone:
+            self._emit(OffloadEvent(gone, removed=True))
+
+    def lost_below(self, keys: Sequence[bytes]) -> None:
+        """Blocks a tier below held are gone from it (evicted there, corrupt, a failed
+        write): removed events for those the pool does not hold either."""
+        find = self.table.find
+        gone = tuple(k for k in keys if find(k) < 0)
+        if gone:
+            self._emit(OffloadEvent(gone, removed=True))
 
     def _start_stores(self, keys: Sequence[bytes], slots: Sequence[int],
                       state: RequestState) -> None:
@@ -365,13 +384,15 @@ class NamespaceManager:
         if not slots:
             return True
         keys = tuple(self.table.key_of(slot) for slot in slots)
+        kept = self.below(list(zip(keys, slots, strict=True))) if self.below is not None \
+            else ()
         for slot in slots:
             self.policy.remove(slot)
             self.table.drop(slot)
             self.slots.free(slot)
         self._evictable -= len(slots)
         self.counters.evictions_total += len(slots)
-        self._emit(OffloadEvent(keys, removed=True))
+        self._emit_removed(keys, kept)
         return True
 
     # ----------------------------------------------------------------- events
@@ -394,6 +415,8 @@ class NamespaceManager:
         """Drop every block; blocks still being copied become zombies. Returns blocks dropped."""
         table = self.table
         dropped = len(table)
+        if self.below_reset is not None:         # a reset drops what the tiers hold too
+            self.below_reset()
         freed = self._zombies.take_over(self.epoch, table)
         self.policy.clear()
         table.clear()

@@ -24,7 +24,9 @@ class TierKey:
     tenant: str = ""
 
 
-class TierHealth(enum.Enum):
+class TierHealth(enum.StrEnum):
+    """A str, so the stats document carries it as "ok" / "degraded"."""
+
     OK = "ok"
     DEGRADED = "degraded"        # I/O failed (disk full, read-only, errors): refuses new work
 
@@ -33,8 +35,8 @@ class TierHealth(enum.Enum):
 class TierStats:
     """A tier's counters, for `kvd stats` and Prometheus (kvd_tier_*{tier=...})."""
 
-    name: str
-    health: TierHealth = TierHealth.OK
+    name: str = ""
+    health: str = TierHealth.OK
     reason: str = ""                      # why it is degraded ("" when OK)
     capacity_bytes: int = 0
     used_bytes: int = 0
@@ -53,6 +55,8 @@ class TierStats:
     write_seconds_total: float = 0.0      # time the I/O threads spent writing
     read_seconds_total: float = 0.0
     by_tenant_bytes: dict[str, int] = field(default_factory=dict)
+    directory: str = ""                   # where its files are (a local tier)
+    direct_io: bool = False               # O_DIRECT (False: the filesystem has none)
 
 
 class Tier(Protocol):

@@ -80,7 +80,8 @@ class DiskTier:
         self._clock = clock
         self._lock = threading.Lock()
         self._space = DiskSpace(self.size, extent_bytes, quota_of)
-        self._stats = TierStats(self.name, capacity_bytes=self.size)
+        self._stats = TierStats(self.name, capacity_bytes=self.size, directory=self.directory)
+        self.on_dropped: Callable[[list[TierKey]], None] | None = None   # evicted, corrupt
         self._in_flight = 0              # bytes of buffers in flight
         self._retry_at = 0.0
         self.direct = False
@@ -257,6 +258,15 @@ class DiskTier:
         self._stats.evictions_total += len(entries)
         for entry in entries:
             self._journal_delete(entry)
+        self._tell_dropped([e.key for e in entries])
+
+    def _tell_dropped(self, keys: list[TierKey]) -> None:
+        """Blocks the tier let go of by itself (the daemon emits their removed events)."""
+        if self.on_dropped is not None and keys:
+            try:
+                self.on_dropped(keys)
+            except Exception:  # the tier's bookkeeping must go on whatever the hook does
+                log.exception("disk tier: the dropped-blocks hook failed")
 
     def _journal_delete(self, entry: Entry) -> None:
         if self._journal is not None:
@@ -313,8 +323,9 @@ class DiskTier:
                 st.corrupt_total += 1
                 log.warning("disk tier %s: a block failed its checksum: dropped, not served",
                             self.directory)
-            if not good:
+            if not good and not entry.dropped:
                 entry.dropped = True
+                self._tell_dropped([entry.key])
             if entry.dropped:
                 if entry.readers == 0:
                     self._journal_delete(entry)
@@ -359,6 +370,7 @@ class DiskTier:
             st.used_bytes = self._space.used_bytes
             st.blocks = len(self._space.entries)
             st.by_tenant_bytes = dict(self._space.tenant_bytes)
+            st.direct_io = self.direct
             return TierStats(**{f: getattr(st, f) for f in st.__slots__})
 
     # -------------------------------------------------------------- lifecycle

@@ -54,7 +54,7 @@ def test_every_default_key_is_commented_and_documented():
     lines = text.splitlines()
     doc = (ROOT / "docs" / "configuration.md").read_text()
     for key in KEYS:
-        name = key.split(".", 1)[1]
+        name = key.rsplit(".", 1)[1]
         index = next(i for i, line in enumerate(lines) if line.startswith(f"{name} ="))
         while lines[index - 1] and lines[index - 1][0].isalpha():  # a group of related keys
             index -= 1
@@ -207,5 +207,5 @@ def test_dict_rendering_is_json_with_base_units():
     assert doc["pool"]["size"] == 1 << 30
     assert doc["manager"]["liveness_timeout"] == 10.0
     assert doc["server"]["socket_mode"] == "0660"
-    assert set(doc) == {"server", "pool", "manager", "tenants", "restart"}
+    assert set(doc) == {"server", "pool", "manager", "tenants", "restart", "tiers.disk"}
     assert sum(len(v) for v in doc.values()) == len(KEYS)

@@ -1,0 +1,104 @@
+"""Joins a tier to the daemon: what the pool evicts goes down to it, what it drops is told.
+
+Every namespace gets the tier as its `below` (kvd_server/manager/namespace.py): the blocks its
+policy evicts are handed to `Tier.demote` before their slots are freed (the tier copies them at
+once, then writes them on its own threads), and their removed events wait until no tier holds
+them. A demotion that fails later, and a block the tier itself evicts or finds corrupt, is
+told to its namespace on the daemon's event loop (`lost_below`: a removed event when the pool
+does not hold it either). A namespace's reset drops its blocks from the tier too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from kvd_server.errors import NotFound
+from kvd_server.tiers.base import Tier, TierKey
+
+if TYPE_CHECKING:
+    from kvd_server.config import Config
+    from kvd_server.namespaces import Namespace, NamespaceTable
+    from kvd_server.tenant_pools import TenantPools
+
+log = logging.getLogger(__name__)
+
+
+class Demoter:
+    """One tier below the pool, joined to a daemon's namespaces (see the module doc)."""
+
+    def __init__(self, tier: Tier, namespaces: NamespaceTable, pools: TenantPools,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.tier = tier
+        self._namespaces = namespaces
+        self._pools = pools
+        self._loop = loop
+        tier.on_dropped = self._dropped_async            # type: ignore[attr-defined]
+        namespaces.on_made.append(self.join)
+        for ns in namespaces:
+            self.join(ns)
+
+    def join(self, ns: Namespace) -> None:
+        """Make the tier the namespace's `below`."""
+        ns.mgr.below = lambda victims, _ns=ns: self._demote(_ns, victims)
+        ns.mgr.below_reset = lambda _ns=ns: self.tier.remove_namespace(_ns.id)
+
+    def _demote(self, ns: Namespace, victims: Sequence[tuple[bytes, int]]) -> Collection[bytes]:
+        """Hand evicted blocks to the tier (on the event loop, before their slots are freed);
+        the keys it took."""
+        kept: set[bytes] = set()
+        n = ns.layout.block_bytes
+        with self._pools.for_tenant(ns.tenant).view() as pool:
+            for key, slot in victims:
+                start = ns.slots.offset(slot)
+                future = self.tier.demote(TierKey(ns.id, key, ns.tenant), pool[start:start + n])
+                if future is None:
+                    continue
+                kept.add(key)
+                future.add_done_callback(lambda f, _key=key, _ns=ns.id: self._written(f, _ns,
+                                                                                       _key))
+        return kept
+
+    def _written(self, future: Future[bool], ns_id: str, key: bytes) -> None:
+        """On an I/O thread: a demotion ended; a failed one loses the block."""
+        if future.cancelled() or future.exception() is not None or not future.result():
+            self._dropped_async([TierKey(ns_id, key)])
+
+    def _dropped_async(self, keys: list[TierKey]) -> None:
+        """From any thread: blocks the tier no longer holds; told on the event loop."""
+        with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
+            self._loop.call_soon_threadsafe(self._lost, keys)
+
+    def _lost(self, keys: list[TierKey]) -> None:
+        by_ns: dict[str, list[bytes]] = {}
+        for k in keys:
+            by_ns.setdefault(k.namespace, []).append(k.key)
+        for ns_id, lost in by_ns.items():
+            try:
+                ns = self._namespaces.get(ns_id)
+            except NotFound:                  # forgotten meanwhile: no one to tell
+                continue
+            ns.mgr.lost_below(lost)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def start_disk_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
+                    loop: asyncio.AbstractEventLoop) -> Demoter | None:
+    """The configured disk tier ([tiers.disk]), joined to the namespaces; None without one.
+    A tier whose directory cannot be used starts degraded (logged): the daemon serves."""
+    disk = cfg.tiers_disk
+    if not disk.path:
+        return None
+    from kvd_server.tiers.disk import DiskTier
+
+    quota = disk.tenant_quota
+    tier = DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
+                    io_threads=disk.io_threads, queue_bytes=disk.queue_size,
+                    quota_of=lambda tenant: quota)
+    return Demoter(tier, namespaces, pools, loop)
