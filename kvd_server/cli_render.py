@@ -48,7 +48,7 @@ def _uptime(seconds: float) -> str:
 
 def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
     """A tier below the pool at a glance: health, room, traffic, trouble."""
-    health = t.health if t.health == "ok" else f"{t.health}: {t.reason}"
+    health = f"{t.health}: {t.reason}" if t.reason else t.health
     return [
         ("health", health),
         ("directory", f"{t.directory} ({'direct' if t.direct_io else 'buffered'} I/O)"),

@@ -382,7 +382,7 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 
 def _flatten(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
-    for section, table in _sections(doc, source):
+    for section, table in _sections(doc):
         if section not in _SECTIONS:
             hint = did_you_mean(section, _SECTIONS)
             raise ConfigError(f"unknown section [{section}] in {source}{hint}")
@@ -396,7 +396,7 @@ def _flatten(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
-def _sections(doc: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
+def _sections(doc: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """(section, table) of a parsed file, `[tiers.disk]` as the section "tiers.disk"."""
     out = []
     for name, table in doc.items():

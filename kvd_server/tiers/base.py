@@ -9,6 +9,7 @@ MISSes, never a stalled pool or engine.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,6 +29,7 @@ class TierHealth(enum.StrEnum):
     """A str, so the stats document carries it as "ok" / "degraded"."""
 
     OK = "ok"
+    OPENING = "opening"          # its files are being opened (at start): refuses new work
     DEGRADED = "degraded"        # I/O failed (disk full, read-only, errors): refuses new work
 
 
@@ -63,6 +65,9 @@ class Tier(Protocol):
     """A tier below the pool (see the module doc)."""
 
     name: str
+    # Told, from any thread, of blocks the tier let go of by itself (its own evictions,
+    # corrupt blocks), so that their removed events go out.
+    on_dropped: Callable[[list[TierKey]], None] | None
 
     def contains(self, key: TierKey) -> bool:
         """Whether the tier holds `key` (a block written and not dropped since)."""

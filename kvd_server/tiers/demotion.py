@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
     from kvd_server.namespaces import Namespace, NamespaceTable
     from kvd_server.tenant_pools import TenantPools
 
-log = logging.getLogger(__name__)
-
 
 class Demoter:
     """One tier below the pool, joined to a daemon's namespaces (see the module doc)."""
@@ -37,7 +34,7 @@ class Demoter:
         self._namespaces = namespaces
         self._pools = pools
         self._loop = loop
-        tier.on_dropped = self._dropped_async            # type: ignore[attr-defined]
+        tier.on_dropped = self._dropped_async
         namespaces.on_made.append(self.join)
         for ns in namespaces:
             self.join(ns)
@@ -100,5 +97,5 @@ def start_disk_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
     quota = disk.tenant_quota
     tier = DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
                     io_threads=disk.io_threads, queue_bytes=disk.queue_size,
-                    quota_of=lambda tenant: quota)
+                    quota_of=lambda tenant: quota, open_now=False)
     return Demoter(tier, namespaces, pools, loop)

@@ -19,6 +19,8 @@ and the engines carry on without it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -33,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvd_server.tiers.base import TierHealth, TierKey, TierStats
 from kvd_server.tiers.disk_journal import Journal, JournalMismatch, Placed
 from kvd_server.tiers.disk_space import DiskSpace, Entry, State, aligned
+from kvd_server.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +71,11 @@ class DiskTier:
 
     def __init__(self, directory: str, size: int, *, extent_bytes: int = DEFAULT_EXTENT_BYTES,
                  io_threads: int = DEFAULT_IO_THREADS, queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 quota_of: Callable[[str], int] | None = None,
+                 quota_of: Callable[[str], int] | None = None, open_now: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`open_now=False` opens the files on the tier's own thread (the daemon: preallocating
+        the data file and replaying the journal must not delay serving); until then, and
+        while degraded, demotions are refused."""
         if size < extent_bytes:
             raise ValueError(f"disk tier size {size} is smaller than one extent "
                              f"({extent_bytes} bytes)")
@@ -77,89 +83,108 @@ class DiskTier:
         self.size = size // extent_bytes * extent_bytes
         self.extent_bytes = extent_bytes
         self.queue_bytes = queue_bytes
+        self._quota_of = quota_of
         self._clock = clock
         self._lock = threading.Lock()
         self._space = DiskSpace(self.size, extent_bytes, quota_of)
-        self._stats = TierStats(self.name, capacity_bytes=self.size, directory=self.directory)
+        self._stats = TierStats(self.name, health=TierHealth.OPENING, capacity_bytes=self.size,
+                                directory=self.directory)
         self.on_dropped: Callable[[list[TierKey]], None] | None = None   # evicted, corrupt
         self._in_flight = 0              # bytes of buffers in flight
         self._retry_at = 0.0
         self.direct = False
-        self._fd = self._lock_fd = -1
+        self._fd = self._lock_fd = -1    # set (under the lock) only once the tier is open
         self._journal: Journal | None = None
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk")
         self._closed = threading.Event()
-        self._try_open()
+        if open_now:
+            self._try_open()
         self._flusher = threading.Thread(target=self._flush_loop, name="kvd-disk-flush",
                                          daemon=True)
         self._flusher.start()
 
     # ------------------------------------------------------------------- files
-    def _try_open(self) -> bool:
-        """Open the tier's files; on failure let go of what was opened and degrade."""
+    def _try_open(self) -> None:
+        """Open the tier's files (off the daemon's event loop); degrade when they cannot be."""
         try:
             self._open()
-            return True
         except OSError as exc:
-            for fd in (self._fd, self._lock_fd):
-                if fd >= 0:
-                    os.close(fd)
-            self._fd = self._lock_fd = -1
-            if self._journal is not None:
-                self._journal.close()
-                self._journal = None
-            self._degrade(_reason(exc))
-            return False
+            with self._lock:
+                self._degrade(_reason(exc))
 
     def _open(self) -> None:
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.directory, LOCK_FILE),
-                                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        """Open, preallocate and replay into local state, then install it under the lock:
+        demotions see either no tier or a whole one. Whatever was opened is closed on failure."""
+        fds: list[int] = []
+        journal: Journal | None = None
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise OSError(errno.EBUSY, f"another kvd daemon uses {self.directory}") from None
-        path = os.path.join(self.directory, DATA_FILE)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        try:
-            self._fd = os.open(path, flags | os.O_DIRECT, 0o600)
-            self.direct = True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:     # a filesystem without direct I/O (tmpfs)
-                raise
-            self._fd = os.open(path, flags, 0o600)
-        if os.fstat(self._fd).st_size != self.size:
-            os.ftruncate(self._fd, self.size)
-        try:
-            os.posix_fallocate(self._fd, 0, self.size)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        self._journal = Journal(os.path.join(self.directory, JOURNAL_FILE), self.size,
-                                self.extent_bytes)
-        try:
-            placed = self._journal.load()
-        except JournalMismatch as why:
-            log.warning("disk tier %s: its journal was %s; starting empty", self.directory, why)
-            os.unlink(self._journal.path)
-            placed = self._journal.load()
-        kept = 0
-        for p in placed:
-            if self._space.adopt(TierKey(p.namespace, p.key, p.tenant), p.offset, p.length,
-                                 p.alloc, p.crc):
-                kept += 1
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            lock_fd = os.open(os.path.join(self.directory, LOCK_FILE),
+                              os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fds.append(lock_fd)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OSError(errno.EBUSY,
+                              f"another kvd daemon uses {self.directory}") from None
+            fd, direct = self._open_data()
+            fds.append(fd)
+            journal = Journal(os.path.join(self.directory, JOURNAL_FILE), self.size,
+                              self.extent_bytes)
+            try:
+                placed = journal.load()
+            except JournalMismatch as why:
+                log.warning("disk tier %s: its journal was %s; starting empty", self.directory,
+                            why)
+                os.unlink(journal.path)
+                placed = journal.load()
+        except BaseException:
+            if journal is not None:
+                with contextlib.suppress(OSError):
+                    journal.close()
+            for fd in fds:
+                os.close(fd)
+            raise
+        space = DiskSpace(self.size, self.extent_bytes, self._quota_of)
+        kept = sum(space.adopt(TierKey(p.namespace, p.key, p.tenant), p.offset, p.length,
+                               p.alloc, p.crc) for p in placed)
         if kept != len(placed):
             log.warning("disk tier %s: %d journal records did not fit the layout; dropped",
                         self.directory, len(placed) - kept)
-        self._stats.blocks = kept
-        log.info("disk tier %s: %s, %d blocks (%d bytes) kept from before, %s I/O",
-                 self.directory, _size(self.size), kept, self._space.used_bytes,
-                 "direct" if self.direct else "buffered (no O_DIRECT here)")
+        with self._lock:
+            self._space, self._journal, self.direct = space, journal, direct
+            self._lock_fd, self._fd = fds
+            self._stats.health, self._stats.reason = TierHealth.OK, ""
+        log.info("disk tier %s: %s, %d blocks (%s) kept from before, %s I/O", self.directory,
+                 format_size(self.size), kept, format_size(space.used_bytes),
+                 "direct" if direct else "buffered (no O_DIRECT here)")
+
+    def _open_data(self) -> tuple[int, bool]:
+        """The data file, preallocated: (its descriptor, whether it does direct I/O)."""
+        path = os.path.join(self.directory, DATA_FILE)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:     # a filesystem without direct I/O (tmpfs)
+                raise
+            fd, direct = os.open(path, flags, 0o600), False
+        try:
+            if os.fstat(fd).st_size != self.size:
+                os.ftruncate(fd, self.size)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, direct
 
     # ----------------------------------------------------------------- health
     def _degrade(self, reason: str) -> None:
+        """Under the lock: refuse demotions for RETRY_S (an unopened tier: open again then)."""
         st = self._stats
         if st.health is not TierHealth.DEGRADED or st.reason != reason:
             log.warning("disk tier %s degraded (%s): demotions refused for %.0fs; the pool "
@@ -168,14 +193,10 @@ class DiskTier:
         self._retry_at = self._clock() + RETRY_S
 
     def _usable(self) -> bool:
+        """Under the lock: whether demotions are taken now."""
         st = self._stats
         if self._fd < 0 or self._closed.is_set():
-            if self._fd < 0 and not self._closed.is_set() and self._clock() >= self._retry_at:
-                if not self._try_open():
-                    return False
-                st.health, st.reason = TierHealth.OK, ""
-                return True
-            return False
+            return False                   # not open (yet, or any more): the flusher opens
         if st.health is TierHealth.DEGRADED:
             if self._clock() < self._retry_at:
                 return False
@@ -215,16 +236,15 @@ class DiskTier:
 
     def _write(self, entry: Entry, buf: mmap.mmap) -> bool:
         t0 = time.perf_counter()
+        crc, error = 0, None
         try:
             written = os.pwritev(self._fd, [buf], entry.offset)
             if written != entry.alloc:
                 raise OSError(errno.EIO, f"short write ({written} of {entry.alloc} bytes)")
             crc = zlib.crc32(memoryview(buf)[:entry.length])
-            error = None
         except OSError as exc:
             error = exc
-        finally:
-            seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         buf.close()
         st = self._stats
         with self._lock:
@@ -300,16 +320,14 @@ class DiskTier:
         good = False
         try:
             got = os.preadv(self._fd, [buf], entry.offset)
-            view = memoryview(buf)[:entry.length]
-            good = got == entry.alloc and zlib.crc32(view) == entry.crc
-            if good:
-                dest[:] = view
-            view.release()
+            with memoryview(buf)[:entry.length] as view:
+                good = got == entry.alloc and zlib.crc32(view) == entry.crc
+                if good:
+                    dest[:] = view
         except OSError as exc:
             error = exc
-        finally:
-            seconds = time.perf_counter() - t0
-            buf.close()
+        seconds = time.perf_counter() - t0
+        buf.close()
         st = self._stats
         with self._lock:
             st.queue_depth -= 1
@@ -371,12 +389,17 @@ class DiskTier:
             st.blocks = len(self._space.entries)
             st.by_tenant_bytes = dict(self._space.tenant_bytes)
             st.direct_io = self.direct
-            return TierStats(**{f: getattr(st, f) for f in st.__slots__})
+            return dataclasses.replace(st)
 
     # -------------------------------------------------------------- lifecycle
     def _flush_loop(self) -> None:
-        while not self._closed.wait(FLUSH_S):
+        """The tier's housekeeping thread: opens the files (at start and again after a failed
+        open, every RETRY_S), fsyncs and compacts the journal."""
+        while not self._closed.is_set():
+            if self._fd < 0 and self._clock() >= self._retry_at:
+                self._try_open()
             self._flush()
+            self._closed.wait(FLUSH_S)
 
     def _flush(self) -> None:
         with self._lock:
@@ -414,10 +437,3 @@ class DiskTier:
                     os.close(fd)
             self._fd = self._lock_fd = -1
 
-
-def _size(n: int) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        scale = 1 << {"TiB": 40, "GiB": 30, "MiB": 20, "KiB": 10}[unit]
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n} bytes"

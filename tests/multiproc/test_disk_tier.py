@@ -35,6 +35,8 @@ def _read(tier: DiskTier, key: TierKey) -> bytes | None:
 def test_evicted_blocks_are_demoted_byte_exact_and_outlive_the_daemon(start_daemon, tmp_path):
     disk = tmp_path / "disk"
     daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+    wait_until(lambda: daemon.stats()["tiers"][0]["health"] == "ok", 20,
+               "the disk tier to open its files")
     engine = Engine(daemon.socket)
     keys = keys_for("disk-tier", STORED)
     try:
@@ -77,6 +79,8 @@ def test_an_unusable_tier_directory_degrades_the_tier_not_the_daemon(start_daemo
     blocker.write_text("not a directory")
     daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
                           env=_env(blocker / "disk"))
+    wait_until(lambda: daemon.stats()["tiers"][0]["health"] == "degraded", 20,
+               "the disk tier to find its directory unusable")
     engine = Engine(daemon.socket)
     try:
         keys = keys_for("degraded", 200)

@@ -4,6 +4,7 @@ checksums, its journal across a restart, tenants and quotas, and degrading on ba
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -220,3 +221,18 @@ def test_space_bookkeeping_frees_extents():
     assert space.used_bytes == 12 * BLOCK
     small, evicted = space.allocate(key(200), 4096)
     assert small is not None and evicted == []                  # the freed extent, reshaped
+
+
+def test_a_tier_opened_in_the_background_refuses_until_open(tmp_path):
+    t = DiskTier(str(tmp_path / "disk"), SIZE, extent_bytes=EXTENT, open_now=False)
+    try:
+        for _ in range(500):                    # the tier's own thread opens the files
+            if t.stats().health == TierHealth.OK:
+                break
+            assert t.demote(key(0), block(0)) is None
+            time.sleep(0.01)
+        assert t.stats().health == TierHealth.OK
+        demote_all(t, [key(1)])
+        assert read(t, key(1)) == block(1)
+    finally:
+        t.close()
