@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from kvd_proto.attach import ROLE_CHANNEL, ROLE_DATAPLANE, ROLE_INDEX
+from kvd_proto.attach import ROLE_BELOW, ROLE_CHANNEL, ROLE_DATAPLANE, ROLE_INDEX
 from kvd_proto.paths import default_socket_path
 from kvd_proto.wire import MAX_OPS_PER_STEP, KvLayout
 
@@ -129,25 +129,35 @@ class KvdClient:
                 self._rate_limited_warning("kvd client queue full; dropping the oldest op")
             self._queue.append(op)
 
-    def map_index(self) -> tuple[int, int] | None:
+    def map_index(self) -> tuple[int, ...] | None:
         """Descriptors of this session's namespace index (read-only) and of its marks file, or
         None (degraded, or a daemon without a shared index). The caller owns them."""
         return self._attach_session(ROLE_INDEX, "no shared index; lookups answer MISS")
 
-    def map_channel(self) -> tuple[int, int] | None:
+    def map_channel(self) -> tuple[int, ...] | None:
         """Descriptors of this session's channel (its rings' memory file, read/write) and of
         the daemon's eventfd for it, or None. The caller owns them."""
         return self._attach_session(ROLE_CHANNEL, "no channel; offload stays off")
 
-    def _attach_session(self, role: str, consequence: str) -> tuple[int, int] | None:
-        """Two descriptors a registered session asks for on the attach socket."""
+    def map_below(self) -> int | None:
+        """The descriptor of this session's namespace's "held below" table (read-only), or
+        None: the daemon has no tier under the pool (or is an older one), or is away."""
+        fds = self._attach_session(ROLE_BELOW, "no tier below the pool is visible; keys "
+                                   "held there answer MISS", 1, quiet="FAILED_PRECONDITION")
+        return fds[0] if fds else None
+
+    def _attach_session(self, role: str, consequence: str, count: int = 2, quiet: str = ""
+                        ) -> tuple[int, ...] | None:
+        """`count` descriptors a registered session asks for on the attach socket; a refusal
+        with the status `quiet` is not warned about."""
         token = self._metadata[0][1] if self._metadata else ""
         if not token or not self.available:
             return None
         try:
-            return session_fds(self.socket_path, role, token, max(self.deadline_s, 1.0))
+            return session_fds(self.socket_path, role, token, max(self.deadline_s, 1.0), count)
         except AttachError as exc:
-            self._rate_limited_warning(f"kvd: {consequence} ({exc.code}: {exc.message})")
+            if exc.code != quiet:
+                self._rate_limited_warning(f"kvd: {consequence} ({exc.code}: {exc.message})")
             return None
 
     def release_held(self, session_id: str) -> None:

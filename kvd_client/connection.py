@@ -1,5 +1,6 @@
 """What a session with the daemon needs before its first step: the namespace's index, the
-session's marks file and channel, and a first grant of slots. Made by whichever thread
+session's marks file and channel, the namespace's "held below" table (a daemon with a tier
+under the pool), and a first grant of slots. Made by whichever thread
 connects (the engine's at start, the client's background thread after a reconnect), never by
 a step; the session adopts it at its next step."""
 
@@ -14,7 +15,7 @@ from kvd_proto import kvd_pb2
 
 from .channel import SessionChannel
 from .client import KvdClient
-from .index_reader import IndexReader, Marks
+from .index_reader import BelowMap, IndexReader, Marks
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +27,14 @@ class Connection:
     marks: Marks
     channel: SessionChannel
     offsets: list[int] = field(default_factory=list)   # slots granted up front
+    below: BelowMap | None = None
 
     def close(self) -> None:
         self.index.close()
         self.marks.close()
         self.channel.close()
+        if self.below is not None:
+            self.below.close()
 
 
 def connect(client: KvdClient, first_grant: int) -> Connection | None:
@@ -63,11 +67,27 @@ def connect(client: KvdClient, first_grant: int) -> Connection | None:
                   "stays off for this session", exc)
         return None
     # Its marks stay 0 ("nothing read") until the first step publishes an epoch.
-    connection = Connection(generation, index, Marks(mapped[1]), channel)
+    connection = Connection(generation, index, Marks(mapped[1]), channel,
+                            below=_map_below(client))
     results = client.step([kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(count=first_grant))])
     if results:
         connection.offsets = list(results[0].grant.slot_offsets)
     return connection
+
+
+def _map_below(client: KvdClient) -> BelowMap | None:
+    """The namespace's "held below" table, where the daemon has one (None: keys held below
+    the pool answer MISS)."""
+    fd = client.map_below()
+    if fd is None:
+        return None
+    try:
+        return BelowMap(fd)
+    except (OSError, ValueError) as exc:
+        os.close(fd)
+        log.warning("kvd daemon handed over a below table this client cannot read (%s); keys "
+                    "held below the pool answer MISS", exc)
+        return None
 
 
 class Handoff:

@@ -13,6 +13,7 @@ import mmap
 import os
 
 from kvd_proto.barrier import fence
+from kvd_proto.below_layout import BelowHeader
 from kvd_proto.index_layout import (
     KEY_LEN_MASK,
     KEY_LEN_SHIFT,
@@ -27,7 +28,7 @@ from kvd_proto.index_layout import (
 )
 from kvd_proto.native import probe
 
-__all__ = ["STATE_FREE", "STATE_READY", "STATE_STORING", "IndexReader", "Marks"]
+__all__ = ["STATE_FREE", "STATE_READY", "STATE_STORING", "BelowMap", "IndexReader", "Marks"]
 
 MEMO_LIMIT = 1 << 17       # keys remembered by `find` (cleared when full: a bound, not a cache
                            # policy; about 25 MiB at the limit)
@@ -147,6 +148,31 @@ class Marks:
         self._view.release()
         with contextlib.suppress(BufferError):
             self._map.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class BelowMap:
+    """A read-only mapping of the namespace's "held below" table (kvd_proto/below_layout.py;
+    owns the descriptor); `kvd_proto.native.Lookups.bind_below` reads it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        size = os.fstat(fd).st_size
+        self.mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            header = BelowHeader.unpack(self.mapping[:64])
+            if header.file_bytes > size:
+                raise ValueError(f"below table of {size} bytes is smaller than its layout "
+                                 "says")
+        except ValueError:
+            self.mapping.close()
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):   # a view alive elsewhere: the GC unmaps it
+            self.mapping.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -98,3 +98,8 @@ def complete_load(keys: Sequence[bytes], req_id: str, epoch: int, limit: int,
 
 def touch(keys: Sequence[bytes], req_id: str, limit: int) -> list[bytes]:
     return [rec.encode_touch(part, req_id) for part in _split(keys, limit)]
+
+
+def promote(keys: Sequence[bytes], limit: int) -> list[bytes]:
+    """PROMOTE: keys answered HIT_PENDING from the "held below" table (distinct already)."""
+    return [rec.encode_promote(keys[start:start + limit]) for start in range(0, len(keys), limit)]

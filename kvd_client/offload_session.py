@@ -5,7 +5,9 @@ An engine's scheduler asks, every step, which blocks are cached, pins the ones i
 reserves slots for the ones it stores and reports what finished. `OffloadSession` answers all
 of that from local state, on the scheduler thread itself:
 
-- lookups read the namespace's shared index (kvd_client/index_reader.py) directly;
+- lookups read the namespace's shared index (kvd_client/index_reader.py) directly; a key
+  only a tier below the pool holds answers HIT_PENDING and is promoted by the daemon
+  (kvd_client/promotions.py), then reads HIT from the index;
 - a HIT stays loadable without a pin round trip: the session publishes, before each step's
   lookups, the oldest reclaim epoch it may still act on (its loads in flight,
   kvd_client/loads.py), and the daemon reuses a freed slot only after every reader has moved
@@ -37,9 +39,10 @@ from .channel import Messenger
 from .client import KvdClient
 from .connection import Handoff, connect
 from .event_inbox import Event, EventInbox
-from .index_reader import STATE_READY, IndexReader, Marks
+from .index_reader import STATE_READY, BelowMap, IndexReader, Marks
 from .loads import LoadTracker
 from .old_copies import OldCopies
+from .promotions import Promotions
 from .reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, StoreReserve
 from .stores import UNKNOWN_EPOCH, StoreTracker
 
@@ -52,7 +55,7 @@ MAX_EVENTS_PER_ASK = 65536
 class Lookup(enum.Enum):
     MISS = "miss"
     HIT = "hit"
-    HIT_PENDING = "hit_pending"  # being stored: not readable yet (vLLM's and the wire's name)
+    HIT_PENDING = "hit_pending"  # being stored or promoted: not readable yet (vLLM's name)
 
 
 class OffloadSession:
@@ -76,6 +79,7 @@ class OffloadSession:
         self._generation = -1
         self._index: IndexReader | None = None
         self._marks: Marks | None = None
+        self._below: BelowMap | None = None
         self._per_record = 1          # keys one record carries (this session's key width)
         self._reset_epoch = 0
         self._pool_id = ""
@@ -87,6 +91,7 @@ class OffloadSession:
         self._loads = LoadTracker()
         self._stores = StoreTracker()
         self._events = EventInbox()
+        self._promotions = Promotions()
         self._reset_pending = 0       # the token of the reset asked for (0: none)
         self._reset_tokens = 0
         self._old = OldCopies()
@@ -146,6 +151,7 @@ class OffloadSession:
         self._hits.clear()
         self._loads.clear()
         self._stores.clear()
+        self._promotions.clear()
         self._reserve.clear()
         self._reset_pending = 0
         self._releases.extend(release)     # nothing of it in flight: let it go at once
@@ -158,9 +164,11 @@ class OffloadSession:
         handoff = self._handoff.take(self._generation)
         if handoff is None:
             return
-        self._index, self._marks = handoff.index, handoff.marks
+        self._index, self._marks, self._below = handoff.index, handoff.marks, handoff.below
         self._msgs.attach(handoff.channel)
         self._lookups.bind(handoff.index.mapping, *handoff.index.header.geometry)
+        if handoff.below is not None:
+            self._lookups.bind_below(handoff.below.mapping)
         self._per_record = messages.per_record(handoff.channel.writer.max_record,
                                                handoff.index.header.key_width)
         self._reserve.size_for(handoff.index.header.capacity)
@@ -172,10 +180,10 @@ class OffloadSession:
 
     def _close_connection(self) -> None:
         self._lookups.unbind()
-        for part in (self._index, self._marks, self._msgs.channel):
+        for part in (self._index, self._marks, self._msgs.channel, self._below):
             if part is not None:
                 part.close()
-        self._index = self._marks = None
+        self._index = self._marks = self._below = None
         self._msgs.attach(None)
 
     def _begin(self) -> None:
@@ -223,6 +231,9 @@ class OffloadSession:
             own: int | None | bool = found[1]
         else:
             own = self._stores.answer(key, found, self._msgs.acked)
+        if own is None and found is None and self._promotions.answer(
+                key, self._msgs.seq, self._msgs.acked, counts.below):
+            own = True                               # held below: promoted on request
         if own is True:
             return self._pending
         if own is None:
@@ -409,6 +420,9 @@ class OffloadSession:
             self._msgs.attach(self._msgs.channel)     # drops what waits: none will be read
             return
         self._put(self._reserve.step_records(), essential=False)
+        promote = self._promotions.take()
+        if promote:
+            self._put(messages.promote(promote, self._per_record))
         self._report_counts()
         if self.enable_events and self._msgs.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
@@ -416,10 +430,11 @@ class OffloadSession:
         self._msgs.next_step()
 
     def has_pending_work(self) -> bool:
-        """Records not yet read by the daemon, or a reset not yet answered (keep the engine
-        stepping until they are)."""
+        """Records not yet read by the daemon, a reset not yet answered, or a promotion not
+        finished (keep the engine stepping until they are)."""
         self._receive()
-        return bool(self._reset_pending) or self._msgs.unread()
+        return bool(self._reset_pending) or self._msgs.unread() or \
+            self._promotions.waiting(self._msgs.acked, self._lookups.find)
 
     def _report_counts(self) -> None:
         """The lookups answered since the last report, for the daemon's stats."""

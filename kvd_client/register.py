@@ -103,17 +103,17 @@ def register(socket_path: str, *, engine: kvd_pb2.EngineIdentity, model: str, la
         default_lease_ms=reg.default_lease_ms or DEFAULT_LEASE_MS)
 
 
-def session_fds(socket_path: str, role: str, token: str, timeout: float
-                ) -> tuple[int, int] | None:
-    """The two descriptors a registered session asks for on the attach socket (`role`: index
-    or channel), or None when the daemon handed over another count (those closed). Raises
-    AttachError."""
+def session_fds(socket_path: str, role: str, token: str, timeout: float, count: int = 2
+                ) -> tuple[int, ...] | None:
+    """The `count` descriptors a registered session asks for on the attach socket (`role`:
+    index, channel or below), or None when the daemon handed over another count (those
+    closed). Raises AttachError."""
     _, fds = exchange(socket_path, AttachRequest(role, token=token), timeout)
-    if len(fds) != 2:
+    if len(fds) != count:
         for fd in fds:
             os.close(fd)
         return None
-    return fds[0], fds[1]
+    return tuple(fds)
 
 
 def _closed_directory(path: str) -> str | None:

@@ -7,7 +7,9 @@
  *
  * Types:
  *   Lookups   the engine side: probes a read-only mapping of an index and answers the
- *             scheduler's lookups (HIT / MISS here, anything else through a Python fallback).
+ *             scheduler's lookups (HIT / MISS here, anything else through a Python fallback:
+ *             a store in flight, the engine's own store, a key the namespace's "held below"
+ *             table names, kvd_proto/below_layout.py).
  *   IndexTable the daemon side: find / insert / remove (backward-shift deletion) / key_of on
  *             its writable mapping, with the index's write order (key, meta, bucket).
  *
@@ -70,6 +72,77 @@ static PyObject *native_crc32(PyObject *self, PyObject *arg) {
     uint32_t c = crc32_of(b.buf, b.len);
     PyBuffer_Release(&b);
     return PyLong_FromUnsignedLong(c);
+}
+
+/* The "held below" fingerprint (kvd_proto/below_layout.py): crc32(key) | crc32(reversed) << 32,
+ * never 0. */
+static uint64_t fingerprint_of(const unsigned char *p, Py_ssize_t n) {
+    uint32_t r = 0xFFFFFFFFu;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) r = crc_table[0][(r ^ p[i]) & 0xFF] ^ (r >> 8);
+    uint64_t fp = (uint64_t)crc32_of(p, n) | (uint64_t)(r ^ 0xFFFFFFFFu) << 32;
+    return fp ? fp : 1;
+}
+
+static PyObject *native_fingerprint(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t fp = fingerprint_of(b.buf, b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(fp);
+}
+
+#define BELOW_HEADER_BYTES 4096
+#define BELOW_MAX_BUCKETS (1ull << 24)
+
+typedef struct {
+    Py_buffer buf;
+    int bound;
+    uint64_t *buckets;
+    uint64_t mask;
+} Below;
+
+static int below_bind(Below *t, PyObject *obj) {
+    if (PyObject_GetBuffer(obj, &t->buf, PyBUF_SIMPLE) < 0) return -1;
+    const unsigned char *base = t->buf.buf;
+    uint32_t version = 0, header = 0;
+    uint64_t buckets = 0;
+    if (t->buf.len >= 24) {
+        memcpy(&version, base + 8, 4);
+        memcpy(&header, base + 12, 4);
+        memcpy(&buckets, base + 16, 8);
+    }
+    if (t->buf.len < 24 || memcmp(base, "KVDBLW01", 8) || version != 1 ||
+        header != BELOW_HEADER_BYTES || buckets == 0 || (buckets & (buckets - 1)) ||
+        buckets > BELOW_MAX_BUCKETS ||
+        (unsigned long long)t->buf.len < BELOW_HEADER_BYTES + 8 * buckets) {
+        PyBuffer_Release(&t->buf);
+        PyErr_SetString(PyExc_ValueError, "not a kvd below table of version 1 (or shorter "
+                                          "than its header says)");
+        return -1;
+    }
+    t->buckets = (uint64_t *)(base + BELOW_HEADER_BYTES);
+    t->mask = buckets - 1;
+    t->bound = 1;
+    return 0;
+}
+
+static void below_release(Below *t) {
+    if (t->bound) {
+        PyBuffer_Release(&t->buf);
+        t->bound = 0;
+    }
+}
+
+static int below_has(const Below *t, const unsigned char *key, Py_ssize_t n) {
+    uint64_t fp = fingerprint_of(key, n);
+    uint64_t b = fp & t->mask;
+    for (int i = 0; i < MAX_PROBE; i++) {
+        uint64_t v = __atomic_load_n(&t->buckets[b], __ATOMIC_ACQUIRE);
+        if (v == fp) return 1;
+        if (!v) return 0;
+        b = (b + 1) & t->mask;
+    }
+    return 0;
 }
 
 /* ---------------------------------------------------------------- index geometry */
@@ -171,6 +244,7 @@ typedef struct {
     PyObject *stores;    /* dict: key -> the engine's own stores in flight */
     PyObject *miss, *hit;
     PyObject *fallback;  /* callable(key): every other case */
+    Below below;         /* the namespace's "held below" table, when bound */
     int enabled;
     unsigned long long lookups, hit_count, miss_count;
 } Lookups;
@@ -195,6 +269,7 @@ static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
 
 static void Lookups_dealloc(Lookups *self) {
     geometry_release(&self->g);
+    below_release(&self->below);
     Py_XDECREF(self->hits);
     Py_XDECREF(self->stores);
     Py_XDECREF(self->miss);
@@ -217,7 +292,29 @@ static PyObject *Lookups_bind(Lookups *self, PyObject *args) {
 static PyObject *Lookups_unbind(Lookups *self, PyObject *unused) {
     self->enabled = 0;
     geometry_release(&self->g);
+    below_release(&self->below);
     Py_RETURN_NONE;
+}
+
+static PyObject *Lookups_bind_below(Lookups *self, PyObject *obj) {
+    below_release(&self->below);
+    if (below_bind(&self->below, obj) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lookups_unbind_below(Lookups *self, PyObject *unused) {
+    below_release(&self->below);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lookups_below(Lookups *self, PyObject *key) {
+    if (!PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "key must be bytes");
+        return NULL;
+    }
+    return PyBool_FromLong(self->below.bound &&
+                           below_has(&self->below, (unsigned char *)PyBytes_AS_STRING(key),
+                                     PyBytes_GET_SIZE(key)));
 }
 
 static PyObject *Lookups_find(Lookups *self, PyObject *key) {
@@ -260,7 +357,10 @@ static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t
     }
     int own = PyDict_Contains(self->stores, key);
     if (own < 0) return NULL;
-    if (own) return PyObject_CallOneArg(self->fallback, key);
+    if (own || (self->below.bound &&
+                below_has(&self->below, (unsigned char *)PyBytes_AS_STRING(key),
+                          PyBytes_GET_SIZE(key))))
+        return PyObject_CallOneArg(self->fallback, key);
     self->lookups++;
     self->miss_count++;
     return Py_NewRef(self->miss);
@@ -336,6 +436,12 @@ static PyMethodDef Lookups_methods[] = {
      "per_extent, extent_bytes, stride): read this index from now on (disables lookups)"},
     {"unbind", (PyCFunction)Lookups_unbind, METH_NOARGS, "forget the index (its mapping may close)"},
     {"find", (PyCFunction)Lookups_find, METH_O, "find(key) -> (state, offset) or None"},
+    {"bind_below", (PyCFunction)Lookups_bind_below, METH_O,
+     "bind_below(mapping): read the namespace's held-below table from now on"},
+    {"unbind_below", (PyCFunction)Lookups_unbind_below, METH_NOARGS,
+     "forget the held-below table (its mapping may close)"},
+    {"below", (PyCFunction)Lookups_below, METH_O,
+     "below(key) -> whether the held-below table names the key"},
     {"lookup", (PyCFunction)(void (*)(void))Lookups_lookup, METH_FASTCALL,
      "lookup(key, context=None) -> the hit or miss answer, or the fallback's"},
     {"find_new", (PyCFunction)Lookups_find_new, METH_VARARGS,
@@ -643,6 +749,8 @@ done:
 
 static PyMethodDef module_methods[] = {
     {"crc32", native_crc32, METH_O, "crc32(data) -> zlib.crc32(data)"},
+    {"fingerprint", native_fingerprint, METH_O,
+     "fingerprint(key) -> the key's held-below fingerprint (kvd_proto/below_layout.py)"},
     {"keys_block", native_keys_block, METH_O, "keys_block(keys) -> a record's keys field"},
     {NULL}};
 

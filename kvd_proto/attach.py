@@ -40,7 +40,9 @@ ROLE_ADMIN = "admin"         # an operator tool: an admin token, no descriptor
 ROLE_INDEX = "index"         # a registered session: its namespace's index + its marks file
 ROLE_REPORT = "report"       # a worker's transfer sizes and times: no descriptor, no session
 ROLE_CHANNEL = "channel"     # a registered session: its channel (rings file + eventfd)
-ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT, ROLE_CHANNEL)
+ROLE_BELOW = "below"         # a registered session: its namespace's "held below" table
+ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT, ROLE_CHANNEL,
+         ROLE_BELOW)
 REPORT_COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds")
 REPORT_SAMPLES = ("load_sizes", "store_sizes")
 MAX_COUNT = 1 << 63          # report integers are below this (int64 on the daemon's side)
@@ -125,7 +127,7 @@ def parse_request(line: bytes) -> AttachRequest:
     token = doc.get("token", "")
     if not isinstance(token, str) or len(token) > 128:
         raise AttachError("INVALID_ARGUMENT", "token must be a string of at most 128 characters")
-    if role in (ROLE_INDEX, ROLE_CHANNEL) and not token:
+    if role in (ROLE_INDEX, ROLE_CHANNEL, ROLE_BELOW) and not token:
         raise AttachError("INVALID_ARGUMENT", f"role \"{role}\" needs the session's token")
     report = doc.get("report")
     if (role == ROLE_REPORT) != (report is not None):

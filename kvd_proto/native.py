@@ -7,8 +7,10 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
 
 - `Lookups`: the engine's lookups in a read-only mapping of an index: `lookup(key)` answers
   HIT (recording the slot's offset in `hits`) or MISS where the index alone decides, and calls
-  `fallback(key)` otherwise (not `enabled`, a store in flight, the engine's own store);
-  `find(key)` and `find_new(keys, use_index)` probe without answering.
+  `fallback(key)` otherwise (not `enabled`, a store in flight, the engine's own store, a key
+  the namespace's "held below" table names: kvd_proto/below_layout.py, bound with
+  `bind_below`); `find(key)`, `below(key)` and `find_new(keys, use_index)` probe without
+  answering.
 - `IndexTable`: the daemon's find / insert / set_ready / remove / key_of on its writable
   mapping.
 """
@@ -20,6 +22,8 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvd_proto.below_layout import MAX_PROBE as BELOW_MAX_PROBE
+from kvd_proto.below_layout import BelowHeader, fingerprint
 from kvd_proto.index_layout import (
     KEY_LEN_MASK,
     KEY_LEN_SHIFT,
@@ -64,6 +68,34 @@ def probe(buckets: Any, meta: Any, data: Any, keys_offset: int, width: int, mask
                     return slot, word
         b = (b + 1) & mask
     return None
+
+
+def probe_below(buckets: Any, mask: int, fp: int) -> int:
+    """The bucket holding fingerprint `fp` in a "held below" table, or -1."""
+    b = fp & mask
+    for _ in range(BELOW_MAX_PROBE):
+        v = buckets[b]
+        if v == fp:
+            return b
+        if not v:
+            return -1
+        b = (b + 1) & mask
+    return -1
+
+
+def below_view(mapping: Any, writable: bool = False) -> tuple[Any, int]:
+    """The buckets of the "held below" table in `mapping` (u64 view) and their mask."""
+    header = BelowHeader.unpack(bytes(mapping[:64]))
+    view = memoryview(mapping)
+    if writable and view.readonly:
+        view.release()
+        raise TypeError("the daemon's below table mapping must be writable")
+    if header.file_bytes > len(view):
+        view.release()
+        raise ValueError("below table runs past the end of the mapping")
+    buckets = view[header.buckets_offset:header.file_bytes].cast("Q")
+    view.release()
+    return buckets, header.buckets - 1
 
 
 class _Regions:
@@ -117,6 +149,8 @@ class PyLookups:
         self._hit = hit
         self._fallback = fallback
         self._regions: _Regions | None = None
+        self._below: Any = None
+        self._below_mask = 0
         self.enabled = 0
         self.lookups = self.hits = self.misses = 0
 
@@ -133,6 +167,22 @@ class PyLookups:
         if self._regions is not None:
             self._regions.release()
             self._regions = None
+        self.unbind_below()
+
+    def bind_below(self, mapping: Any) -> None:
+        self.unbind_below()
+        self._below, self._below_mask = below_view(mapping)
+
+    def unbind_below(self) -> None:
+        if self._below is not None:
+            self._below.release()
+            self._below = None
+
+    def below(self, key: bytes) -> bool:
+        if type(key) is not bytes:
+            raise TypeError("key must be bytes")
+        return self._below is not None and \
+            probe_below(self._below, self._below_mask, fingerprint(key)) >= 0
 
     def find(self, key: bytes) -> tuple[int, int] | None:
         regions = self._regions
@@ -153,7 +203,8 @@ class PyLookups:
             self.lookups += 1
             self.hits += 1
             return self._hit
-        if key in self._stores:
+        if key in self._stores or (self._below is not None and probe_below(
+                self._below, self._below_mask, fingerprint(key)) >= 0):
             return self._fallback(key)
         self.lookups += 1
         self.misses += 1
@@ -301,6 +352,8 @@ NATIVE = _native is not None
 Lookups: Any = _native.Lookups if _native is not None else PyLookups
 IndexTable: Any = _native.IndexTable if _native is not None else PyIndexTable
 crc32: Callable[[bytes], int] = _native.crc32 if _native is not None else key_hash
+key_fingerprint: Callable[[bytes], int] = \
+    _native.fingerprint if _native is not None else fingerprint
 keys_block: Callable[[Sequence[bytes]], bytes] = \
     _native.keys_block if _native is not None else py_keys_block
 STATES = (STATE_FREE, STATE_STORING, STATE_READY)

@@ -43,11 +43,12 @@ TAKE_EVENTS = 9
 COUNTERS = 10         # lookups, hits and misses answered locally since the last COUNTERS
 RELEASE_HELD = 11     # an earlier session of this process has no copies in flight any more
 RETURN_SLOTS = 12     # granted slots the engine will not use (never written)
+PROMOTE = 13          # keys the engine answered HIT_PENDING from the "held below" table
 UP_KINDS = {STORE: "store", COMPLETE_STORE: "complete_store", PIN: "pin",
             COMPLETE_LOAD: "complete_load", TOUCH: "touch",
             REQUEST_FINISHED: "request_finished", RESERVE: "reserve", RESET: "reset",
             TAKE_EVENTS: "take_events", COUNTERS: "counters", RELEASE_HELD: "release_held",
-            RETURN_SLOTS: "return_slots"}
+            RETURN_SLOTS: "return_slots", PROMOTE: "promote"}
 
 # --- down: daemon -> engine -------------------------------------------------------------------
 GRANTED = 1           # slots granted to the reserve, whenever the daemon has them free
@@ -156,6 +157,10 @@ def encode_release_held(session_id: str) -> bytes:
 
 def encode_return_slots(offsets: Sequence[int]) -> bytes:
     return record(RETURN_SLOTS, _U32.pack(len(offsets)) + array("Q", offsets).tobytes())
+
+
+def encode_promote(keys: Sequence[bytes]) -> bytes:
+    return record(PROMOTE, _keys(keys))
 
 
 def encode_granted(offsets: Sequence[int]) -> bytes:
@@ -344,8 +349,12 @@ class ReturnSlots(NamedTuple):
     offsets: list[int]
 
 
+class Promote(NamedTuple):
+    keys: list[bytes]
+
+
 UpRecord = (Store | CompleteStore | Pin | CompleteLoad | Touch | RequestFinished | Reserve | Reset
-            | TakeEvents | Counters | ReleaseHeld | ReturnSlots)
+            | TakeEvents | Counters | ReleaseHeld | ReturnSlots | Promote)
 
 
 def decode_up(kind: int, payload: bytes) -> UpRecord:
@@ -414,6 +423,8 @@ def decode_up(kind: int, payload: bytes) -> UpRecord:
         out = Counters(*values)
     elif kind == RELEASE_HELD:
         out = ReleaseHeld(c.text("session_id"))
+    elif kind == PROMOTE:
+        out = Promote(c.keys())
     else:  # RETURN_SLOTS
         n = c.u32("count")
         if n > MAX_GRANTED_SLOTS:

@@ -4,7 +4,8 @@
 pool only (a file-backed pool only to the daemon's uid and root: `pool.may_hold`); `admin`
 issues an admin token to an admin peer; `report` takes a worker's transfer totals; `index`
 and `channel` hand a registered session its namespace's shared index (with its marks file)
-and its channel (rings + eventfd). The peer's identity is the kernel's (SO_PEERCRED); a
+and its channel (rings + eventfd); `below` hands it its namespace's "held below" table (a
+daemon with a tier under the pool). The peer's identity is the kernel's (SO_PEERCRED); a
 refusal is a KvdError whose status name becomes the answer's `code`.
 """
 
@@ -14,8 +15,16 @@ import logging
 import os
 from collections.abc import Callable
 
+from kvd_proto import below_layout
 from kvd_proto import channel as channel_layout
-from kvd_proto.attach import ROLE_ADMIN, ROLE_CHANNEL, ROLE_INDEX, ROLE_REPORT, AttachRequest
+from kvd_proto.attach import (
+    ROLE_ADMIN,
+    ROLE_BELOW,
+    ROLE_CHANNEL,
+    ROLE_INDEX,
+    ROLE_REPORT,
+    AttachRequest,
+)
 from kvd_proto.index_layout import VERSION as INDEX_VERSION
 from kvd_proto.wire import SLOT_ALIGNMENT
 from kvd_server import __version__
@@ -52,6 +61,8 @@ class AttachRoles:
             return self._index(self._session(peer, request))
         if request.role == ROLE_CHANNEL:
             return self._channel(self._session(peer, request))
+        if request.role == ROLE_BELOW:
+            return self._below(self._session(peer, request))
         if request.role == ROLE_REPORT and request.report is not None:
             # A data-plane worker has no session: its transfer totals come this way.
             core.sessions.check_peer(peer)
@@ -128,3 +139,15 @@ class AttachRoles:
                                    "channel_bytes": h.file_bytes, "up_bytes": h.up_bytes,
                                    "down_bytes": h.down_bytes},
                            fd=channel.fd, more_fds=(channel.wake_fd,))
+
+    def _below(self, session: Session) -> AttachReply:
+        """A registered session maps its namespace's "held below" table (read-only)."""
+        if session.ns is None:
+            raise FailedPrecondition("session is not registered; call RegisterSession first")
+        tier = self.core.tier
+        table = tier.table(session.ns.id) if tier is not None else None
+        if table is None:
+            raise FailedPrecondition("this daemon has no tier below the pool")
+        return AttachReply(fields={"session_id": session.id,
+                                   "below_version": below_layout.VERSION,
+                                   "below_bytes": table.file_bytes}, fd=table.fd)

@@ -70,6 +70,8 @@ class CallPath:
         hits = misses = 0
         for key in keys:
             state = mgr.lookup(key)
+            if state is Lookup.MISS and core.tier is not None and core.promote(s, [key]):
+                state = Lookup.HIT_PENDING   # held below only: HIT_PENDING until promoted
             states.append(state)
             offset = 0
             if state is Lookup.HIT:

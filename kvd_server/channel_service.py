@@ -111,6 +111,8 @@ class ChannelService:
             core.release_held(s, r.session_id)
         elif isinstance(r, rec.ReturnSlots):
             fast.return_slots(s, r.offsets)
+        elif isinstance(r, rec.Promote):
+            core.promote(s, r.keys)
         return None
 
     def _events(self, s: Session, max_events: int) -> bytes:

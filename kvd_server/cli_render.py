@@ -58,6 +58,9 @@ def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
                     f"{t.write_seconds_total:.2f}s ({t.demotions_refused_total} refused)"),
         ("promoted", f"{t.promotions_total} blocks, {format_size(t.promoted_bytes_total)} in "
                      f"{t.read_seconds_total:.2f}s ({t.misses_total} misses)"),
+        ("promoting", f"{t.promotions_open} open, {t.promotions_refused_total} refused (no "
+                      f"pool slot yet), {t.promotions_late_total} given up (too slow)"),
+        ("held_below", f"{t.below_keys} keys named to engines"),
         ("evictions_total", t.evictions_total),
         ("trouble", f"{t.corrupt_total} corrupt blocks dropped, {t.failures_total} I/O errors"),
         ("queue_depth", t.queue_depth),

@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvd_proto.wire import MAX_EVENT_ANSWER_BYTES, KvLayout
 from kvd_server.callpath import CallPath
@@ -53,6 +53,9 @@ from kvd_server.sessions import (
     SessionTable,
     SessionView,
 )
+
+if TYPE_CHECKING:
+    from kvd_server.tiers.link import TierLink
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,15 @@ class KvdCore:
         # Warm restart (kvd_server/restart/warm.py): told of sessions as they register and
         # end, swept with the rest; None when restart.warm is off.
         self.warm: SessionRecords | None = None
+        # The tier below the pool (kvd_server/tiers/link.py), set by the daemon; None without.
+        self.tier: TierLink | None = None
+
+    def promote(self, s: Session, keys: Sequence[bytes]) -> set[bytes]:
+        """Start promoting the keys of the session's namespace that only the tier below
+        holds; the keys being promoted (answered HIT_PENDING)."""
+        if self.tier is None or not keys:
+            return set()
+        return self.tier.promoter.promote(self.namespace_of(s), keys)
 
     # ------------------------------------------------------------ lifecycle
     def set_serving(self) -> None:

@@ -346,6 +346,10 @@ _TIER_COUNTERS = (
      "write_seconds_total"),
     ("kvd_tier_read_seconds", "Time the tier's I/O threads spent reading (and verifying).",
      "read_seconds_total"),
+    ("kvd_tier_promotions_refused", "Promotions not started: no pool slot free yet (engines "
+     "ask again) or too many open.", "promotions_refused_total"),
+    ("kvd_tier_promotions_late", "Promotions given up past their deadline (the key read "
+     "MISS).", "promotions_late_total"),
 )
 
 
@@ -362,6 +366,10 @@ def _tiers(tiers: list[TierStats]) -> Iterator[Metric]:
     blocks = GaugeMetricFamily("kvd_tier_blocks", "Blocks the tier holds.", labels=["tier"])
     queue = GaugeMetricFamily("kvd_tier_queue_depth", "Demotions and promotions not finished.",
                               labels=["tier"])
+    promoting = GaugeMetricFamily("kvd_tier_promotions_open", "Promotions into the pool "
+                                  "not finished.", labels=["tier"])
+    below = GaugeMetricFamily("kvd_tier_below_keys", "Keys named to engines as held by the "
+                              "tier (their lookups answer HIT_PENDING).", labels=["tier"])
     counters = {name: CounterMetricFamily(name, doc, labels=["tier"])
                 for name, doc, _ in _TIER_COUNTERS}
     for t in tiers:
@@ -370,9 +378,11 @@ def _tiers(tiers: list[TierStats]) -> Iterator[Metric]:
         used.add_metric([t.name], float(t.used_bytes))
         blocks.add_metric([t.name], float(t.blocks))
         queue.add_metric([t.name], float(t.queue_depth))
+        promoting.add_metric([t.name], float(t.promotions_open))
+        below.add_metric([t.name], float(t.below_keys))
         for name, _, attr in _TIER_COUNTERS:
             counters[name].add_metric([t.name], float(getattr(t, attr)))
-    yield from (up, capacity, used, blocks, queue, *counters.values())
+    yield from (up, capacity, used, blocks, queue, promoting, below, *counters.values())
 
 
 def _restart(restart: RestartStats) -> Iterator[Metric]:

@@ -111,6 +111,7 @@ class NamespaceTable:
         self.clock = clock
         self.files: NamespaceFiles | None = None     # warm restart: indexes in files
         self.on_made: list[Callable[[Namespace], None]] = []   # e.g. a tier joins each
+        self.on_forgotten: list[Callable[[Namespace], None]] = []
         self._namespaces: dict[str, Namespace] = {}
         self._budgets: dict[str, TenantBudget] = {}     # tenant -> its extent quota
         self.recency = RecencyBudget(MAX_RECORDED_KEYS)
@@ -251,6 +252,8 @@ class NamespaceTable:
                 ns.index.close()
             if self.files is not None:
                 self.files.forgotten(ns)
+            for hook in self.on_forgotten:
+                hook(ns)
             self.forgotten_total += 1
         return freed
 

@@ -58,7 +58,7 @@ from kvd_server.sessions import Session
 from kvd_server.snapshot import build_snapshot
 from kvd_server.stats import ChannelStats, DaemonFacts, RestartStats, StatsSnapshot
 from kvd_server.tenant_pools import TenantPools
-from kvd_server.tiers.demotion import Demoter, start_disk_tier
+from kvd_server.tiers.link import TierLink, start_disk_tier
 from kvd_server.units import format_duration, format_size
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ class Daemon:
         self._answers: set[asyncio.Future[None]] = set()   # Drain answers not yet written
         self._lock: int | None = None      # the socket path's lock (socket_lock_path)
         self._activity = Activity()
-        self._demoter: Demoter | None = None    # the disk tier under the pool, if any
+        self._tier: TierLink | None = None    # the disk tier under the pool, if any
 
     # -- stats and drain entry points
 
@@ -265,7 +265,7 @@ class Daemon:
             step_ops_total=engine.step_ops if engine else 0, rpc=self._rpc.counts,
             channels=self._channel_stats(),
             restart=self._warm.stats if self._warm is not None else RestartStats(),
-            tiers=[self._demoter.tier.stats()] if self._demoter is not None else []))
+            tiers=[self._tier.stats()] if self._tier is not None else []))
 
     def _channel_stats(self) -> ChannelStats:
         hub, service = self._channels, self._channel_service
@@ -353,7 +353,9 @@ class Daemon:
             core.warm = warm
             core.namespaces.files = warm
             warm.adopt(core)
-        self._demoter = start_disk_tier(cfg, core.namespaces, pools, asyncio.get_running_loop())
+        core.tier = self._tier = start_disk_tier(cfg, core.namespaces, pools,
+                                                 asyncio.get_running_loop(),
+                                                 refusing=lambda: core.draining)
         if cfg.server.admin_token_file:
             try:
                 self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))
@@ -598,8 +600,8 @@ class Daemon:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         if self._metrics_server is not None:
             self._metrics_server.close()
-        if self._demoter is not None:
-            self._demoter.close()              # writes in flight finish, its journal synced
+        if self._tier is not None:
+            self._tier.close()                 # writes in flight finish, its journal synced
         if self.pools is not None:
             self.pools.close()
         if self._server is not None or self._attach is not None:

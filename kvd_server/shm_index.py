@@ -47,6 +47,22 @@ HOLD_WARN_S = 5.0       # a freed slot held back this long: its holder is named 
 WARN_EVERY_S = 60.0     # at most one such warning per namespace this often
 
 
+def sealed_shared_file(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of `size` bytes mapped read/write here, then sealed: engines map it read-only
+    (no write through their descriptor or a new mapping, no size change, no further seal).
+    The daemon's own mapping stays writable."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK
+                    | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, mapping
+
+
 class ShmIndex:
     """The namespace's index in a memory file; `fd` is handed to its engines (read-only)."""
 
@@ -72,7 +88,7 @@ class ShmIndex:
         elif path is not None:
             self.fd, self._map = _index_file(path, h, adopt, create)
         else:
-            self.fd, self._map = self._shared_file(name, h.file_bytes)
+            self.fd, self._map = sealed_shared_file(name, h.file_bytes)
         if not adopt:
             self._map[:len(h.pack())] = h.pack()
         view = memoryview(self._map)
@@ -86,21 +102,6 @@ class ShmIndex:
         self._width = h.key_width
         # find / insert / remove / key_of: compiled where built (kvd_proto/native.py)
         self._table = IndexTable(self._map, *h.geometry)
-
-    @staticmethod
-    def _shared_file(name: str, size: int) -> tuple[int, mmap.mmap]:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            # Engines map it read-only: no write through their descriptor or a new mapping,
-            # no size change, no further seal. The daemon's own mapping stays writable.
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK
-                        | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        except OSError:
-            os.close(fd)
-            raise
-        return fd, mapping
 
     # -- epochs
     @property

@@ -270,7 +270,8 @@ class NamespaceManager:
         if not new:
             return StoreGrant([], [], [])
         evicted = self.make_room(len(new), keys, owed, at_once=True)
-        if evicted is None:
+        if evicted is None or self.slots.free_count() < len(new):
+            # (What was evicted waits for readers: no room *now*; events went out already.)
             self.counters.store_rejections_total += 1
             return None
         slots = self.slots.allocate(len(new))

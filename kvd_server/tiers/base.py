@@ -54,6 +54,10 @@ class TierStats:
     corrupt_total: int = 0                # checksum mismatches: dropped, never served
     failures_total: int = 0               # I/O errors
     queue_depth: int = 0                  # demotions and promotions not finished
+    promotions_open: int = 0              # into pool slots, not finished (the daemon's count)
+    promotions_refused_total: int = 0     # no pool slot free for one, or too many open
+    promotions_late_total: int = 0        # past their deadline: given up (engines: MISS)
+    below_keys: int = 0                   # keys named to engines as held below
     write_seconds_total: float = 0.0      # time the I/O threads spent writing
     read_seconds_total: float = 0.0
     by_tenant_bytes: dict[str, int] = field(default_factory=dict)
@@ -68,9 +72,14 @@ class Tier(Protocol):
     # Told, from any thread, of blocks the tier let go of by itself (its own evictions,
     # corrupt blocks), so that their removed events go out.
     on_dropped: Callable[[list[TierKey]], None] | None
+    # Told, from any thread, that the tier opened (what it held before is readable now).
+    on_opened: Callable[[], None] | None
 
     def contains(self, key: TierKey) -> bool:
         """Whether the tier holds `key` (a block written and not dropped since)."""
+
+    def keys(self, namespace: str) -> list[bytes]:
+        """The keys of a namespace the tier holds (to name them to its engines)."""
 
     def demote(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
         """Write `data` as `key`'s block (the bytes are copied before this returns, so the

@@ -5,7 +5,9 @@ policy evicts are handed to `Tier.demote` before their slots are freed (the tier
 once, then writes them on its own threads), and their removed events wait until no tier holds
 them. A demotion that fails later, and a block the tier itself evicts or finds corrupt, is
 told to its namespace on the daemon's event loop (`lost_below`: a removed event when the pool
-does not hold it either). A namespace's reset drops its blocks from the tier too.
+does not hold it either). A namespace's reset drops its blocks from the tier too. What the
+tier holds is named to the namespace's engines in its "held below" table (BelowTables): a
+block once written, no longer once lost.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from kvd_server.errors import NotFound
 from kvd_server.tiers.base import Tier, TierKey
+from kvd_server.tiers.below_table import BelowTables
 
 if TYPE_CHECKING:
-    from kvd_server.config import Config
     from kvd_server.namespaces import Namespace, NamespaceTable
     from kvd_server.tenant_pools import TenantPools
 
@@ -29,20 +31,22 @@ class Demoter:
     """One tier below the pool, joined to a daemon's namespaces (see the module doc)."""
 
     def __init__(self, tier: Tier, namespaces: NamespaceTable, pools: TenantPools,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 tables: BelowTables, loop: asyncio.AbstractEventLoop) -> None:
         self.tier = tier
         self._namespaces = namespaces
         self._pools = pools
+        self._tables = tables
         self._loop = loop
         tier.on_dropped = self._dropped_async
-        namespaces.on_made.append(self.join)
-        for ns in namespaces:
-            self.join(ns)
 
     def join(self, ns: Namespace) -> None:
         """Make the tier the namespace's `below`."""
         ns.mgr.below = lambda victims, _ns=ns: self._demote(_ns, victims)
-        ns.mgr.below_reset = lambda _ns=ns: self.tier.remove_namespace(_ns.id)
+        ns.mgr.below_reset = lambda _ns=ns: self._reset(_ns)
+
+    def _reset(self, ns: Namespace) -> None:
+        self.tier.remove_namespace(ns.id)
+        self._tables.clear(ns.id)
 
     def _demote(self, ns: Namespace, victims: Sequence[tuple[bytes, int]]) -> Collection[bytes]:
         """Hand evicted blocks to the tier (on the event loop, before their slots are freed);
@@ -64,6 +68,9 @@ class Demoter:
         """On an I/O thread: a demotion ended; a failed one loses the block."""
         if future.cancelled() or future.exception() is not None or not future.result():
             self._dropped_async([TierKey(ns_id, key)])
+        else:
+            with contextlib.suppress(RuntimeError):     # a closed loop: the daemon stops
+                self._loop.call_soon_threadsafe(self._tables.held, [TierKey(ns_id, key)])
 
     def _dropped_async(self, keys: list[TierKey]) -> None:
         """From any thread: blocks the tier no longer holds; told on the event loop."""
@@ -71,6 +78,7 @@ class Demoter:
             self._loop.call_soon_threadsafe(self._lost, keys)
 
     def _lost(self, keys: list[TierKey]) -> None:
+        self._tables.lost(keys)
         by_ns: dict[str, list[bytes]] = {}
         for k in keys:
             by_ns.setdefault(k.namespace, []).append(k.key)
@@ -80,22 +88,3 @@ class Demoter:
             except NotFound:                  # forgotten meanwhile: no one to tell
                 continue
             ns.mgr.lost_below(lost)
-
-    def close(self) -> None:
-        self.tier.close()
-
-
-def start_disk_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
-                    loop: asyncio.AbstractEventLoop) -> Demoter | None:
-    """The configured disk tier ([tiers.disk]), joined to the namespaces; None without one.
-    A tier whose directory cannot be used starts degraded (logged): the daemon serves."""
-    disk = cfg.tiers_disk
-    if not disk.path:
-        return None
-    from kvd_server.tiers.disk import DiskTier
-
-    quota = disk.tenant_quota
-    tier = DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
-                    io_threads=disk.io_threads, queue_bytes=disk.queue_size,
-                    quota_of=lambda tenant: quota, open_now=False)
-    return Demoter(tier, namespaces, pools, loop)

@@ -90,6 +90,7 @@ class DiskTier:
         self._stats = TierStats(self.name, health=TierHealth.OPENING, capacity_bytes=self.size,
                                 directory=self.directory)
         self.on_dropped: Callable[[list[TierKey]], None] | None = None   # evicted, corrupt
+        self.on_opened: Callable[[], None] | None = None     # its files opened (any thread)
         self._in_flight = 0              # bytes of buffers in flight
         self._retry_at = 0.0
         self.direct = False
@@ -158,6 +159,11 @@ class DiskTier:
         log.info("disk tier %s: %s, %d blocks (%s) kept from before, %s I/O", self.directory,
                  format_size(self.size), kept, format_size(space.used_bytes),
                  "direct" if direct else "buffered (no O_DIRECT here)")
+        if self.on_opened is not None:
+            try:
+                self.on_opened()
+            except Exception:  # the tier works on whatever the hook does
+                log.exception("disk tier: the opened hook failed")
 
     def _open_data(self) -> tuple[int, bool]:
         """The data file, preallocated: (its descriptor, whether it does direct I/O)."""
@@ -208,6 +214,11 @@ class DiskTier:
     def contains(self, key: TierKey) -> bool:
         entry = self._space.get(key)
         return entry is not None and entry.state is State.READY and not entry.dropped
+
+    def keys(self, namespace: str) -> list[bytes]:
+        with self._lock:
+            return [k.key for k, e in self._space.by_key.items()
+                    if k.namespace == namespace and e.state is State.READY and not e.dropped]
 
     # ------------------------------------------------------------- demotion
     def demote(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:

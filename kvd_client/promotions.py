@@ -1,0 +1,87 @@
+"""Keys held below the pool that this engine asked the daemon to promote.
+
+A lookup that misses the shared index but finds the key in the namespace's "held below" table
+(kvd_proto/below_layout.py) answers HIT_PENDING and asks for the key (a PROMOTE record at the
+step's end). Once the daemon has read that record the index answers for the key: being stored
+(the promotion runs: still HIT_PENDING) or ready (a HIT). If it shows nothing, the daemon had
+no pool slot for it yet (evicted ones wait for readers to move past them) and the key is asked
+for again, up to MAX_ASKS times; a failed promotion (a corrupt block, an I/O error) also takes
+the key out of the table, and either way the key then reads MISS and is not asked for again
+for RETRY_AFTER_STEPS steps, so a request never waits long on a block the pool cannot take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .index_reader import STATE_STORING
+
+MAX_ASKED = 4096              # promotions asked for and not settled, at most
+MAX_ASKS = 8                  # asks of one key before it reads MISS
+RETRY_AFTER_STEPS = 64        # a key whose promotion came to nothing is a MISS this long
+MAX_TRIED = 1 << 16           # keys remembered for that (cleared when full: a bound)
+
+
+class Promotions:
+    """The promotions this session asked for (scheduler thread; see the module doc)."""
+
+    def __init__(self) -> None:
+        self.asked: dict[bytes, int] = {}      # key -> the step whose PROMOTE names it
+        self._asks: dict[bytes, int] = {}      # key -> how many times it was asked for
+        self.to_send: list[bytes] = []         # this step's keys, for its PROMOTE
+        self._tried: dict[bytes, int] = {}     # key -> the step it read MISS after one
+        self.asked_total = 0
+
+    def answer(self, key: bytes, step: int, acked: int, below: Callable[[bytes], bool]
+               ) -> bool:
+        """For a key the index does not hold (nor this engine's own stores): True (pending:
+        asked now, or the daemon has not read the ask yet) or False (a MISS)."""
+        asked = self.asked.get(key)
+        if asked is not None:
+            if asked > acked:
+                return True
+            asks = self._asks.get(key, 1)
+            if asks < MAX_ASKS and below(key):     # no slot yet: ask again
+                self._ask(key, step, asks + 1)
+                return True
+            del self.asked[key]                # asked enough, or it failed: a MISS
+            self._asks.pop(key, None)
+            if len(self._tried) >= MAX_TRIED:
+                self._tried.clear()
+            self._tried[key] = step
+            return False
+        tried = self._tried.get(key)
+        if tried is not None and step - tried < RETRY_AFTER_STEPS:
+            return False
+        if len(self.asked) >= MAX_ASKED or not below(key):
+            return False
+        self._ask(key, step, 1)
+        self.asked_total += 1
+        return True
+
+    def _ask(self, key: bytes, step: int, asks: int) -> None:
+        self.asked[key] = step
+        self._asks[key] = asks
+        self.to_send.append(key)
+
+    def take(self) -> list[bytes]:
+        """This step's keys to ask for."""
+        keys, self.to_send = self.to_send, []
+        return keys
+
+    def waiting(self, acked: int, find: Callable[[bytes], tuple[int, int] | None]) -> bool:
+        """Whether a promotion asked for may still be running (the daemon has not read the
+        ask, or the index shows the key being stored); settled ones are forgotten."""
+        for key, step in list(self.asked.items()):
+            if step <= acked:
+                found = find(key)
+                if found is None or found[0] != STATE_STORING:
+                    del self.asked[key]
+                    self._asks.pop(key, None)
+        return bool(self.asked)
+
+    def clear(self) -> None:
+        self.asked.clear()
+        self._asks.clear()
+        self.to_send.clear()
+        self._tried.clear()

@@ -1,0 +1,85 @@
+"""A tier joined to the daemon: demotion down, promotion up, and the tables that tell engines
+what is held below (kvd_server/tiers/demotion.py, promotion.py, below_table.py).
+
+Every namespace the daemon has, and every one it makes later, gets the tier as its `below`
+and a "held below" table; a namespace forgotten closes its table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvd_server.tiers.base import Tier, TierStats
+from kvd_server.tiers.below_table import BelowTable, BelowTables
+from kvd_server.tiers.demotion import Demoter
+from kvd_server.tiers.promotion import Promoter
+
+if TYPE_CHECKING:
+    from kvd_server.config import Config
+    from kvd_server.namespaces import Namespace, NamespaceTable
+    from kvd_server.tenant_pools import TenantPools
+
+
+class TierLink:
+    """One tier below the pool, joined to a daemon's namespaces (see the module doc)."""
+
+    def __init__(self, tier: Tier, namespaces: NamespaceTable, pools: TenantPools,
+                 loop: asyncio.AbstractEventLoop,
+                 refusing: Callable[[], bool] = lambda: False) -> None:
+        self.tier = tier
+        self._loop = loop
+        self.tables = BelowTables(tier)
+        self.demoter = Demoter(tier, namespaces, pools, self.tables, loop)
+        self.promoter = Promoter(tier, namespaces, pools, self.tables, loop, refusing)
+        tier.on_opened = self._opened_async
+        namespaces.on_made.append(self.join)
+        namespaces.on_forgotten.append(self.forget)
+        for ns in namespaces:
+            self.join(ns)
+
+    def join(self, ns: Namespace) -> None:
+        self.demoter.join(ns)
+        self.tables.join(ns.id, ns.layout.block_bytes)
+
+    def forget(self, ns: Namespace) -> None:
+        self.tables.forget(ns.id)
+
+    def table(self, ns_id: str) -> BelowTable | None:
+        """The namespace's "held below" table (its fd goes to engines: attach role below)."""
+        return self.tables.get(ns_id)
+
+    def _opened_async(self) -> None:
+        with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
+            self._loop.call_soon_threadsafe(self.tables.fill_all)
+
+    def stats(self) -> TierStats:
+        return dataclasses.replace(
+            self.tier.stats(), promotions_open=self.promoter.open,
+            promotions_refused_total=self.promoter.refused_total,
+            promotions_late_total=self.promoter.late_total,
+            below_keys=self.tables.keys_named)
+
+    def close(self) -> None:
+        self.tier.close()
+        self.tables.close()
+
+
+def start_disk_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
+                    loop: asyncio.AbstractEventLoop,
+                    refusing: Callable[[], bool] = lambda: False) -> TierLink | None:
+    """The configured disk tier ([tiers.disk]), joined to the namespaces; None without one.
+    A tier whose directory cannot be used starts degraded (logged): the daemon serves."""
+    disk = cfg.tiers_disk
+    if not disk.path:
+        return None
+    from kvd_server.tiers.disk import DiskTier
+
+    quota = disk.tenant_quota
+    tier = DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
+                    io_threads=disk.io_threads, queue_bytes=disk.queue_size,
+                    quota_of=lambda tenant: quota, open_now=False)
+    return TierLink(tier, namespaces, pools, loop, refusing)

@@ -1,0 +1,166 @@
+"""Promotion: a key held only below the pool comes back into a pool slot.
+
+An engine whose lookup misses the index but finds the key in its namespace's "held below"
+table (kvd_server/tiers/below_table.py) answers HIT_PENDING and asks for the key (a PROMOTE
+channel record; a gRPC Lookup asks by itself). `Promoter.promote` then, on the event loop:
+takes a pool slot for the key as a store would (the namespace's policy evicts for it; while
+evicted slots still wait for readers the engine is told nothing and asks again), which
+publishes the key as being stored in the shared index, and has the tier read the block into
+that slot on its own threads. When the read ends, the key becomes ready (engines read HIT
+through the index, no extra message) or, if it failed (missing, corrupt, an I/O error), is
+removed (engines read MISS). A read that outlives PROMOTE_DEADLINE_S is given up: the key is
+removed at once and its slot kept out of use until the read really ends, so a slow tier
+costs MISSes, never a request stuck waiting or a slot written behind a new owner's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvd_server.errors import NotFound
+from kvd_server.tiers.base import Tier, TierKey
+from kvd_server.tiers.below_table import BelowTables
+
+if TYPE_CHECKING:
+    from kvd_server.namespaces import Namespace, NamespaceTable
+    from kvd_server.tenant_pools import TenantPools
+
+log = logging.getLogger(__name__)
+
+PROMOTE_DEADLINE_S = 10.0
+MAX_OPEN_PROMOTIONS = 4096       # reads in flight at once, over every namespace
+
+
+@dataclass(slots=True, eq=False)
+class Promotion:
+    ns_id: str
+    key: bytes
+    slot: int
+    epoch: int
+    dest: memoryview
+    timer: asyncio.TimerHandle | None = None
+    held: list[int] = field(default_factory=list)    # slots kept until a late read ends
+    late: bool = False
+
+
+class Promoter:
+    """Promotions from one tier into the pool (see the module doc); runs on the event loop."""
+
+    def __init__(self, tier: Tier, namespaces: NamespaceTable, pools: TenantPools,
+                 tables: BelowTables, loop: asyncio.AbstractEventLoop,
+                 refusing: Callable[[], bool] = lambda: False) -> None:
+        """`refusing`: whether the daemon takes no new blocks now (draining)."""
+        self.tier = tier
+        self._namespaces = namespaces
+        self._pools = pools
+        self._tables = tables
+        self._loop = loop
+        self._refusing = refusing
+        self._open: dict[tuple[str, bytes], Promotion] = {}
+        self.refused_total = 0
+        self.late_total = 0
+
+    @property
+    def open(self) -> int:
+        return len(self._open)
+
+    def promote(self, ns: Namespace, keys: Sequence[bytes]) -> set[bytes]:
+        """Start promoting the keys of `ns` held below and not in the pool; the keys being
+        promoted now (started by this call or before)."""
+        table = self._tables.get(ns.id)
+        started: set[bytes] = set()
+        if table is None:
+            return started
+        mgr = ns.mgr
+        for key in keys:
+            if (ns.id, key) in self._open:
+                started.add(key)
+                continue
+            if key not in table or mgr.table.find(key) >= 0:
+                continue
+            tier_key = TierKey(ns.id, key, ns.tenant)
+            if not self.tier.contains(tier_key):
+                table.discard(key)              # a stale name (or a shared fingerprint)
+                continue
+            if len(self._open) >= MAX_OPEN_PROMOTIONS or self._refusing():
+                self.refused_total += 1
+                continue
+            if self._start(ns, tier_key):
+                started.add(key)
+        return started
+
+    def _start(self, ns: Namespace, tier_key: TierKey) -> bool:
+        mgr = ns.mgr
+        if not ns.slots.free_count() and ns.slots.in_limbo():
+            # Slots come free as soon as readers move past them: the engine asks again then
+            # (evicting now would only put one more slot behind them).
+            self.refused_total += 1
+            return False
+        # Room for this block only (not for the sessions' reserves: their stores evict for
+        # those); None while what was evicted for it waits for readers to move on.
+        grant = mgr.prepare_store([tier_key.key])
+        if grant is None or not grant.keys_to_store:
+            self.refused_total += 1
+            return False
+        slot, epoch = grant.slots[0], mgr.epoch
+        start = ns.slots.offset(slot)
+        with self._pools.for_tenant(ns.tenant).view() as pool:
+            dest = pool[start:start + ns.layout.block_bytes]
+        future = self.tier.promote(tier_key, dest)
+        if future is None:                       # dropped meanwhile
+            dest.release()
+            mgr.complete_store([tier_key.key], False, epoch=epoch)
+            self._tables.lost([tier_key])
+            return False
+        p = Promotion(ns.id, tier_key.key, slot, epoch, dest)
+        self._open[(ns.id, tier_key.key)] = p
+        p.timer = self._loop.call_later(PROMOTE_DEADLINE_S, self._late, p)
+        future.add_done_callback(lambda f, _p=p: self._done_async(_p, f))
+        return True
+
+    def _done_async(self, p: Promotion, future: Future[bool]) -> None:
+        ok = not future.cancelled() and future.exception() is None and bool(future.result())
+        with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
+            self._loop.call_soon_threadsafe(self._done, p, ok)
+
+    def _ns(self, ns_id: str) -> Namespace | None:
+        try:
+            return self._namespaces.get(ns_id)
+        except NotFound:
+            return None
+
+    def _done(self, p: Promotion, ok: bool) -> None:
+        """The tier's read ended (on the event loop)."""
+        p.dest.release()
+        ns = self._ns(p.ns_id)
+        if p.late:                               # given up already: its slot comes back now
+            if ns is not None:
+                for slot in p.held:
+                    ns.slots.free(slot)
+            return
+        del self._open[(p.ns_id, p.key)]
+        if p.timer is not None:
+            p.timer.cancel()
+        if ns is not None:
+            ns.mgr.complete_store([p.key], ok, epoch=p.epoch)
+        if not ok:
+            self._tables.lost([TierKey(p.ns_id, p.key)])
+
+    def _late(self, p: Promotion) -> None:
+        """The read outlived its deadline: the key is a MISS from now on; the slot waits."""
+        if self._open.get((p.ns_id, p.key)) is not p:
+            return
+        del self._open[(p.ns_id, p.key)]
+        p.late = True
+        self.late_total += 1
+        log.warning("promotion from the %s tier took over %.0fs; given up (the key reads "
+                    "MISS)", self.tier.name, PROMOTE_DEADLINE_S)
+        ns = self._ns(p.ns_id)
+        if ns is not None:
+            ns.mgr.complete_store([p.key], False, epoch=p.epoch, hold=p.held)

@@ -1,0 +1,181 @@
+"""Promotion from the disk tier under a real daemon: a key only the disk holds answers
+HIT_PENDING at once (from the namespace's "held below" table, no round trip), then HIT through
+the shared index, and loads byte-exact; the disk's blocks are found again after a restart; a
+block corrupted on disk is dropped, never served."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_proto import kvd_pb2
+from kvd_server.tiers.disk import DATA_FILE, DiskTier
+from tests.multiproc.offload_engine import (
+    close_session,
+    count_blocking_calls,
+    open_session,
+    read_block,
+    settle,
+    store,
+)
+from tests.multiproc.test_disk_tier import DISK, DISK_EXTENT, POOL, _env
+from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.waits import wait_until
+
+pytestmark = pytest.mark.multiproc
+MODEL = "test-model"
+STORED = 400                  # three times what the pool holds
+BATCH = 32                    # keys read back per round (a quarter of the pool)
+STEPS = 2000                  # a bound on the steps one batch may wait for its promotions
+
+
+def _tier(daemon) -> dict:
+    (tier,) = daemon.stats()["tiers"]
+    return tier
+
+
+def _wait_written(daemon, blocks: int) -> None:
+    wait_until(lambda: _tier(daemon)["blocks"] >= blocks and _tier(daemon)["queue_depth"] == 0,
+               20, f"{blocks} blocks to be written to the disk tier")
+
+
+def _read_back(session: OffloadSession, keys: Sequence[bytes]) -> tuple[dict, list[bytes]]:
+    """Look `keys` up step after step as a scheduler does until every one is a HIT, then load
+    them: (the first answer of each key, the keys whose bytes were wrong)."""
+    first: dict[bytes, Lookup] = {}
+    for _ in range(STEPS):
+        states = [session.lookup(k) for k in keys]
+        for k, s in zip(keys, states, strict=True):
+            first.setdefault(k, s)
+        assert Lookup.MISS not in states, \
+            f"{states.count(Lookup.MISS)} keys held on disk read MISS"
+        if all(s is Lookup.HIT for s in states):
+            break
+        session.end_step()
+        time.sleep(0.002)
+    else:
+        raise AssertionError(f"promotions did not finish in {STEPS} steps")
+    offsets = session.start_loads(keys)
+    pool = session.client.pool
+    bad = [k for k, o in zip(keys, offsets, strict=True)
+           if o is None or read_block(pool, o) != block_bytes_of(k)]
+    session.finish_loads(keys)
+    settle(session)
+    return first, bad
+
+
+def _fill(daemon, session: OffloadSession, keys: Sequence[bytes]) -> int:
+    """Store `keys` (more than the pool holds); how many the disk holds once written (no
+    lookup here: a lookup of a key held below would promote it)."""
+    for i in range(0, len(keys), BATCH):
+        store(session, keys[i:i + BATCH])
+    below = len(keys) - daemon.stats()["blocks"]["ready"]
+    assert below > 0, "nothing was evicted"
+    _wait_written(daemon, below)
+    return below
+
+
+def test_what_only_the_disk_holds_reads_pending_then_hit_and_loads_byte_exact(start_daemon,
+                                                                                tmp_path):
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+                          env=_env(tmp_path / "disk"))
+    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    keys = keys_for("promote", STORED)
+    session = open_session(daemon.socket, MODEL, reserve=64)
+    calls = count_blocking_calls(session.client)
+    try:
+        below = _fill(daemon, session, keys)
+        assert _tier(daemon)["below_keys"] == below
+        for i in range(0, STORED, BATCH):
+            batch = keys[i:i + BATCH]
+            first, bad = _read_back(session, batch)
+            assert bad == [], f"{len(bad)} promoted blocks loaded with wrong bytes"
+            for k in batch:
+                # Not in the pool (any more): its first answer is HIT_PENDING, never MISS.
+                assert first[k] in (Lookup.HIT, Lookup.HIT_PENDING)
+            if i < below:                 # the oldest blocks went down first
+                assert first[batch[0]] is Lookup.HIT_PENDING
+        assert calls[0] == 0, f"{calls[0]} calls to the daemon on the scheduler thread"
+        tier = _tier(daemon)
+        assert tier["promotions_total"] >= below
+        assert tier["corrupt_total"] == 0 and tier["failures_total"] == 0
+        assert tier["promotions_open"] == 0
+        assert not session.has_pending_work()
+    finally:
+        close_session(session)
+
+    # A gRPC client (no shared index) gets the same: HIT_PENDING, then HIT.
+    engine = Engine(daemon.socket)
+    try:
+        states = engine.lookup(keys).states
+        pending = [k for k, s in zip(keys, states, strict=True)
+                   if s == kvd_pb2.BLOCK_STATE_HIT_PENDING]
+        assert pending, "no key held on disk read HIT_PENDING over gRPC"
+        wanted = pending[:BATCH]
+        wait_until(lambda: all(s == kvd_pb2.BLOCK_STATE_HIT
+                               for s in engine.lookup(wanted).states), 20,
+                   "promotions asked over gRPC to finish")
+        assert engine.load(wanted) == [block_bytes_of(k) for k in wanted]
+    finally:
+        engine.close()
+
+
+def test_the_disk_tier_is_found_again_after_a_restart_and_a_corrupt_block_is_never_served(
+        start_daemon, tmp_path):
+    disk = tmp_path / "disk"
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    keys = keys_for("restart", STORED)
+    session = open_session(daemon.socket, MODEL, reserve=64)
+    try:
+        _fill(daemon, session, keys)
+    finally:
+        close_session(session)
+    assert daemon.terminate() == 0
+
+    # Corrupt one block where it lies in the tier's data file.
+    offline = DiskTier(str(disk), DISK, extent_bytes=DISK_EXTENT)
+    try:
+        held = {k.key: e.offset for k, e in offline._space.by_key.items()}
+    finally:
+        offline.close()
+    below = [k for k in keys if k in held]
+    victim = below[0]
+    offset = held[victim]
+    fd = os.open(disk / DATA_FILE, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"\xff" * 512, offset + 4096)
+    finally:
+        os.close(fd)
+
+    again = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+    wait_until(lambda: _tier(again)["health"] == "ok", 20,
+               "the restarted daemon's disk tier to open")
+    session = open_session(again.socket, MODEL, reserve=64)
+    try:
+        # The namespace, made when the engine registered, names what the disk held before.
+        assert _tier(again)["below_keys"] == len(below)
+        # The corrupt block: HIT_PENDING, then MISS once its read failed the checksum.
+        assert session.lookup(victim) is Lookup.HIT_PENDING
+        session.end_step()
+        for _ in range(STEPS):
+            state = session.lookup(victim)
+            assert state is not Lookup.HIT, "a corrupt block was served"
+            session.end_step()
+            if state is Lookup.MISS:
+                break
+            time.sleep(0.002)
+        else:
+            raise AssertionError("the corrupt block's promotion never ended")
+        assert _tier(again)["corrupt_total"] == 1
+        good = [k for k in below if k != victim][:2 * BATCH]
+        for i in range(0, len(good), BATCH):
+            first, bad = _read_back(session, good[i:i + BATCH])
+            assert bad == []
+            assert set(first.values()) == {Lookup.HIT_PENDING}
+    finally:
+        close_session(session)
