@@ -68,10 +68,12 @@ class CallPath:
         states: list[Lookup] = []
         offsets: list[int] | None = [] if lease_s > 0 else None
         hits = misses = 0
-        for key in keys:
+        for i, key in enumerate(keys):
             state = mgr.lookup(key)
             if state is Lookup.MISS and core.tier is not None and core.promote(s, [key]):
                 state = Lookup.HIT_PENDING   # held below only: HIT_PENDING until promoted
+                if prefix:                   # the answer stops here; the prefix comes up too
+                    core.promote(s, keys[i + 1:], prefix=True)
             states.append(state)
             offset = 0
             if state is Lookup.HIT:

@@ -123,7 +123,16 @@ class DiskTierConfig:
     extent_size: int        # its files are cut in extents of this size, one block size each
     io_threads: int         # reads and writes in flight at once
     queue_size: int         # bytes of demotions and promotions in flight; past it, refused
-    tenant_quota: int       # bytes one tenant may hold on the disk (0: no limit)
+    tenant_quota: int       # bytes a tenant not in tenant_quotas may hold (0: no limit)
+    tenant_quotas: dict[str, int] = field(default_factory=dict)   # tenant -> bytes on disk
+
+    def __hash__(self) -> int:  # a dict field: hash the sorted items instead
+        return hash((self.path, self.size, self.extent_size, self.io_threads, self.queue_size,
+                     self.tenant_quota, tuple(sorted(self.tenant_quotas.items()))))
+
+    def quota_of(self, tenant: str) -> int:
+        """Bytes of the disk the tenant's blocks may take (0: no limit)."""
+        return self.tenant_quotas.get(tenant, self.tenant_quota)
 
 
 @dataclass(slots=True, frozen=True)
@@ -358,6 +367,7 @@ _SCHEMA: dict[str, _Key] = {
     "tiers.disk.io_threads": _Key("int", _int(1, 256)),
     "tiers.disk.queue_size": _Key("size", _size),
     "tiers.disk.tenant_quota": _Key("size", _size),
+    "tiers.disk.tenant_quotas": _Key("sizemap", _quota_map),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)

@@ -154,12 +154,13 @@ class KvdCore:
         # The tier below the pool (kvd_server/tiers/link.py), set by the daemon; None without.
         self.tier: TierLink | None = None
 
-    def promote(self, s: Session, keys: Sequence[bytes]) -> set[bytes]:
+    def promote(self, s: Session, keys: Sequence[bytes], prefix: bool = False) -> set[bytes]:
         """Start promoting the keys of the session's namespace that only the tier below
-        holds; the keys being promoted (answered HIT_PENDING)."""
+        holds (`prefix`: up to the first key held nowhere); the keys being promoted
+        (answered HIT_PENDING)."""
         if self.tier is None or not keys:
             return set()
-        return self.tier.promoter.promote(self.namespace_of(s), keys)
+        return self.tier.promoter.promote(self.namespace_of(s), keys, prefix)
 
     # ------------------------------------------------------------ lifecycle
     def set_serving(self) -> None:

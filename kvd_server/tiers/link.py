@@ -78,8 +78,7 @@ def start_disk_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
         return None
     from kvd_server.tiers.disk import DiskTier
 
-    quota = disk.tenant_quota
     tier = DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
                     io_threads=disk.io_threads, queue_bytes=disk.queue_size,
-                    quota_of=lambda tenant: quota, open_now=False)
+                    quota_of=disk.quota_of, open_now=False)
     return TierLink(tier, namespaces, pools, loop, refusing)

@@ -70,9 +70,11 @@ class Promoter:
     def open(self) -> int:
         return len(self._open)
 
-    def promote(self, ns: Namespace, keys: Sequence[bytes]) -> set[bytes]:
-        """Start promoting the keys of `ns` held below and not in the pool; the keys being
-        promoted now (started by this call or before)."""
+    def promote(self, ns: Namespace, keys: Sequence[bytes], prefix: bool = False
+                ) -> set[bytes]:
+        """Start promoting the keys of `ns` held below and not in the pool (`prefix`: up to
+        the first key held nowhere); the keys being promoted now (started by this call or
+        before)."""
         table = self._tables.get(ns.id)
         started: set[bytes] = set()
         if table is None:
@@ -82,7 +84,11 @@ class Promoter:
             if (ns.id, key) in self._open:
                 started.add(key)
                 continue
-            if key not in table or mgr.table.find(key) >= 0:
+            if mgr.table.find(key) >= 0:
+                continue
+            if key not in table:
+                if prefix:
+                    break
                 continue
             tier_key = TierKey(ns.id, key, ns.tenant)
             if not self.tier.contains(tier_key):

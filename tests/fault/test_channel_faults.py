@@ -103,6 +103,7 @@ def _random_record(rng: random.Random, victim_keys: list[bytes], offsets: list[i
         rec.COUNTERS: lambda: rec.encode_counters(5, 3, 2),
         rec.RELEASE_HELD: lambda: rec.encode_release_held("s1-nobody"),
         rec.RETURN_SLOTS: lambda: rec.encode_return_slots(offs),
+        rec.PROMOTE: lambda: rec.encode_promote(keys),
     }[kind]()
     if roll > 0.9:                                  # a field cut short
         length = struct.unpack_from("<I", forged)[0]

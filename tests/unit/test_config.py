@@ -209,3 +209,16 @@ def test_dict_rendering_is_json_with_base_units():
     assert doc["server"]["socket_mode"] == "0660"
     assert set(doc) == {"server", "pool", "manager", "tenants", "restart", "tiers.disk"}
     assert sum(len(v) for v in doc.values()) == len(KEYS)
+
+
+def test_disk_tier_quotas_per_tenant_with_a_default_for_the_rest(tmp_path):
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text('[tiers.disk]\ntenant_quota = "8GiB"\n'
+                   'tenant_quotas = {"team-a" = "100GiB", "team-b" = "2GiB"}\n')
+    disk = load_config(str(cfg), env={}).tiers_disk
+    assert disk.quota_of("team-a") == 100 << 30 and disk.quota_of("team-b") == 2 << 30
+    assert disk.quota_of("anyone-else") == 8 << 30
+    env = load_config(None, env={"KVD_TIERS_DISK_TENANT_QUOTAS": "team-c=1GiB"}).tiers_disk
+    assert env.quota_of("team-c") == 1 << 30 and env.quota_of("team-a") == 0
+    with pytest.raises(ConfigError, match="tenant_quotas"):
+        load_config(None, env={"KVD_TIERS_DISK_TENANT_QUOTAS": "team-c=lots"})

@@ -161,6 +161,29 @@ def test_kustomize_warm_restart_overlay_keeps_the_state_on_the_node(tmp_path):
     assert cfg.restart.warm and cfg.restart.directory == "/var/lib/kvd/state"
 
 
+def test_kustomize_disk_tier_overlay_gives_the_daemon_a_node_disk(tmp_path):
+    """deploy/k8s/disk-tier: the base plus a node directory (hostPath: outlives pods and
+    reboots) for the disk tier, owned by the daemon's uid, and [tiers.disk] set to it."""
+    rendered, docs = _kustomize(DEPLOY / "k8s" / "disk-tier", tmp_path)
+    assert _kinds(docs) == BASE_KINDS
+    report = _validate(rendered)
+    assert "WARN" not in report, report
+    (ds,) = [doc for doc in docs if doc["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    (disk,) = [v for v in spec["volumes"] if v["name"] == "kvd-disk"]
+    assert disk["hostPath"]["path"] == "/var/lib/kvd/disk"
+    (kvd,) = [c for c in spec["containers"] if c["name"] == "kvd"]
+    env = {e["name"]: e["value"] for e in kvd["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in kvd["volumeMounts"]}
+    assert mounts["kvd-disk"] == env["KVD_TIERS_DISK_PATH"]
+    (init,) = spec["initContainers"]
+    assert init["command"][-2:] == ["/run/kvd", env["KVD_TIERS_DISK_PATH"]]
+    from kvd_server.config import load_config
+
+    cfg = load_config(None, env={k: v for k, v in env.items() if k.startswith("KVD_TIERS")})
+    assert cfg.tiers_disk.path == "/var/lib/kvd/disk" and cfg.tiers_disk.size == 512 << 30
+
+
 def test_probes_time_out_after_their_commands_wait(tmp_path):
     """Kubernetes kills an exec probe at timeoutSeconds (default 1): each must outlast the
     `kvd health --timeout N` it runs, or a slow but healthy answer counts as a failure."""
