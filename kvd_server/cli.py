@@ -36,6 +36,7 @@ DEFAULT_TIMEOUT = 5.0
 MAX_TIMEOUT = 3600.0
 DEFAULT_WAIT = 300.0    # `health --wait`: systemd's TimeoutStartSec for the shipped unit
 WAIT_POLL = 0.2
+TIERS = ("disk",)       # `health`: the tiers below the pool whose health it shows
 NO_DAEMON_S = 5.0       # `health --wait`: how long nothing may listen with no daemon starting
 
 # serve's flags and the config key each overrides.
@@ -193,7 +194,10 @@ def build_parser() -> _Parser:
 
     p = sub.add_parser("health", parents=common, help="check whether the daemon serves",
                        description="Query the standard gRPC health service. Prints SERVING or "
-                                   "NOT_SERVING. Exit 0 SERVING, 1 NOT_SERVING, 2 unreachable.")
+                                   "NOT_SERVING, then a line for a tier below the pool that "
+                                   "is not serving (the disk tier opening or degraded: the "
+                                   "daemon still serves). Exit 0 SERVING, 1 NOT_SERVING, 2 "
+                                   "unreachable.")
     p.add_argument("--wait", nargs="?", type=_wait, const=DEFAULT_WAIT, metavar="TIMEOUT",
                    help="wait until the daemon serves (it answers NOT_SERVING while it "
                         "pre-faults its pool, and has no socket before it starts), at most "
@@ -362,6 +366,8 @@ def cmd_health(args: argparse.Namespace) -> int:
         else:
             if status == "SERVING" or deadline is None or time.monotonic() >= deadline:
                 print(status)
+                if status == "SERVING":
+                    _print_tiers(args)
                 return EXIT_OK if status == "SERVING" else EXIT_ERROR
         time.sleep(WAIT_POLL)
 
@@ -387,13 +393,26 @@ def _daemon_holds(path: str) -> bool:
     return False
 
 
-def _health_status(args: argparse.Namespace) -> str:
+def _health_status(args: argparse.Namespace, service: str = "") -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with AdminClient(args) as d:
         stub = health_pb2_grpc.HealthStub(d.channel)
-        out = d.call(stub.Check, health_pb2.HealthCheckRequest(service=""))
+        out = d.call(stub.Check, health_pb2.HealthCheckRequest(service=service))
     return health_pb2.HealthCheckResponse.ServingStatus.Name(out.status)
+
+
+def _print_tiers(args: argparse.Namespace) -> None:
+    """A tier below the pool that does not serve (opening, or degraded: a full, read-only or
+    failing disk) is named on a line of its own; the daemon still serves (exit 0)."""
+    for tier in TIERS:
+        try:
+            status = _health_status(args, f"kvd.tier.{tier}")
+        except CliError:            # NOT_FOUND: no such tier on this daemon
+            continue
+        if status != "SERVING":
+            print(f"tier {tier}: {status} (opening, or degraded: `kvd stats` says why; the "
+                  "pool serves without it)")
 
 
 def cmd_config(args: argparse.Namespace) -> int:

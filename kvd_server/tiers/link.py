@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvd_server.tiers.base import Tier, TierStats
+from kvd_server.tiers.base import Tier, TierHealth, TierStats
 from kvd_server.tiers.below_table import BelowTable, BelowTables
 from kvd_server.tiers.demotion import Demoter
 from kvd_server.tiers.promotion import Promoter
@@ -55,6 +55,15 @@ class TierLink:
     def _opened_async(self) -> None:
         with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
             self._loop.call_soon_threadsafe(self.tables.fill_all)
+
+    @property
+    def health_service(self) -> str:
+        """Its name in the daemon's gRPC health service (`kvd health` reads it)."""
+        return f"kvd.tier.{self.tier.name}"
+
+    def serving(self) -> bool:
+        """Whether the tier takes work now (not opening, not degraded)."""
+        return self.tier.stats().health == TierHealth.OK
 
     def stats(self) -> TierStats:
         return dataclasses.replace(

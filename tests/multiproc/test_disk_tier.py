@@ -90,5 +90,11 @@ def test_an_unusable_tier_directory_degrades_the_tier_not_the_daemon(start_daemo
         assert tier["health"] == "degraded" and "Not a directory" in tier["reason"]
         assert tier["demotions_refused_total"] > 0
         assert "disk tier" in daemon.log() and "degraded" in daemon.log()
+        # `kvd health`: the daemon serves (exit 0), and says its disk tier does not.
+        health = wait_until(lambda: (lambda out: out if "tier disk" in out.stdout else None)(
+            daemon.kvd("health")), 10, "kvd health to name the degraded tier")
+        assert health.returncode == 0
+        assert health.stdout.splitlines()[0] == "SERVING"
+        assert "tier disk: NOT_SERVING" in health.stdout
     finally:
         engine.close()
