@@ -67,8 +67,10 @@ soak: $(VENV)/.stamp-vllm ## long fault runs (100 crash rounds), < 30 min
 	  KVD_SOAK_CONNECTIONS=19000 $(PY) -m pytest -q -m "fault or soak" -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(VENV)/.stamp-vllm ## run the benchmarks, write bench/results/
-	$(PIP) install matplotlib
+	$(PIP) install -e '.[bench]'
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) bench/run_all.py $(BENCH_ARGS)
+	$(PY) bench/tiers.py $(BENCH_ARGS)
+	$(PY) bench/io_engines.py
 
 proto: $(VENV)/.stamp-test ## regenerate the committed gRPC code in kvd_proto/
 	$(PY) tools/gen_proto.py

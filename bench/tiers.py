@@ -1,0 +1,666 @@
+"""The local disk tier (kvd_server/tiers/disk.py, joined to the daemon by tiers/link.py) through
+a real daemon: demotion and promotion bandwidth against the raw drive, what it adds to an
+engine's hits, and what it costs the pool's hot path. Everything in one run, each daemon with
+the defaults a user gets except the pool's size and `[tiers.disk]` path and size.
+
+- `bandwidth`, per block size (64 KiB, 256 KiB, 2 MiB):
+  - `raw`: a preallocated file in the directory the tier then uses, written and read back with
+    O_DIRECT (buffered where the filesystem refuses it, e.g. tmpfs: `direct_io` says which) by
+    a thread pool of os.pwritev / os.preadv on page-aligned mmap buffers, one request per
+    block, at the tier's default depth (io_threads = 4) and in the order the tier lays blocks
+    out (consecutive slots); the median of 3 runs.
+  - `demotion`: an engine (OffloadSession over KvdClient, layout block bytes = the block size;
+    a 64 MiB pool over a 512 MiB tier, --quick 32 MiB and 3x over 256 MiB)
+    stores 4x what the pool holds, so the pool evicts and the tier writes what it evicts.
+    `wall_gb_per_s` = demoted_bytes_total / (first store until every record was read and the
+    tier's queue is empty); `io_thread_gb_per_s` = demoted_bytes_total / (write_seconds_total /
+    io_threads): what the I/O threads move while they are busy (the daemon's `kvd stats
+    --json` "tiers" entry, read through KvdAdmin.Stats). Each as a fraction of raw.
+  - `promotion`: the demoted keys read back through lookups, a quarter of the pool per batch,
+    as a scheduler does (HIT_PENDING, step, again until HIT; then a pin and its unpin), timed
+    from the first lookup to the last batch's HITs; the same two figures from
+    promoted_bytes_total and read_seconds_total.
+  - `daemon_cpu_s_per_gb`: the daemon process's CPU (utime + stime of /proc/PID/stat, every
+    thread) over the phase, per GB demoted or promoted.
+- `hit_rate`: a multi-turn chat trace (bench/traces.py's chat/medium, --quick chat/small; keys
+  chained per 16-token block, 64 KiB blocks) replayed through an OffloadSession as vLLM's
+  scheduler drives it, with no model time between steps (look the blocks up in prefix order up
+  to the first miss, stepping while one is HIT_PENDING for at most PENDING_WAIT_S, load the
+  hits, store the rest), against a 32 MiB pool (512 blocks: far too small for the working set)
+  and no tier, then the same pool over a 320 MiB disk tier (10x the pool): hit blocks and the
+  gain.
+- `lookup`: the scheduler-side time of OffloadSession.lookup per key, for keys in the pool and
+  keys held nowhere (which a tier's "held below" table is also asked about), on both of those
+  daemons in alternating rounds, the tier's daemon with its tier open and holding blocks.
+
+Run: `python bench/tiers.py [--quick] [--dir DIR]` (default: a new directory under /var/tmp,
+a real disk where /tmp is tmpfs); it writes `tiers` into bench/results/latest.json (the other
+keys kept) and its section of bench/README.md. `make bench` runs it after run_all.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import grpc  # noqa: E402
+from daemon import start_daemon  # noqa: E402
+from report import _fill  # noqa: E402
+from run_all import commit, machine  # noqa: E402
+from traces import block_keys, generate  # noqa: E402
+
+from kvd_client.client import KvdClient  # noqa: E402
+from kvd_client.offload_session import Lookup, OffloadSession  # noqa: E402
+from kvd_proto import kvd_pb2, kvd_pb2_grpc  # noqa: E402
+from kvd_proto.paths import grpc_target  # noqa: E402
+from kvd_proto.wire import KvLayout  # noqa: E402
+from kvd_server.tiers.disk import DATA_FILE, DEFAULT_IO_THREADS, DEFAULT_QUEUE_BYTES  # noqa: E402
+
+RESULTS = HERE / "results"
+MIB = 1 << 20
+SIZES = (64 << 10, 256 << 10, 2 << 20)
+IO_THREADS = DEFAULT_IO_THREADS          # the tier's default depth, the raw bench's too
+RAW_RUNS = 3
+# bandwidth: (pool MiB, stored / pool, disk MiB); --quick: smaller
+BW_FULL = (64, 4, 512)
+BW_QUICK = (32, 3, 256)
+# hit rate: a pool too small for the trace, a disk 10x the pool
+HR_POOL_MIB = 32
+HR_DISK_MIB = 320
+HR_BLOCK = 64 << 10
+HR_TOKENS_PER_BLOCK = 16
+HR_TRACE = ("chat", "medium")  # 8,680 distinct blocks: 17x the pool, 1.7x the disk
+HR_TRACE_QUICK = ("chat", "small")
+STEP_BLOCKS = 2048 // HR_TOKENS_PER_BLOCK   # vLLM's max_num_batched_tokens per step, in blocks
+PENDING_WAIT_S = 2.0     # a request waits this long for HIT_PENDING blocks, then goes without
+STALL_S = 10.0           # bound on waiting for the reserve, the daemon, the tier's queue
+LOOKUP_KEYS = 256
+LOOKUP_ROUNDS = 40
+GOAL = 0.8               # the issue's goal: the tier moves >= 80% of raw, both ways
+
+
+# --------------------------------------------------------------------------- helpers
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (every thread), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem `path` lies on (/proc/mounts, longest mount point)."""
+    best, kind = "", "?"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mnt = parts[1]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and \
+                        len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+class Daemon:
+    """A `kvd serve` started as the other benches start it (bench/daemon.py), with a config
+    file for its `[tiers.disk]` (none: no tier); stats through KvdAdmin.Stats (the document
+    `kvd stats --json` prints)."""
+
+    def __init__(self, workdir: Path, pool_mib: int, disk: Path | None = None,
+                 disk_mib: int = 0) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        extra: list[str] = []
+        if disk is not None:
+            cfg = workdir / "kvd.toml"
+            cfg.write_text(f'[tiers.disk]\npath = "{disk}"\nsize = "{disk_mib}MiB"\n')
+            extra = ["--config", str(cfg)]
+        # The pool pre-faulted, as a user's is (pool.prefault's default).
+        self.proc, self.socket = start_daemon(str(workdir), f"{pool_mib}MiB", *extra,
+                                              prefault=True)
+        self.channel = grpc.insecure_channel(grpc_target(self.socket))
+        self.admin = kvd_pb2_grpc.KvdAdminStub(self.channel)
+        if disk is not None:
+            self.wait(lambda: self.tier()["health"] == "ok", "the disk tier to open")
+
+    def stats(self) -> dict:
+        return json.loads(self.admin.Stats(kvd_pb2.StatsRequest(), timeout=10).json)
+
+    def tier(self) -> dict:
+        (tier,) = self.stats()["tiers"]
+        return tier
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def wait(self, done, what: str, poll: float = 0.01) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + 60
+        while not done():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}")
+            time.sleep(poll)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def open_session(socket: str, block: int, model: str) -> OffloadSession:
+    """An engine's OffloadSession with the defaults (as tests/multiproc/offload_engine.py)."""
+    layout = KvLayout(block, 1, block, HR_TOKENS_PER_BLOCK, "bfloat16")
+    client = KvdClient(socket, model=model, layout=layout, engine_id=f"bench-tiers-{os.getpid()}",
+                       engine_kind="bench")
+    session = OffloadSession(client)
+    if not client.wait_available(30):
+        raise RuntimeError(f"the engine did not connect to {socket}")
+    session.lookup(b"\0")            # the first step adopts the index
+    session.end_step()
+    return session
+
+
+def close_session(session: OffloadSession) -> None:
+    session.close()
+    session.client.close()
+
+
+def settle(session: OffloadSession) -> None:
+    """End the step and step until the daemon has read and answered everything sent."""
+    session.end_step()
+    deadline = time.monotonic() + STALL_S * 3
+    while session.has_pending_work():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the daemon did not read the engine's records")
+        time.sleep(0.0005)
+        session.end_step()
+
+
+def store(session: OffloadSession, keys: list[bytes], payload: bytes | None = None,
+          req_id: str = "") -> bool:
+    """Store `keys` as an engine does: slots from the reserve (stepping while it is short),
+    the bytes written (`payload`; None: left as they are), complete, end the step. False when
+    the reserve stayed short for STALL_S."""
+    deadline = time.monotonic() + STALL_S
+    while True:
+        granted = session.store_slots(keys, req_id)
+        if granted is not None:
+            break
+        session.end_step()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    new, offsets = granted
+    if payload is not None:
+        pool = session.client.pool
+        for offset in offsets:
+            view = pool.view(offset, len(payload))
+            view[:] = payload
+            view.release()
+    if new:
+        session.complete_store(new, req_id)
+    session.end_step()
+    return True
+
+
+def keys_for(seed: str, n: int) -> list[bytes]:
+    import hashlib
+
+    return [hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+# --------------------------------------------------------------------------- 1. raw
+def _open_raw(path: Path, size: int) -> tuple[int, bool]:
+    """A preallocated file as the tier opens its data file: (fd, O_DIRECT or buffered)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    try:
+        fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:        # tmpfs: no direct I/O
+            raise
+        fd, direct = os.open(path, flags, 0o600), False
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    return fd, direct
+
+
+def _raw_pass(fd: int, write: bool, block: int, n: int) -> float:
+    """n requests of `block` bytes at consecutive offsets, IO_THREADS in flight: seconds."""
+    bufs = [mmap.mmap(-1, block) for _ in range(IO_THREADS)]
+    for b in bufs:
+        b.write(os.urandom(4096) * (block // 4096))
+
+    def one(i: int) -> None:
+        buf = bufs[i % IO_THREADS]
+        done = os.pwritev(fd, [buf], i * block) if write else os.preadv(fd, [buf], i * block)
+        if done != block:
+            raise OSError(errno.EIO, f"short {'write' if write else 'read'}: {done}")
+
+    try:
+        with ThreadPoolExecutor(IO_THREADS) as pool:
+            t0 = time.perf_counter()
+            for f in [pool.submit(one, i) for i in range(n)]:   # one request per block
+                f.result()
+            return time.perf_counter() - t0
+    finally:
+        for b in bufs:
+            b.close()
+
+
+def raw(directory: Path, block: int, moved: int, file_bytes: int) -> dict:
+    """O_DIRECT write then read bandwidth of `moved` bytes in `directory` (median of 3)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "kvd-raw-bench.data"
+    n = moved // block
+    out: dict = {"bytes": n * block}
+    for op in ("write", "read"):
+        out[op] = {"runs_seconds": []}
+    try:
+        for _ in range(RAW_RUNS):
+            fd, direct = _open_raw(path, file_bytes)      # fresh, as the tier's file is
+            try:
+                for op in ("write", "read"):
+                    out[op]["runs_seconds"].append(_raw_pass(fd, op == "write", block, n))
+            finally:
+                os.close(fd)
+                path.unlink()
+    finally:
+        path.unlink(missing_ok=True)
+    out["direct_io"] = direct
+    for op in ("write", "read"):
+        secs = statistics.median(out[op]["runs_seconds"])
+        out[op].update(seconds=secs, gb_per_s=n * block / secs / 1e9)
+    return out
+
+
+# --------------------------------------------------------------------------- 2. the tier
+def demote_promote(workdir: Path, block: int, pool_mib: int, times: int, disk_mib: int) -> dict:
+    """Store `times` x the pool through a real daemon with a disk tier, then read back what was
+    demoted (see the module doc)."""
+    disk = workdir / "disk"
+    d = Daemon(workdir, pool_mib, disk, disk_mib)
+    session = open_session(d.socket, block, f"bench-tiers-{block}")
+    try:
+        capacity = session.capacity
+        keys = keys_for(f"bw-{block}", capacity * times)
+        payload = os.urandom(4096) * (block // 4096)
+        batch = max(1, min(STEP_BLOCKS, capacity // 8))
+        before, cpu0 = d.tier(), d.cpu()
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            if not store(session, keys[i:i + batch], payload):
+                raise RuntimeError("the reserve stayed short")
+        stored_s = time.perf_counter() - t0
+        settle(session)                        # every STORE read: the evictions demoted
+        d.wait(lambda: d.tier()["queue_depth"] == 0, "the tier's queue to empty", poll=0.005)
+        wall = time.perf_counter() - t0
+        cpu = d.cpu() - cpu0
+        after, doc = d.tier(), d.stats()
+        in_pool = doc["blocks"]["ready"]
+        demoted = after["demoted_bytes_total"] - before["demoted_bytes_total"]
+        write_s = after["write_seconds_total"] - before["write_seconds_total"]
+        demotion = {
+            "stored_blocks": len(keys), "stored_bytes": len(keys) * block,
+            "blocks_in_pool_after": in_pool,
+            "demotions": after["demotions_total"] - before["demotions_total"],
+            "demoted_bytes": demoted,
+            "refused": after["demotions_refused_total"] - before["demotions_refused_total"],
+            "engine_store_seconds": stored_s, "wall_seconds": wall,
+            "write_seconds_total": write_s,
+            "wall_gb_per_s": demoted / wall / 1e9,
+            "io_thread_gb_per_s": demoted / (write_s / IO_THREADS) / 1e9 if write_s else 0.0,
+            "daemon_cpu_seconds": cpu,
+            "daemon_cpu_s_per_gb": cpu / (demoted / 1e9) if demoted else None,
+        }
+        # Read back everything the pool evicted (the oldest stores), a quarter pool a batch.
+        below = keys[:len(keys) - in_pool]
+        per = max(1, capacity // 4)
+        before, cpu0 = after, d.cpu()
+        states = {"hit": 0, "miss": 0, "pending_given_up": 0}
+        steps = 0
+        t0 = time.perf_counter()
+        for i in range(0, len(below), per):
+            got, n = read_back(session, below[i:i + per])
+            steps += n
+            for k, v in got.items():
+                states[k] += v
+        wall = time.perf_counter() - t0
+        settle(session)
+        cpu = d.cpu() - cpu0
+        after = d.tier()
+        promoted = after["promoted_bytes_total"] - before["promoted_bytes_total"]
+        read_s = after["read_seconds_total"] - before["read_seconds_total"]
+        promotion = {
+            "keys_read_back": len(below), **states, "steps": steps,
+            "promotions": after["promotions_total"] - before["promotions_total"],
+            "promoted_bytes": promoted, "wall_seconds": wall, "read_seconds_total": read_s,
+            "wall_gb_per_s": promoted / wall / 1e9,
+            "io_thread_gb_per_s": promoted / (read_s / IO_THREADS) / 1e9 if read_s else 0.0,
+            # the pool's own blocks that the promotions evicted go down meanwhile (writes)
+            "demoted_meanwhile_bytes": after["demoted_bytes_total"]
+            - before["demoted_bytes_total"],
+            "refused": after["promotions_refused_total"] - before["promotions_refused_total"],
+            "late": after["promotions_late_total"] - before["promotions_late_total"],
+            "daemon_cpu_seconds": cpu,
+            "daemon_cpu_s_per_gb": cpu / (promoted / 1e9) if promoted else None,
+        }
+        tier = {k: after[k] for k in ("direct_io", "corrupt_total", "failures_total",
+                                      "evictions_total", "health")}
+        return {"pool_bytes": pool_mib * MIB, "pool_blocks": capacity,
+                "disk_bytes": disk_mib * MIB, "demotion": demotion, "promotion": promotion,
+                "tier": tier}
+    finally:
+        close_session(session)
+        d.close()
+
+
+def read_back(session: OffloadSession, keys: list[bytes]) -> tuple[dict, int]:
+    """Look `keys` up step after step as a scheduler does until none is HIT_PENDING, then
+    load the HITs (pin, unpin): ({hit, miss, pending_given_up}: counts, steps)."""
+    deadline = time.monotonic() + STALL_S
+    steps = 0
+    while True:
+        states = [session.lookup(k) for k in keys]
+        steps += 1
+        if Lookup.HIT_PENDING not in states or time.monotonic() > deadline:
+            break
+        session.end_step()
+        time.sleep(0.0005)
+    hits = [k for k, s in zip(keys, states, strict=True) if s is Lookup.HIT]
+    session.start_loads(hits)
+    session.finish_loads(hits)
+    session.end_step()
+    return {"hit": len(hits), "miss": states.count(Lookup.MISS),
+            "pending_given_up": states.count(Lookup.HIT_PENDING)}, steps
+
+
+def bandwidth(base: Path, pool_mib: int, times: int, disk_mib: int) -> list[dict]:
+    rows = []
+    for block in SIZES:
+        workdir = base / f"bw-{block >> 10}k"
+        # The raw file in the tier's own directory, moving what the tier will demote.
+        pool_blocks = pool_mib * MIB // block
+        moved = pool_blocks * (times - 1) * block
+        r = raw(workdir / "disk", block, moved, disk_mib * MIB)
+        t = demote_promote(workdir, block, pool_mib, times, disk_mib)
+        shutil.rmtree(workdir, ignore_errors=True)
+        dem, pro = t["demotion"], t["promotion"]
+        for side, ref in ((dem, r["write"]["gb_per_s"]), (pro, r["read"]["gb_per_s"])):
+            side["wall_of_raw"] = side["wall_gb_per_s"] / ref
+            side["io_thread_of_raw"] = side["io_thread_gb_per_s"] / ref
+        rows.append({"block_bytes": block, "raw": r, **t})
+        print(f"{block >> 10:5d} KiB  raw write {r['write']['gb_per_s']:.2f} read "
+              f"{r['read']['gb_per_s']:.2f} GB/s ({'direct' if r['direct_io'] else 'buffered'})"
+              f" | demotion wall {dem['wall_gb_per_s']:.2f} ({dem['wall_of_raw']:.0%}) "
+              f"I/O {dem['io_thread_gb_per_s']:.2f} ({dem['io_thread_of_raw']:.0%}) "
+              f"{dem['daemon_cpu_s_per_gb'] or 0:.2f} cpu-s/GB | promotion wall "
+              f"{pro['wall_gb_per_s']:.2f} ({pro['wall_of_raw']:.0%}) I/O "
+              f"{pro['io_thread_gb_per_s']:.2f} ({pro['io_thread_of_raw']:.0%}) "
+              f"{pro['daemon_cpu_s_per_gb'] or 0:.2f} cpu-s/GB", flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- 3. hits
+def replay(session: OffloadSession, requests: list[list[bytes]]) -> dict:
+    """The trace through `session` as vLLM's scheduler drives it (see the module doc)."""
+    hits = lookups = waited_steps = given_up = declined = 0
+    t0 = time.perf_counter()
+    for n, keys in enumerate(requests):
+        req = f"r{n}"
+        lookups += len(keys)
+        deadline = time.monotonic() + PENDING_WAIT_S
+        while True:
+            hit, pending = 0, False
+            for k in keys:
+                state = session.lookup(k)
+                if state is Lookup.HIT:
+                    hit += 1
+                    continue
+                pending = state is Lookup.HIT_PENDING
+                break
+            if not pending:
+                break
+            if time.monotonic() > deadline:       # the request goes on without them
+                given_up += 1
+                break
+            session.end_step()                      # the request waits a step
+            waited_steps += 1
+            time.sleep(0.0005)
+        if hit:
+            session.start_loads(keys[:hit], req)
+            session.finish_loads(keys[:hit], req)
+        hits += hit
+        for i in range(hit, len(keys), STEP_BLOCKS):
+            if not store(session, keys[i:i + STEP_BLOCKS], None, req):
+                declined += 1
+        session.request_finished(req)
+        session.end_step()
+    settle(session)
+    return {"lookup_blocks": lookups, "hit_blocks": hits, "hit_rate": hits / max(1, lookups),
+            "steps_waited_for_pending": waited_steps, "requests_gave_up_waiting": given_up,
+            "stores_declined": declined, "seconds": time.perf_counter() - t0}
+
+
+def lookup_times(sessions: dict[str, OffloadSession], hot: dict[str, list[bytes]],
+                 cold: list[bytes]) -> dict:
+    """ns per OffloadSession.lookup, keys in the pool (HIT) and held nowhere (MISS), rounds
+    alternating between the daemons; the medians over rounds."""
+    per: dict[str, dict[str, list[float]]] = {n: {"hit": [], "miss": []} for n in sessions}
+    names = list(sessions)
+    for r in range(LOOKUP_ROUNDS):
+        for name in names if r % 2 == 0 else names[::-1]:
+            s = sessions[name]
+            s.lookup(b"\1")                      # starts the step (untimed)
+            keys = hot[name]
+            t0 = time.perf_counter_ns()
+            got = [s.lookup(k) for k in keys]
+            t1 = time.perf_counter_ns()
+            for k in cold:
+                s.lookup(k)
+            t2 = time.perf_counter_ns()
+            s.end_step()
+            if got.count(Lookup.HIT) != len(keys):
+                raise RuntimeError(f"{name}: keys stored in the pool did not read HIT")
+            per[name]["hit"].append((t1 - t0) / len(keys))
+            per[name]["miss"].append((t2 - t1) / len(cold))
+    out = {n: {f"{k}_ns_per_key": statistics.median(v) for k, v in p.items()}
+           for n, p in per.items()}
+    out["keys"], out["rounds"] = LOOKUP_KEYS, LOOKUP_ROUNDS
+    for kind in ("hit", "miss"):
+        out[f"{kind}_with_tier_over_without"] = (out["tier"][f"{kind}_ns_per_key"]
+                                                 / out["no_tier"][f"{kind}_ns_per_key"])
+    return out
+
+
+def hit_rate_and_lookups(base: Path, trace: tuple[str, str] = HR_TRACE) -> tuple[dict, dict]:
+    shape, size = trace
+    requests = [list(block_keys(r.tokens, HR_TOKENS_PER_BLOCK)) for r in generate(shape, size)]
+    distinct = len({k for keys in requests for k in keys})
+    daemons: dict[str, Daemon] = {}
+    sessions: dict[str, OffloadSession] = {}
+    out: dict = {"trace": f"{shape}/{size}", "requests": len(requests),
+                 "distinct_blocks": distinct, "block_bytes": HR_BLOCK,
+                 "pool_bytes": HR_POOL_MIB * MIB, "disk_bytes": HR_DISK_MIB * MIB,
+                 "pending_wait_seconds": PENDING_WAIT_S}
+    try:
+        for name in ("no_tier", "tier"):                 # in turn; both kept for the lookups
+            workdir = base / f"hr-{name}"
+            disk = workdir / "disk" if name == "tier" else None
+            daemons[name] = d = Daemon(workdir, HR_POOL_MIB, disk, HR_DISK_MIB)
+            sessions[name] = s = open_session(d.socket, HR_BLOCK, "bench-tiers-chat")
+            out["pool_blocks"] = s.capacity
+            out[name] = replay(s, requests)
+            if disk is not None:
+                d.wait(lambda d=d: d.tier()["queue_depth"] == 0, "the tier's queue to empty")
+                tier = d.tier()
+                out[name]["tier"] = {k: tier[k] for k in (
+                    "blocks", "demotions_total", "promotions_total", "demotions_refused_total",
+                    "promotions_refused_total", "evictions_total", "corrupt_total")}
+            print(f"hit rate {name}: {out[name]['hit_blocks']} of {out[name]['lookup_blocks']}"
+                  f" blocks ({out[name]['hit_rate']:.1%}) in {out[name]['seconds']:.1f}s",
+                  flush=True)
+        out["gain_blocks"] = out["tier"]["hit_blocks"] - out["no_tier"]["hit_blocks"]
+        out["gain"] = out["tier"]["hit_blocks"] / max(1, out["no_tier"]["hit_blocks"])
+        # 4. the hot path: fresh keys stored in both pools, looked up with and without a tier
+        hot = {}
+        for name, s in sessions.items():
+            hot[name] = keys_for(f"hot-{name}", LOOKUP_KEYS)
+            for i in range(0, LOOKUP_KEYS, 64):
+                store(s, hot[name][i:i + 64])
+            settle(s)
+        cold = keys_for("cold", LOOKUP_KEYS)
+        lk = lookup_times(sessions, hot, cold)
+        lk["tier_blocks_held"] = daemons["tier"].tier()["blocks"]
+        print(f"lookup ns/key: hit {lk['no_tier']['hit_ns_per_key']:.0f} without a tier, "
+              f"{lk['tier']['hit_ns_per_key']:.0f} with; miss "
+              f"{lk['no_tier']['miss_ns_per_key']:.0f} / {lk['tier']['miss_ns_per_key']:.0f}",
+              flush=True)
+        return out, lk
+    finally:
+        for s in sessions.values():
+            close_session(s)
+        for d in daemons.values():
+            d.close()
+
+
+# --------------------------------------------------------------------------- report
+def run(base: Path, quick: bool = False) -> dict:
+    t0 = time.time()
+    pool_mib, times, disk_mib = BW_QUICK if quick else BW_FULL
+    base.mkdir(parents=True, exist_ok=True)
+    out: dict = {"machine": machine(), "commit": commit(), "quick": quick,
+                 "directory": str(base), "filesystem": filesystem(base),
+                 "io_threads": IO_THREADS, "queue_bytes": DEFAULT_QUEUE_BYTES,
+                 "data_file": DATA_FILE}
+    out["bandwidth"] = bandwidth(base, pool_mib, times, disk_mib)
+    out["hit_rate"], out["lookup"] = hit_rate_and_lookups(
+        base, HR_TRACE_QUICK if quick else HR_TRACE)
+    bw = out["bandwidth"]
+    out["targets"] = {
+        "demotion_wall_ge_80pct_raw": all(r["demotion"]["wall_of_raw"] >= GOAL for r in bw),
+        "promotion_wall_ge_80pct_raw": all(r["promotion"]["wall_of_raw"] >= GOAL for r in bw),
+        "demotion_io_thread_ge_80pct_raw": all(r["demotion"]["io_thread_of_raw"] >= GOAL
+                                               for r in bw),
+        "promotion_io_thread_ge_80pct_raw": all(r["promotion"]["io_thread_of_raw"] >= GOAL
+                                                for r in bw),
+        "hits_gain_with_tier": out["hit_rate"]["gain_blocks"] > 0,
+    }
+    out["elapsed_seconds"] = time.time() - t0
+    return out
+
+
+def _gb(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def table(t: dict) -> str:
+    """bench/README.md's disk tier section."""
+    m, hr, lk = t["machine"], t["hit_rate"], t["lookup"]
+    direct = {r["raw"]["direct_io"] for r in t["bandwidth"]}
+    io = "O_DIRECT" if direct == {True} else "buffered (no O_DIRECT)" if direct == {False} \
+        else "mixed"
+    first = t["bandwidth"][0]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores. Commit: `{t['commit']}`. Directory on "
+             f"{t['filesystem']}, {io}, {t['io_threads']} I/O threads; pool "
+             f"{first['pool_bytes'] // MIB} MiB, "
+             f"{first['demotion']['stored_bytes'] // first['pool_bytes']}x the pool stored, "
+             f"disk {first['disk_bytes'] // MIB} MiB.", "",
+             "| block | raw write / read GB/s | demotion GB/s wall (of raw) | demotion GB/s "
+             "I/O threads (of raw) | promotion GB/s wall (of raw) | promotion GB/s I/O "
+             "threads (of raw) | daemon CPU s/GB demoted, promoted |",
+             "|---|---|---|---|---|---|---|"]
+    for r in t["bandwidth"]:
+        raw_, dem, pro = r["raw"], r["demotion"], r["promotion"]
+        lines.append(
+            f"| {r['block_bytes'] >> 10} KiB | {_gb(raw_['write']['gb_per_s'])} / "
+            f"{_gb(raw_['read']['gb_per_s'])} "
+            f"| {_gb(dem['wall_gb_per_s'])} ({dem['wall_of_raw']:.0%}) "
+            f"| {_gb(dem['io_thread_gb_per_s'])} ({dem['io_thread_of_raw']:.0%}) "
+            f"| {_gb(pro['wall_gb_per_s'])} ({pro['wall_of_raw']:.0%}) "
+            f"| {_gb(pro['io_thread_gb_per_s'])} ({pro['io_thread_of_raw']:.0%}) "
+            f"| {dem['daemon_cpu_s_per_gb'] or 0:.2f}, {pro['daemon_cpu_s_per_gb'] or 0:.2f} |")
+    lines += ["", "Read back (a quarter pool a batch), keys held on disk that read MISS (no pool "
+              "slot for them within the engine's asks) / keys, and promotions refused for a "
+              "slot: " + ", ".join(
+                  f"{r['block_bytes'] >> 10} KiB {r['promotion']['miss']} / "
+                  f"{r['promotion']['keys_read_back']}, {r['promotion']['refused']} refused"
+                  for r in t["bandwidth"]) + "; demotions refused (queue full): " + ", ".join(
+                  str(r["demotion"]["refused"]) for r in t["bandwidth"]) + "."]
+    nt, wt = hr["no_tier"], hr["tier"]
+    lines += ["", f"Hits, {hr['trace']} ({hr['requests']} requests, {hr['distinct_blocks']} "
+              f"distinct blocks of {hr['block_bytes'] >> 10} KiB) through an OffloadSession, "
+              f"pool {hr['pool_bytes'] // MIB} MiB ({hr['pool_blocks']} blocks): "
+              f"{nt['hit_blocks']} of {nt['lookup_blocks']} blocks hit without a tier "
+              f"({nt['hit_rate']:.1%}), {wt['hit_blocks']} with a "
+              f"{hr['disk_bytes'] // MIB} MiB disk tier ({wt['hit_rate']:.1%}): "
+              f"**{hr['gain']:.2f}x** ({wt['steps_waited_for_pending']} steps waited on "
+              f"HIT_PENDING, {wt['requests_gave_up_waiting']} requests gave up waiting).", "",
+              f"Lookup on the scheduler thread (OffloadSession.lookup, {lk['keys']} keys, "
+              f"median of {lk['rounds']} rounds), ns per key without / with a tier: in the "
+              f"pool {lk['no_tier']['hit_ns_per_key']:.0f} / {lk['tier']['hit_ns_per_key']:.0f}"
+              f" ({lk['hit_with_tier_over_without']:.2f}x), held nowhere "
+              f"{lk['no_tier']['miss_ns_per_key']:.0f} / {lk['tier']['miss_ns_per_key']:.0f} "
+              f"({lk['miss_with_tier_over_without']:.2f}x).", "",
+              "| target | |", "|---|---|"]
+    lines += [f"| {name} | {'met' if ok else '**missed**'} |" for name, ok in
+              t["targets"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def record(t: dict) -> None:
+    """`tiers` into results/latest.json (every other key kept) and bench/README.md."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "latest.json"
+    latest = json.loads(path.read_text()) if path.exists() else {}
+    latest["tiers"] = t
+    path.write_text(json.dumps(latest, indent=2) + "\n")
+    _fill(HERE / "README.md", table(t), "tiers-results")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller run")
+    ap.add_argument("--dir", help="a directory on the drive to measure (default: a new one "
+                    "under /var/tmp)")
+    ap.add_argument("--no-record", action="store_true",
+                    help="print the results only (latest.json and the README untouched)")
+    args, _ = ap.parse_known_args()     # make bench passes run_all.py's BENCH_ARGS too
+    if args.dir:
+        base = Path(args.dir) / f"kvd-tiers-{os.getpid()}"
+        try:
+            result = run(base, args.quick)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    else:
+        with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="kvd-tiers-") as tmp:
+            result = run(Path(tmp), args.quick)
+    if not args.no_record:
+        record(result)
+    print(json.dumps(result["targets"], indent=2))
+    print(f"tiers: {result['elapsed_seconds']:.0f}s"
+          + ("" if args.no_record else f"; wrote {RESULTS / 'latest.json'} (tiers)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
