@@ -25,7 +25,8 @@ the defaults a user gets except the pool's size and `[tiers.disk]` path and size
 - `hit_rate`: a multi-turn chat trace (bench/traces.py's chat/medium, --quick chat/small; keys
   chained per 16-token block, 64 KiB blocks) replayed through an OffloadSession as vLLM's
   scheduler drives it, with no model time between steps (look the blocks up in prefix order up
-  to the first miss, stepping while one is HIT_PENDING for at most PENDING_WAIT_S, load the
+  to the first miss, HIT_PENDING counting in as vLLM's scan does, stepping while one is
+  HIT_PENDING for at most PENDING_WAIT_S, load the
   hits, store the rest), against a 32 MiB pool (512 blocks: far too small for the working set)
   and no tier, then the same pool over a 320 MiB disk tier (10x the pool): hit blocks and the
   gain.
@@ -430,18 +431,25 @@ def replay(session: OffloadSession, requests: list[list[bytes]]) -> dict:
         lookups += len(keys)
         deadline = time.monotonic() + PENDING_WAIT_S
         while True:
-            hit, pending = 0, False
+            # vLLM 0.33's scan: HIT and HIT_PENDING both count into the prefix (so every block
+            # of it held below is asked for in the same step), a MISS ends it; the request
+            # waits while any block of its prefix is pending.
+            states = []
             for k in keys:
                 state = session.lookup(k)
-                if state is Lookup.HIT:
-                    hit += 1
-                    continue
-                pending = state is Lookup.HIT_PENDING
-                break
+                if state is Lookup.MISS:
+                    break
+                states.append(state)
+            hit, pending = len(states), Lookup.HIT_PENDING in states
             if not pending:
                 break
             if time.monotonic() > deadline:       # the request goes on without them
                 given_up += 1
+                hit = 0
+                for k in keys:
+                    if session.lookup(k) is not Lookup.HIT:
+                        break
+                    hit += 1
                 break
             session.end_step()                      # the request waits a step
             waited_steps += 1

@@ -5,19 +5,21 @@ A lookup that misses the shared index but finds the key in the namespace's "held
 step's end). Once the daemon has read that record the index answers for the key: being stored
 (the promotion runs: still HIT_PENDING) or ready (a HIT). If it shows nothing, the daemon had
 no pool slot for it yet (evicted ones wait for readers to move past them) and the key is asked
-for again, up to MAX_ASKS times; a failed promotion (a corrupt block, an I/O error) also takes
+for again, for up to ASK_FOR_S seconds (steps may come every fraction of a millisecond, so
+this is a time, not a count of asks); a failed promotion (a corrupt block, an I/O error) also takes
 the key out of the table, and either way the key then reads MISS and is not asked for again
 for RETRY_AFTER_STEPS steps, so a request never waits long on a block the pool cannot take.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from .index_reader import STATE_STORING
 
 MAX_ASKED = 4096              # promotions asked for and not settled, at most
-MAX_ASKS = 8                  # asks of one key before it reads MISS
+ASK_FOR_S = 1.0               # how long a key is asked for again before it reads MISS
 RETRY_AFTER_STEPS = 64        # a key whose promotion came to nothing is a MISS this long
 MAX_TRIED = 1 << 16           # keys remembered for that (cleared when full: a bound)
 
@@ -27,7 +29,7 @@ class Promotions:
 
     def __init__(self) -> None:
         self.asked: dict[bytes, int] = {}      # key -> the step whose PROMOTE names it
-        self._asks: dict[bytes, int] = {}      # key -> how many times it was asked for
+        self._first: dict[bytes, float] = {}   # key -> when it was first asked for
         self.to_send: list[bytes] = []         # this step's keys, for its PROMOTE
         self._tried: dict[bytes, int] = {}     # key -> the step it read MISS after one
         self.asked_total = 0
@@ -40,12 +42,12 @@ class Promotions:
         if asked is not None:
             if asked > acked:
                 return True
-            asks = self._asks.get(key, 1)
-            if asks < MAX_ASKS and below(key):     # no slot yet: ask again
-                self._ask(key, step, asks + 1)
+            first = self._first.get(key, 0.0)
+            if time.monotonic() - first < ASK_FOR_S and below(key):   # no slot yet: again
+                self._ask(key, step, first)
                 return True
-            del self.asked[key]                # asked enough, or it failed: a MISS
-            self._asks.pop(key, None)
+            del self.asked[key]                # asked long enough, or it failed: a MISS
+            self._first.pop(key, None)
             if len(self._tried) >= MAX_TRIED:
                 self._tried.clear()
             self._tried[key] = step
@@ -55,13 +57,13 @@ class Promotions:
             return False
         if len(self.asked) >= MAX_ASKED or not below(key):
             return False
-        self._ask(key, step, 1)
+        self._ask(key, step, time.monotonic())
         self.asked_total += 1
         return True
 
-    def _ask(self, key: bytes, step: int, asks: int) -> None:
+    def _ask(self, key: bytes, step: int, first: float) -> None:
         self.asked[key] = step
-        self._asks[key] = asks
+        self._first[key] = first
         self.to_send.append(key)
 
     def take(self) -> list[bytes]:
@@ -77,11 +79,11 @@ class Promotions:
                 found = find(key)
                 if found is None or found[0] != STATE_STORING:
                     del self.asked[key]
-                    self._asks.pop(key, None)
+                    self._first.pop(key, None)
         return bool(self.asked)
 
     def clear(self) -> None:
         self.asked.clear()
-        self._asks.clear()
+        self._first.clear()
         self.to_send.clear()
         self._tried.clear()

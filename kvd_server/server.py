@@ -485,6 +485,7 @@ class Daemon:
         """The tier's own health service (kvd.tier.disk): NOT_SERVING while it is opening or
         degraded; the daemon's ("") stays SERVING, since the pool serves without it."""
         if self._tier is not None:
+            self._tier.tick()
             ok = self._tier.serving()
             await self._health.set(self._tier.health_service,
                                    health_pb2.HealthCheckResponse.SERVING if ok

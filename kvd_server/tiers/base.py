@@ -75,6 +75,10 @@ class Tier(Protocol):
     # Told, from any thread, that the tier opened (what it held before is readable now).
     on_opened: Callable[[], None] | None
 
+    @property
+    def readable(self) -> bool:
+        """Whether promotions are worth starting now (reads are not failing)."""
+
     def contains(self, key: TierKey) -> bool:
         """Whether the tier holds `key` (a block written and not dropped since)."""
 
@@ -87,9 +91,11 @@ class Tier(Protocol):
         the block was written."""
 
     def promote(self, key: TierKey, dest: memoryview) -> Future[bool] | None:
-        """Read `key`'s block into `dest` (exactly its length), verifying its checksum; None
+        """Read `key`'s block into the start of `dest` (at least its length: a pool slot,
+        whose bytes past the block the tier may overwrite), verifying its checksum; None
         when the tier does not hold `key`. The Future says whether `dest` holds the block
-        byte-exact (False: missing, corrupt or an I/O error; a corrupt block is dropped)."""
+        byte-exact (False: missing, corrupt or an I/O error; a corrupt block is dropped; the
+        bytes of `dest` are then undefined)."""
 
     def remove(self, key: TierKey) -> bool:
         """Drop `key`'s block; whether it was held."""

@@ -142,6 +142,11 @@ class BelowTables:
         if table is not None:
             table.clear()
 
+    def clear_all(self) -> None:
+        """Name nothing (the tier cannot be read now); `fill_all` names it again."""
+        for table in self._tables.values():
+            table.clear()
+
     def forget(self, ns_id: str) -> None:
         table = self._tables.pop(ns_id, None)
         if table is not None:

@@ -20,6 +20,7 @@ and the engines carry on without it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvd_server.tiers.base import TierHealth, TierKey, TierStats
+from kvd_server.tiers.buffers import AlignedBuffers
 from kvd_server.tiers.disk_journal import Journal, JournalMismatch, Placed
 from kvd_server.tiers.disk_space import DiskSpace, Entry, State, aligned
 from kvd_server.units import format_size
@@ -45,6 +47,7 @@ LOCK_FILE = "kvd-disk.lock"
 DEFAULT_EXTENT_BYTES = 64 << 20
 DEFAULT_IO_THREADS = 4
 DEFAULT_QUEUE_BYTES = 256 << 20
+KEEP_BUFFER_BYTES = 64 << 20      # I/O buffers kept for reuse between requests, at most
 RETRY_S = 30.0                  # a degraded tier tries demotions again after this long
 FLUSH_S = 1.0                   # the journal is fsynced this often (when it changed)
 
@@ -56,6 +59,14 @@ _REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
 
 def _reason(exc: OSError) -> str:
     return f"{_REASONS.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
+
+
+def _page_aligned(view: memoryview) -> bool:
+    """Whether a writable buffer starts on a page (what O_DIRECT needs)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % mmap.PAGESIZE == 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _done(value: bool) -> Future[bool]:
@@ -93,10 +104,12 @@ class DiskTier:
         self.on_opened: Callable[[], None] | None = None     # its files opened (any thread)
         self._in_flight = 0              # bytes of buffers in flight
         self._retry_at = 0.0
+        self._reads_fail_until = 0.0
         self.direct = False
         self._fd = self._lock_fd = -1    # set (under the lock) only once the tier is open
         self._journal: Journal | None = None
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk")
+        self._buffers = AlignedBuffers(min(queue_bytes, KEEP_BUFFER_BYTES))
         self._closed = threading.Event()
         if open_now:
             self._try_open()
@@ -176,12 +189,17 @@ class DiskTier:
                 raise
             fd, direct = os.open(path, flags, 0o600), False
         try:
-            if os.fstat(fd).st_size != self.size:
+            before = os.fstat(fd).st_size
+            if before != self.size:
                 os.ftruncate(fd, self.size)
             try:
                 os.posix_fallocate(fd, 0, self.size)
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    # What a failed preallocation took stays allocated (ext4): give the
+                    # drive's other users their space back.
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0 if before != self.size else before)
                     raise
         except BaseException:
             os.close(fd)
@@ -203,12 +221,14 @@ class DiskTier:
         st = self._stats
         if self._fd < 0 or self._closed.is_set():
             return False                   # not open (yet, or any more): the flusher opens
-        if st.health is TierHealth.DEGRADED:
-            if self._clock() < self._retry_at:
-                return False
-            st.health, st.reason = TierHealth.OK, ""
-            log.info("disk tier %s: trying demotions again", self.directory)
-        return True
+        # Degraded past RETRY_S: tried again (the health is OK again once a write succeeds).
+        return st.health is not TierHealth.DEGRADED or self._clock() >= self._retry_at
+
+    @property
+    def readable(self) -> bool:
+        """Whether promotions are worth starting: open, and no read failed with an I/O error
+        in the last RETRY_S (a dead disk: each would only evict a pool block for nothing)."""
+        return self._fd >= 0 and self._clock() >= self._reads_fail_until
 
     # ---------------------------------------------------------------- queries
     def contains(self, key: TierKey) -> bool:
@@ -241,8 +261,10 @@ class DiskTier:
                 return None
             self._in_flight += entry.alloc
             st.queue_depth += 1
-        buf = mmap.mmap(-1, entry.alloc)
+        buf = self._buffers.take(entry.alloc)
         buf[:length] = data
+        if entry.alloc > length:        # the padding: never another block's bytes on disk
+            buf[length:] = bytes(entry.alloc - length)
         return self._io.submit(self._write, entry, buf)
 
     def _write(self, entry: Entry, buf: mmap.mmap) -> bool:
@@ -256,7 +278,7 @@ class DiskTier:
         except OSError as exc:
             error = exc
         seconds = time.perf_counter() - t0
-        buf.close()
+        self._buffers.give(buf)
         st = self._stats
         with self._lock:
             self._in_flight -= entry.alloc
@@ -280,6 +302,10 @@ class DiskTier:
                 return False
             st.demotions_total += 1
             st.demoted_bytes_total += entry.length
+            if st.health is TierHealth.DEGRADED:
+                log.info("disk tier %s: writing again (was degraded: %s)", self.directory,
+                         st.reason)
+                st.health, st.reason = TierHealth.OK, ""
             return True
 
     def _dropped(self, entries: list[Entry]) -> None:
@@ -316,7 +342,7 @@ class DiskTier:
                     or self._fd < 0:
                 st.misses_total += 1
                 return None
-            if len(dest) != entry.length:
+            if len(dest) < entry.length:
                 raise ValueError(f"promotion into {len(dest)} bytes of a {entry.length}-byte "
                                  "block")
             entry.readers += 1
@@ -326,19 +352,25 @@ class DiskTier:
 
     def _read(self, entry: Entry, dest: memoryview) -> bool:
         t0 = time.perf_counter()
-        buf = mmap.mmap(-1, entry.alloc)
+        direct = len(dest) >= entry.alloc and _page_aligned(dest)
+        buf = None if direct else self._buffers.take(entry.alloc)
         error: OSError | None = None
         good = False
         try:
-            got = os.preadv(self._fd, [buf], entry.offset)
-            with memoryview(buf)[:entry.length] as view:
-                good = got == entry.alloc and zlib.crc32(view) == entry.crc
-                if good:
-                    dest[:] = view
+            # Straight into the destination (a pool slot: page-aligned, its stride covers the
+            # padding) where it can take the whole aligned read; else through a buffer.
+            target = dest[:entry.alloc] if buf is None else memoryview(buf)
+            with target:
+                got = os.preadv(self._fd, [target], entry.offset)
+                with target[:entry.length] as view:
+                    good = got == entry.alloc and zlib.crc32(view) == entry.crc
+                    if good and buf is not None:
+                        dest[:entry.length] = view
         except OSError as exc:
             error = exc
         seconds = time.perf_counter() - t0
-        buf.close()
+        if buf is not None:
+            self._buffers.give(buf)
         st = self._stats
         with self._lock:
             st.queue_depth -= 1
@@ -346,8 +378,8 @@ class DiskTier:
             entry.readers -= 1
             if error is not None:
                 st.failures_total += 1
-                log.warning("disk tier %s: reading a block failed (%s)", self.directory,
-                            _reason(error))
+                self._reads_fail_until = self._clock() + RETRY_S
+                self._degrade(_reason(error))          # one WARNING per reason
             elif not good:
                 st.corrupt_total += 1
                 log.warning("disk tier %s: a block failed its checksum: dropped, not served",
@@ -434,6 +466,7 @@ class DiskTier:
             return
         self._closed.set()
         self._io.shutdown(wait=True)
+        self._buffers.close()
         self._flusher.join(timeout=5)
         self._flush()
         with self._lock:

@@ -18,6 +18,7 @@ tenant lengths and their bytes; DEL: u64 offset.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -48,6 +49,16 @@ class Placed:
     namespace: str
     key: bytes
     tenant: str
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """All of `data`, or OSError (a full disk may take part of a write without an error)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device (a write cut short)")
+        view = view[n:]
 
 
 class JournalMismatch(Exception):
@@ -135,7 +146,7 @@ class Journal:
                             "dropped (a write cut short)", self.path, len(data) - end)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if not data:
-            os.write(self._fd, self._header)
+            _write_all(self._fd, self._header)
             end = _HEADER.size
         os.ftruncate(self._fd, end)
         os.lseek(self._fd, end, os.SEEK_SET)
@@ -157,7 +168,15 @@ class Journal:
         self._append(_del_record(offset))
 
     def _append(self, record: bytes) -> None:
-        os.write(self._fd, record)
+        """One record whole, or none: a write the disk cuts short (full) is taken back, so
+        the records appended after it (once there is room again) are not lost behind a torn
+        one at the next replay."""
+        try:
+            _write_all(self._fd, record)
+        except OSError:
+            os.ftruncate(self._fd, self.bytes)
+            os.lseek(self._fd, self.bytes, os.SEEK_SET)
+            raise
         self.bytes += len(record)
         self.dirty = True
 
@@ -177,9 +196,9 @@ class Journal:
                 chunk.append(record)
                 size += len(record)
                 if len(chunk) >= 4096:
-                    os.write(fd, b"".join(chunk))
+                    _write_all(fd, b"".join(chunk))
                     chunk = []
-            os.write(fd, b"".join(chunk))
+            _write_all(fd, b"".join(chunk))
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -203,8 +222,8 @@ class Journal:
     def sync(self) -> None:
         """fsync what was appended (the flusher, every second; close)."""
         if self._fd >= 0 and self.dirty:
-            self.dirty = False
             os.fsync(self._fd)
+            self.dirty = False
 
     def close(self) -> None:
         if self._fd >= 0:

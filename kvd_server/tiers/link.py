@@ -33,6 +33,7 @@ class TierLink:
         self.tier = tier
         self._loop = loop
         self.tables = BelowTables(tier)
+        self._readable = True
         self.demoter = Demoter(tier, namespaces, pools, self.tables, loop)
         self.promoter = Promoter(tier, namespaces, pools, self.tables, loop, refusing)
         tier.on_opened = self._opened_async
@@ -51,6 +52,18 @@ class TierLink:
     def table(self, ns_id: str) -> BelowTable | None:
         """The namespace's "held below" table (its fd goes to engines: attach role below)."""
         return self.tables.get(ns_id)
+
+    def tick(self) -> None:
+        """The daemon's periodic sweep: while the tier's reads fail, name nothing as held
+        below (engines read MISS instead of waiting on promotions bound to fail); once they
+        work again, name what it holds."""
+        readable = self.tier.readable
+        if readable != self._readable:
+            self._readable = readable
+            if readable:
+                self.tables.fill_all()
+            else:
+                self.tables.clear_all()
 
     def _opened_async(self) -> None:
         with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping

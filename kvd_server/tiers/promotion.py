@@ -3,8 +3,9 @@
 An engine whose lookup misses the index but finds the key in its namespace's "held below"
 table (kvd_server/tiers/below_table.py) answers HIT_PENDING and asks for the key (a PROMOTE
 channel record; a gRPC Lookup asks by itself). `Promoter.promote` then, on the event loop:
-takes a pool slot for the key as a store would (the namespace's policy evicts for it; while
-evicted slots still wait for readers the engine is told nothing and asks again), which
+takes a pool slot for the key as a store would (the namespace's policy evicts for all the keys
+asked at once, none of them a victim; while evicted slots still wait for readers the engine is
+told nothing and asks again), which
 publishes the key as being stored in the shared index, and has the tier read the block into
 that slot on its own threads. When the read ends, the key becomes ready (engines read HIT
 through the index, no extra message) or, if it failed (missing, corrupt, an I/O error), is
@@ -79,7 +80,11 @@ class Promoter:
         started: set[bytes] = set()
         if table is None:
             return started
+        if not self.tier.readable:               # reads fail (a dead disk): name nothing, so
+            self._tables.clear_all()             # engines read MISS at once (TierLink.tick
+            return started                       # names it all again once reads work)
         mgr = ns.mgr
+        wanted: list[TierKey] = []
         for key in keys:
             if (ns.id, key) in self._open:
                 started.add(key)
@@ -94,22 +99,28 @@ class Promoter:
             if not self.tier.contains(tier_key):
                 table.discard(key)              # a stale name (or a shared fingerprint)
                 continue
-            if len(self._open) >= MAX_OPEN_PROMOTIONS or self._refusing():
-                self.refused_total += 1
-                continue
+            wanted.append(tier_key)
+        room = MAX_OPEN_PROMOTIONS - len(self._open)
+        if self._refusing() or room <= 0:
+            self.refused_total += len(wanted)
+            return started
+        if len(wanted) > room:
+            self.refused_total += len(wanted) - room
+            del wanted[room:]
+        if wanted and ns.slots.free_count() < len(wanted):
+            # Room for all of them at once (slots waiting for readers count: they come back
+            # at the engines' next steps, when it asks again), none evicted among them.
+            mgr.make_room(len(wanted), [k.key for k in wanted])
+        for tier_key in wanted:
             if self._start(ns, tier_key):
-                started.add(key)
+                started.add(tier_key.key)
         return started
 
     def _start(self, ns: Namespace, tier_key: TierKey) -> bool:
         mgr = ns.mgr
-        if not ns.slots.free_count() and ns.slots.in_limbo():
-            # Slots come free as soon as readers move past them: the engine asks again then
-            # (evicting now would only put one more slot behind them).
-            self.refused_total += 1
+        if not ns.slots.free_count():
+            self.refused_total += 1              # its slot waits for readers: asked again
             return False
-        # Room for this block only (not for the sessions' reserves: their stores evict for
-        # those); None while what was evicted for it waits for readers to move on.
         grant = mgr.prepare_store([tier_key.key])
         if grant is None or not grant.keys_to_store:
             self.refused_total += 1
@@ -117,7 +128,7 @@ class Promoter:
         slot, epoch = grant.slots[0], mgr.epoch
         start = ns.slots.offset(slot)
         with self._pools.for_tenant(ns.tenant).view() as pool:
-            dest = pool[start:start + ns.layout.block_bytes]
+            dest = pool[start:start + ns.slots.stride]     # the whole slot: aligned reads
         future = self.tier.promote(tier_key, dest)
         if future is None:                       # dropped meanwhile
             dest.release()

@@ -236,3 +236,35 @@ def test_a_tier_opened_in_the_background_refuses_until_open(tmp_path):
         assert read(t, key(1)) == block(1)
     finally:
         t.close()
+
+
+def test_promotion_reads_straight_into_an_aligned_slot_and_checks_it_there(tier):
+    """A pool slot (page-aligned, at least the block's aligned length) is read into directly;
+    an unaligned or short destination goes through a buffer; both byte-exact, and a corrupt
+    block is refused either way. Buffers are reused, and their padding never carries another
+    block's bytes to the disk."""
+    import mmap
+
+    odd = 5000                                        # padded to 8 KiB on the disk
+    keys = [key(i) for i in range(1, 5)]
+    demote_all(tier, keys, odd)
+    slot = mmap.mmap(-1, 8192)                        # page-aligned, the whole padded length
+    for k in keys:
+        view = memoryview(slot)
+        future = tier.promote(k, view)
+        assert future is not None and future.result(timeout=10)
+        assert slot[:odd] == block(int(k.key[4:]), odd)
+        view.release()
+        assert read(tier, k, odd + 1)[:odd] == block(int(k.key[4:]), odd)   # via a buffer
+    entry = tier._space.get(keys[0])
+    with open(os.path.join(tier.directory, DATA_FILE), "rb") as f:
+        f.seek(entry.offset)
+        assert f.read(8192)[odd:] == bytes(8192 - odd)          # zero padding on disk
+    with open(os.path.join(tier.directory, DATA_FILE), "r+b") as f:
+        f.seek(entry.offset + 10)
+        f.write(b"\x00\xff")
+    view = memoryview(slot)
+    future = tier.promote(keys[0], view)
+    assert future is not None and not future.result(timeout=10)
+    view.release()
+    assert not tier.contains(keys[0]) and tier.stats().corrupt_total == 1
