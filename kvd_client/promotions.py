@@ -20,6 +20,7 @@ from .index_reader import STATE_STORING
 
 MAX_ASKED = 4096              # promotions asked for and not settled, at most
 ASK_FOR_S = 1.0               # how long a key is asked for again before it reads MISS
+REASK_S = 0.002               # not more often than this (the daemon frees slots per step)
 RETRY_AFTER_STEPS = 64        # a key whose promotion came to nothing is a MISS this long
 MAX_TRIED = 1 << 16           # keys remembered for that (cleared when full: a bound)
 
@@ -30,6 +31,7 @@ class Promotions:
     def __init__(self) -> None:
         self.asked: dict[bytes, int] = {}      # key -> the step whose PROMOTE names it
         self._first: dict[bytes, float] = {}   # key -> when it was first asked for
+        self._last: dict[bytes, float] = {}    # key -> when it was last asked for
         self.to_send: list[bytes] = []         # this step's keys, for its PROMOTE
         self._tried: dict[bytes, int] = {}     # key -> the step it read MISS after one
         self.asked_total = 0
@@ -43,11 +45,14 @@ class Promotions:
             if asked > acked:
                 return True
             first = self._first.get(key, 0.0)
-            if time.monotonic() - first < ASK_FOR_S and below(key):   # no slot yet: again
-                self._ask(key, step, first)
+            now = time.monotonic()
+            if now - first < ASK_FOR_S and below(key):       # no slot yet: ask again, at
+                if now - self._last.get(key, 0.0) >= REASK_S:  # most every REASK_S
+                    self._ask(key, step, first)
                 return True
             del self.asked[key]                # asked long enough, or it failed: a MISS
             self._first.pop(key, None)
+            self._last.pop(key, None)
             if len(self._tried) >= MAX_TRIED:
                 self._tried.clear()
             self._tried[key] = step
@@ -64,6 +69,7 @@ class Promotions:
     def _ask(self, key: bytes, step: int, first: float) -> None:
         self.asked[key] = step
         self._first[key] = first
+        self._last[key] = time.monotonic()
         self.to_send.append(key)
 
     def take(self) -> list[bytes]:
@@ -80,10 +86,12 @@ class Promotions:
                 if found is None or found[0] != STATE_STORING:
                     del self.asked[key]
                     self._first.pop(key, None)
+                    self._last.pop(key, None)
         return bool(self.asked)
 
     def clear(self) -> None:
         self.asked.clear()
         self._first.clear()
+        self._last.clear()
         self.to_send.clear()
         self._tried.clear()

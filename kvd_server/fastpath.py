@@ -99,7 +99,7 @@ class FastPath:
             return []
         if evict and ns.slots.free_count() < count:
             ns.mgr.make_room(0, (), ns.reserve_owed)     # all or nothing: maybe none
-        count = min(count, ns.slots.free_count())
+        count = min(count, ns.free_for_reserves())
         if not count:
             return []
         before = (s.reserve_target, _owed(s))
@@ -127,7 +127,7 @@ class FastPath:
         if not owed or self.core.draining or s.ns is None:
             return []
         ns = s.ns
-        count = min(owed, ns.slots.free_count())
+        count = min(owed, ns.free_for_reserves())
         if count <= 0:
             return []
         before = (s.reserve_target, owed)

@@ -58,10 +58,21 @@ class Namespace:
     hits_total: int = 0
     misses_total: int = 0
     idle_since: float | None = None     # when it was first seen with no session and no block
+    # Slots promotions from a tier below wait for (kvd_server/tiers/promotion.py), until when:
+    # reserves are not topped up from those (they would take every slot as it comes free).
+    promotions_waiting: int = 0
+    promotions_waiting_until: float = 0.0
 
     @property
     def epoch(self) -> int:
         return self.mgr.epoch
+
+    def free_for_reserves(self) -> int:
+        """Free slots the sessions' reserves may take now (not those promotions wait for)."""
+        free = self.slots.free_count()
+        if self.promotions_waiting and time.monotonic() < self.promotions_waiting_until:
+            return max(0, free - self.promotions_waiting)
+        return free
 
     @property
     def unused(self) -> bool:

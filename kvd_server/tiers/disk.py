@@ -47,7 +47,6 @@ LOCK_FILE = "kvd-disk.lock"
 DEFAULT_EXTENT_BYTES = 64 << 20
 DEFAULT_IO_THREADS = 4
 DEFAULT_QUEUE_BYTES = 256 << 20
-KEEP_BUFFER_BYTES = 64 << 20      # I/O buffers kept for reuse between requests, at most
 RETRY_S = 30.0                  # a degraded tier tries demotions again after this long
 FLUSH_S = 1.0                   # the journal is fsynced this often (when it changed)
 
@@ -108,8 +107,11 @@ class DiskTier:
         self.direct = False
         self._fd = self._lock_fd = -1    # set (under the lock) only once the tier is open
         self._journal: Journal | None = None
-        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk")
-        self._buffers = AlignedBuffers(min(queue_bytes, KEEP_BUFFER_BYTES))
+        # Reads (promotions: an engine waits on them) never queue behind write-behind
+        # demotions (up to queue_bytes of them): each has its own threads.
+        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk-write")
+        self._reads = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk-read")
+        self._buffers = AlignedBuffers(queue_bytes)
         self._closed = threading.Event()
         if open_now:
             self._try_open()
@@ -348,7 +350,7 @@ class DiskTier:
             entry.readers += 1
             self._space.touch(entry)
             st.queue_depth += 1
-        return self._io.submit(self._read, entry, dest)
+        return self._reads.submit(self._read, entry, dest)
 
     def _read(self, entry: Entry, dest: memoryview) -> bool:
         t0 = time.perf_counter()
@@ -437,11 +439,12 @@ class DiskTier:
     # -------------------------------------------------------------- lifecycle
     def _flush_loop(self) -> None:
         """The tier's housekeeping thread: opens the files (at start and again after a failed
-        open, every RETRY_S), fsyncs and compacts the journal."""
+        open, every RETRY_S), fsyncs and compacts the journal, lets idle buffers go."""
         while not self._closed.is_set():
             if self._fd < 0 and self._clock() >= self._retry_at:
                 self._try_open()
             self._flush()
+            self._buffers.trim()
             self._closed.wait(FLUSH_S)
 
     def _flush(self) -> None:
@@ -466,6 +469,7 @@ class DiskTier:
             return
         self._closed.set()
         self._io.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         self._buffers.close()
         self._flusher.join(timeout=5)
         self._flush()

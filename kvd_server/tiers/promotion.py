@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PROMOTE_DEADLINE_S = 10.0
 MAX_OPEN_PROMOTIONS = 4096       # reads in flight at once, over every namespace
+WAIT_FOR_SLOTS_S = 0.05          # slots promotions wait for are kept from reserves this long
 
 
 @dataclass(slots=True, eq=False)
@@ -111,9 +113,16 @@ class Promoter:
             # Room for all of them at once (slots waiting for readers count: they come back
             # at the engines' next steps, when it asks again), none evicted among them.
             mgr.make_room(len(wanted), [k.key for k in wanted])
+        waiting = 0
         for tier_key in wanted:
             if self._start(ns, tier_key):
                 started.add(tier_key.key)
+            else:
+                waiting += 1
+        # The slots evicted for the ones that got none come free at the engines' next steps:
+        # kept for them (not handed to reserves) while the engine asks again.
+        ns.promotions_waiting = waiting
+        ns.promotions_waiting_until = time.monotonic() + WAIT_FOR_SLOTS_S
         return started
 
     def _start(self, ns: Namespace, tier_key: TierKey) -> bool:
