@@ -481,15 +481,6 @@ class Daemon:
         for name in HEALTH_SERVICES:
             await self._health.set(name, status)
 
-    async def _tier_health(self) -> None:
-        """The tier's own health service (kvd.tier.disk): NOT_SERVING while it is opening or
-        degraded; the daemon's ("") stays SERVING, since the pool serves without it."""
-        if self._tier is not None:
-            self._tier.tick()
-            ok = self._tier.serving()
-            await self._health.set(self._tier.health_service,
-                                   health_pb2.HealthCheckResponse.SERVING if ok
-                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _end_channel(self, session: Session) -> None:
         """A session ends: what its channel still holds is applied, then it goes."""
@@ -555,7 +546,9 @@ class Daemon:
                     # not the engines'. Do not reap anyone for it.
                     core.forgive(late)
                 core.sweep()
-                await self._tier_health()
+                if self._tier is not None:
+                    self._tier.tick()
+                    await self._tier.publish_health(self._health)
                 if loop.time() >= next_trim and self.pools is not None:
                     next_trim = loop.time() + TRIM_INTERVAL
                     self.pools.trim(core.extents.owner)

@@ -19,11 +19,9 @@ and the engines carry on without it.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -35,15 +33,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvd_server.tiers.base import TierHealth, TierKey, TierStats
 from kvd_server.tiers.buffers import AlignedBuffers
-from kvd_server.tiers.disk_journal import Journal, JournalMismatch, Placed
+from kvd_server.tiers.disk_files import DATA_FILE, JOURNAL_FILE, LOCK_FILE, open_files
+from kvd_server.tiers.disk_journal import Journal, Placed
 from kvd_server.tiers.disk_space import DiskSpace, Entry, State, aligned
-from kvd_server.units import format_size
+
+__all__ = ["DATA_FILE", "JOURNAL_FILE", "LOCK_FILE", "DiskTier"]
 
 log = logging.getLogger(__name__)
 
-DATA_FILE = "kvd-disk.data"
-JOURNAL_FILE = "kvd-disk.journal"
-LOCK_FILE = "kvd-disk.lock"
 DEFAULT_EXTENT_BYTES = 64 << 20
 DEFAULT_IO_THREADS = 4
 DEFAULT_QUEUE_BYTES = 256 << 20
@@ -129,84 +126,18 @@ class DiskTier:
                 self._degrade(_reason(exc))
 
     def _open(self) -> None:
-        """Open, preallocate and replay into local state, then install it under the lock:
-        demotions see either no tier or a whole one. Whatever was opened is closed on failure."""
-        fds: list[int] = []
-        journal: Journal | None = None
-        try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            lock_fd = os.open(os.path.join(self.directory, LOCK_FILE),
-                              os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            fds.append(lock_fd)
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise OSError(errno.EBUSY,
-                              f"another kvd daemon uses {self.directory}") from None
-            fd, direct = self._open_data()
-            fds.append(fd)
-            journal = Journal(os.path.join(self.directory, JOURNAL_FILE), self.size,
-                              self.extent_bytes)
-            try:
-                placed = journal.load()
-            except JournalMismatch as why:
-                log.warning("disk tier %s: its journal was %s; starting empty", self.directory,
-                            why)
-                os.unlink(journal.path)
-                placed = journal.load()
-        except BaseException:
-            if journal is not None:
-                with contextlib.suppress(OSError):
-                    journal.close()
-            for fd in fds:
-                os.close(fd)
-            raise
-        space = DiskSpace(self.size, self.extent_bytes, self._quota_of)
-        kept = sum(space.adopt(TierKey(p.namespace, p.key, p.tenant), p.offset, p.length,
-                               p.alloc, p.crc) for p in placed)
-        if kept != len(placed):
-            log.warning("disk tier %s: %d journal records did not fit the layout; dropped",
-                        self.directory, len(placed) - kept)
+        """Open, preallocate and replay (kvd_server/tiers/disk_files.py), then install it
+        under the lock: demotions see either no tier or a whole one."""
+        files = open_files(self.directory, self.size, self.extent_bytes, self._quota_of)
         with self._lock:
-            self._space, self._journal, self.direct = space, journal, direct
-            self._lock_fd, self._fd = fds
+            self._space, self._journal, self.direct = files.space, files.journal, files.direct
+            self._lock_fd, self._fd = files.lock_fd, files.data_fd
             self._stats.health, self._stats.reason = TierHealth.OK, ""
-        log.info("disk tier %s: %s, %d blocks (%s) kept from before, %s I/O", self.directory,
-                 format_size(self.size), kept, format_size(space.used_bytes),
-                 "direct" if direct else "buffered (no O_DIRECT here)")
         if self.on_opened is not None:
             try:
                 self.on_opened()
             except Exception:  # the tier works on whatever the hook does
                 log.exception("disk tier: the opened hook failed")
-
-    def _open_data(self) -> tuple[int, bool]:
-        """The data file, preallocated: (its descriptor, whether it does direct I/O)."""
-        path = os.path.join(self.directory, DATA_FILE)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        try:
-            fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:     # a filesystem without direct I/O (tmpfs)
-                raise
-            fd, direct = os.open(path, flags, 0o600), False
-        try:
-            before = os.fstat(fd).st_size
-            if before != self.size:
-                os.ftruncate(fd, self.size)
-            try:
-                os.posix_fallocate(fd, 0, self.size)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    # What a failed preallocation took stays allocated (ext4): give the
-                    # drive's other users their space back.
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, 0 if before != self.size else before)
-                    raise
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, direct
 
     # ----------------------------------------------------------------- health
     def _degrade(self, reason: str) -> None:

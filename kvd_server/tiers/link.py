@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvd_server.tiers.base import Tier, TierHealth, TierStats
 from kvd_server.tiers.below_table import BelowTable, BelowTables
@@ -74,9 +74,15 @@ class TierLink:
         """Its name in the daemon's gRPC health service (`kvd health` reads it)."""
         return f"kvd.tier.{self.tier.name}"
 
-    def serving(self) -> bool:
-        """Whether the tier takes work now (not opening, not degraded)."""
-        return self.tier.stats().health == TierHealth.OK
+    async def publish_health(self, health: Any) -> None:
+        """Into the daemon's gRPC health servicer (`kvd health` reads it): the tier's own
+        service NOT_SERVING while it is opening or degraded (the daemon's "" stays SERVING:
+        the pool serves without it)."""
+        from grpc_health.v1 import health_pb2
+
+        ok = self.tier.stats().health == TierHealth.OK
+        await health.set(self.health_service, health_pb2.HealthCheckResponse.SERVING if ok
+                         else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stats(self) -> TierStats:
         return dataclasses.replace(
