@@ -384,6 +384,7 @@ class OffloadSession:
         self._put([rec.encode_reset(self._reset_pending)])
         self._stores.reset()
         self._loads.reset()
+        self._promotions.clear()
         self._hits.clear()
 
     def reset_flushed(self) -> None:

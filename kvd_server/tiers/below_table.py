@@ -126,9 +126,11 @@ class BelowTables:
             self.fill(ns_id)
 
     def held(self, keys: Iterable[TierKey]) -> None:
+        """Written blocks (told from the I/O threads, so checked: a reset or an eviction
+        since may have dropped them)."""
         for k in keys:
             table = self._tables.get(k.namespace)
-            if table is not None:
+            if table is not None and self.tier.contains(k):
                 table.add(k.key)
 
     def lost(self, keys: Iterable[TierKey]) -> None:

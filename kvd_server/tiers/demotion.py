@@ -56,21 +56,21 @@ class Demoter:
         with self._pools.for_tenant(ns.tenant).view() as pool:
             for key, slot in victims:
                 start = ns.slots.offset(slot)
-                future = self.tier.demote(TierKey(ns.id, key, ns.tenant), pool[start:start + n])
+                tier_key = TierKey(ns.id, key, ns.tenant)
+                future = self.tier.demote(tier_key, pool[start:start + n])
                 if future is None:
                     continue
                 kept.add(key)
-                future.add_done_callback(lambda f, _key=key, _ns=ns.id: self._written(f, _ns,
-                                                                                       _key))
+                future.add_done_callback(lambda f, _k=tier_key: self._written(f, _k))
         return kept
 
-    def _written(self, future: Future[bool], ns_id: str, key: bytes) -> None:
+    def _written(self, future: Future[bool], key: TierKey) -> None:
         """On an I/O thread: a demotion ended; a failed one loses the block."""
         if future.cancelled() or future.exception() is not None or not future.result():
-            self._dropped_async([TierKey(ns_id, key)])
+            self._dropped_async([key])
         else:
             with contextlib.suppress(RuntimeError):     # a closed loop: the daemon stops
-                self._loop.call_soon_threadsafe(self._tables.held, [TierKey(ns_id, key)])
+                self._loop.call_soon_threadsafe(self._tables.held, [key])
 
     def _dropped_async(self, keys: list[TierKey]) -> None:
         """From any thread: blocks the tier no longer holds; told on the event loop."""

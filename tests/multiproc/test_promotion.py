@@ -15,6 +15,7 @@ from kvd_client.offload_session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from kvd_server.tiers.disk import DATA_FILE, DiskTier
 from tests.multiproc.offload_engine import (
+    assert_no_slot_leaked,
     close_session,
     count_blocking_calls,
     open_session,
@@ -179,3 +180,51 @@ def test_the_disk_tier_is_found_again_after_a_restart_and_a_corrupt_block_is_nev
             assert set(first.values()) == {Lookup.HIT_PENDING}
     finally:
         close_session(session)
+
+
+def test_another_namespace_never_sees_the_disks_blocks(start_daemon, tmp_path):
+    """The held-below table is the namespace's own: an engine of another model (another
+    namespace, as another tenant's would be) reads MISS for every key the disk holds."""
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+                          env=_env(tmp_path / "disk"))
+    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    keys = keys_for("apart", STORED)
+    a = open_session(daemon.socket, MODEL, reserve=64)
+    b = open_session(daemon.socket, "another-model", reserve=16)
+    try:
+        _fill(daemon, a, keys)
+        states = [b.lookup(k) for k in keys]
+        b.end_step()
+        assert set(states) == {Lookup.MISS}
+        assert _tier(daemon)["promotions_total"] == 0
+    finally:
+        close_session(a)
+        close_session(b)
+
+
+def test_a_reset_while_promotions_run_serves_nothing_old_and_leaks_no_slot(start_daemon,
+                                                                           tmp_path):
+    """A reset drops the namespace's blocks on the disk too; promotions in flight at the
+    reset finish harmlessly (their slots come back), and nothing from before it is served."""
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+                          env=_env(tmp_path / "disk"))
+    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    keys = keys_for("reset-promote", STORED)
+    session = open_session(daemon.socket, MODEL, reserve=64)
+    try:
+        _fill(daemon, session, keys)
+        asked = [k for k in keys[:2 * BATCH] if session.lookup(k) is Lookup.HIT_PENDING]
+        assert asked
+        session.end_step()                       # the PROMOTE goes; reset right behind it
+        session.reset()
+        settle(session)
+        wait_until(lambda: _tier(daemon)["promotions_open"] == 0, 20,
+                   "the promotions to end")
+        states = [session.lookup(k) for k in keys]
+        session.end_step()
+        assert set(states) == {Lookup.MISS}, "a block from before the reset was found"
+        tier = _tier(daemon)
+        assert tier["blocks"] == 0 and tier["below_keys"] == 0
+    finally:
+        close_session(session)
+    assert_no_slot_leaked(daemon, MODEL)
