@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kvd_server.errors import NotFound
 from kvd_server.tiers.base import Tier, TierKey
 from kvd_server.tiers.below_table import BelowTables
+from kvd_server.tiers.loop_inbox import LoopInbox
 
 if TYPE_CHECKING:
     from kvd_server.namespaces import Namespace, NamespaceTable
@@ -37,6 +38,7 @@ class Demoter:
         self._pools = pools
         self._tables = tables
         self._loop = loop
+        self._held: LoopInbox[TierKey] = LoopInbox(loop, tables.held)
         tier.on_dropped = self._dropped_async
 
     def join(self, ns: Namespace) -> None:
@@ -69,8 +71,7 @@ class Demoter:
         if future.cancelled() or future.exception() is not None or not future.result():
             self._dropped_async([key])
         else:
-            with contextlib.suppress(RuntimeError):     # a closed loop: the daemon stops
-                self._loop.call_soon_threadsafe(self._tables.held, [key])
+            self._held.put(key)
 
     def _dropped_async(self, keys: list[TierKey]) -> None:
         """From any thread: blocks the tier no longer holds; told on the event loop."""

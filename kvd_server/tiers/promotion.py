@@ -17,7 +17,6 @@ costs MISSes, never a request stuck waiting or a slot written behind a new owner
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 from kvd_server.errors import NotFound
 from kvd_server.tiers.base import Tier, TierKey
 from kvd_server.tiers.below_table import BelowTables
+from kvd_server.tiers.loop_inbox import LoopInbox
 
 if TYPE_CHECKING:
     from kvd_server.namespaces import Namespace, NamespaceTable
@@ -66,6 +66,7 @@ class Promoter:
         self._loop = loop
         self._refusing = refusing
         self._open: dict[tuple[str, bytes], Promotion] = {}
+        self._finished: LoopInbox[tuple[Promotion, bool]] = LoopInbox(loop, self._done_all)
         self.refused_total = 0
         self.late_total = 0
 
@@ -152,8 +153,14 @@ class Promoter:
 
     def _done_async(self, p: Promotion, future: Future[bool]) -> None:
         ok = not future.cancelled() and future.exception() is None and bool(future.result())
-        with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
-            self._loop.call_soon_threadsafe(self._done, p, ok)
+        self._finished.put((p, ok))
+
+    def _done_all(self, finished: list[tuple[Promotion, bool]]) -> None:
+        for p, ok in finished:
+            try:
+                self._done(p, ok)
+            except Exception:  # one promotion's bug must not strand the others
+                log.exception("finishing a promotion failed")
 
     def _ns(self, ns_id: str) -> Namespace | None:
         try:
