@@ -125,10 +125,12 @@ class DiskTierConfig:
     queue_size: int         # bytes of demotions and promotions in flight; past it, refused
     tenant_quota: int       # bytes a tenant not in tenant_quotas may hold (0: no limit)
     tenant_quotas: dict[str, int] = field(default_factory=dict)   # tenant -> bytes on disk
+    retry_interval: float = 30.0    # seconds a degraded tier waits before it tries again
 
     def __hash__(self) -> int:  # a dict field: hash the sorted items instead
         return hash((self.path, self.size, self.extent_size, self.io_threads, self.queue_size,
-                     self.tenant_quota, tuple(sorted(self.tenant_quotas.items()))))
+                     self.tenant_quota, tuple(sorted(self.tenant_quotas.items())),
+                     self.retry_interval))
 
     def quota_of(self, tenant: str) -> int:
         """Bytes of the disk the tenant's blocks may take (0: no limit)."""
@@ -368,6 +370,7 @@ _SCHEMA: dict[str, _Key] = {
     "tiers.disk.queue_size": _Key("size", _size),
     "tiers.disk.tenant_quota": _Key("size", _size),
     "tiers.disk.tenant_quotas": _Key("sizemap", _quota_map),
+    "tiers.disk.retry_interval": _Key("duration", _duration),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)
@@ -580,6 +583,8 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
         if values["tiers.disk.queue_size"] < disk_extent // 16:
             fail("tiers.disk.queue_size", "must hold a few blocks: at least "
                                           f"{disk_extent // 16} bytes")
+        if not 0.1 <= values["tiers.disk.retry_interval"] <= 3600:
+            fail("tiers.disk.retry_interval", "must be between 100ms and 1h")
     if 0 < values["tenants.default_quota"] < smallest:
         fail("tenants.default_quota", f"must be 0 (no quota) or at least one extent "
                                       f"({smallest} bytes, pool.extent_size)")

@@ -13,7 +13,7 @@ dropped and counted, never served. The buffers in flight are bounded (`queue_byt
 it demotions are refused (counted), so the pool never waits for the disk.
 
 A missing or read-only directory, a full disk or an I/O error degrades the tier (one WARNING,
-counted, `kvd health` says so): it refuses demotions for `RETRY_S`, then tries again; the pool
+counted, `kvd health` says so): it refuses demotions for `retry_s`, then tries again; the pool
 and the engines carry on without it.
 """
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 DEFAULT_EXTENT_BYTES = 64 << 20
 DEFAULT_IO_THREADS = 4
 DEFAULT_QUEUE_BYTES = 256 << 20
-RETRY_S = 30.0                  # a degraded tier tries demotions again after this long
+RETRY_S = 30.0                  # a degraded tier tries again after this long (the default)
 FLUSH_S = 1.0                   # the journal is fsynced this often (when it changed)
 
 _REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
@@ -79,6 +79,7 @@ class DiskTier:
     def __init__(self, directory: str, size: int, *, extent_bytes: int = DEFAULT_EXTENT_BYTES,
                  io_threads: int = DEFAULT_IO_THREADS, queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  quota_of: Callable[[str], int] | None = None, open_now: bool = True,
+                 retry_s: float = RETRY_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`open_now=False` opens the files on the tier's own thread (the daemon: preallocating
         the data file and replaying the journal must not delay serving); until then, and
@@ -90,6 +91,7 @@ class DiskTier:
         self.size = size // extent_bytes * extent_bytes
         self.extent_bytes = extent_bytes
         self.queue_bytes = queue_bytes
+        self.retry_s = retry_s
         self._quota_of = quota_of
         self._clock = clock
         self._lock = threading.Lock()
@@ -145,9 +147,9 @@ class DiskTier:
         st = self._stats
         if st.health is not TierHealth.DEGRADED or st.reason != reason:
             log.warning("disk tier %s degraded (%s): demotions refused for %.0fs; the pool "
-                        "carries on without it", self.directory, reason, RETRY_S)
+                        "carries on without it", self.directory, reason, self.retry_s)
         st.health, st.reason = TierHealth.DEGRADED, reason
-        self._retry_at = self._clock() + RETRY_S
+        self._retry_at = self._clock() + self.retry_s
 
     def _usable(self) -> bool:
         """Under the lock: whether demotions are taken now."""
@@ -311,7 +313,7 @@ class DiskTier:
             entry.readers -= 1
             if error is not None:
                 st.failures_total += 1
-                self._reads_fail_until = self._clock() + RETRY_S
+                self._reads_fail_until = self._clock() + self.retry_s
                 self._degrade(_reason(error))          # one WARNING per reason
             elif not good:
                 st.corrupt_total += 1

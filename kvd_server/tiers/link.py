@@ -108,5 +108,5 @@ def start_disk_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
 
     tier = DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
                     io_threads=disk.io_threads, queue_bytes=disk.queue_size,
-                    quota_of=disk.quota_of, open_now=False)
+                    quota_of=disk.quota_of, open_now=False, retry_s=disk.retry_interval)
     return TierLink(tier, namespaces, pools, loop, refusing)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvd_client.offload_session import Lookup, OffloadSession
-from kvd_server.tiers.disk import DATA_FILE, RETRY_S
+from kvd_server.tiers.disk import DATA_FILE
 from tests.multiproc.offload_engine import close_session, open_session, read_block, settle, store
 from tests.support.daemon import HEARTBEAT, LIVENESS, Daemon, clean_env
 from tests.support.engine import block_bytes_of, keys_for
@@ -38,6 +38,7 @@ FS = 64 << 20                 # the filesystem under the tier (room for TIER and
 BATCH = 32
 READ_S = 20.0                 # bound on one batch's promotions (each read is given up at 10 s)
 WAIT_S = 20.0
+RETRY_S = 3.0                 # tiers.disk.retry_interval here (the default, 30 s, is long)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -70,7 +71,8 @@ def _env(disk: Path, size: int = TIER) -> dict[str, str]:
     return clean_env(KVD_MANAGER_HEARTBEAT_INTERVAL=HEARTBEAT,
                      KVD_MANAGER_LIVENESS_TIMEOUT=LIVENESS, KVD_SERVER_DRAIN_TIMEOUT="5s",
                      KVD_TIERS_DISK_PATH=str(disk), KVD_TIERS_DISK_SIZE=str(size),
-                     KVD_TIERS_DISK_EXTENT_SIZE=str(TIER_EXTENT))
+                     KVD_TIERS_DISK_EXTENT_SIZE=str(TIER_EXTENT),
+                     KVD_TIERS_DISK_RETRY_INTERVAL=f"{RETRY_S}s")
 
 
 def _start(start_daemon: Callable[..., Daemon], disk: Path, size: int = TIER) -> Daemon:
@@ -240,7 +242,7 @@ def test_a_disk_that_fills_mid_run_degrades_the_tier_and_it_recovers_when_freed(
         wait_until(_settled(daemon), WAIT_S, "the promotions to end")
         assert _tier(daemon)["corrupt_total"] == 0
 
-        # Free the space: RETRY_S after its last failure the tier takes a demotion again,
+        # Free the space: retry_interval after its last failure the tier takes a demotion again,
         # by itself (the engine keeps storing new blocks, so the pool keeps evicting).
         fs.unfill()
         rounds = iter(range(10_000))

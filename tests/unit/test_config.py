@@ -222,3 +222,12 @@ def test_disk_tier_quotas_per_tenant_with_a_default_for_the_rest(tmp_path):
     assert env.quota_of("team-c") == 1 << 30 and env.quota_of("team-a") == 0
     with pytest.raises(ConfigError, match="tenant_quotas"):
         load_config(None, env={"KVD_TIERS_DISK_TENANT_QUOTAS": "team-c=lots"})
+
+
+def test_disk_tier_retry_interval_is_a_bounded_duration():
+    assert load_config(None, env={}).tiers_disk.retry_interval == 30.0
+    env = {"KVD_TIERS_DISK_RETRY_INTERVAL": "2s"}
+    assert load_config(None, env=env).tiers_disk.retry_interval == 2.0
+    with pytest.raises(ConfigError, match="retry_interval"):
+        load_config(None, env={"KVD_TIERS_DISK_RETRY_INTERVAL": "10ms",
+                               "KVD_TIERS_DISK_PATH": "/tmp/x"})
