@@ -28,26 +28,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from kvd_server.tiers.disk_files import open_data  # noqa: E402
+
 SIZES = (64 << 10, 256 << 10, 2 << 20)
 THREADS = 4                 # the tier's default io_threads
 DEPTHS = (4, 16)            # io_uring requests in flight
-
-
-def _open(path: Path, size: int) -> tuple[int, bool]:
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    try:
-        fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        fd, direct = os.open(path, flags, 0o600), False
-    os.ftruncate(fd, size)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-    return fd, direct
 
 
 def _offsets(file_bytes: int, block: int, n: int, seed: int) -> list[int]:
@@ -147,7 +134,7 @@ def run(directory: Path, mib_per_cell: int) -> dict:
     problem = _uring_problem()
     file_bytes = max(4 * mib_per_cell, 256) << 20
     path = directory / "kvd-io-engines.data"
-    fd, direct = _open(path, file_bytes)
+    fd, direct = open_data(str(path), file_bytes)
     engines: dict = {"threads": lambda f, w, b, o: _threads(f, w, b, o)}
     if not problem:
         for depth in DEPTHS:

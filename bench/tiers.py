@@ -72,6 +72,7 @@ from kvd_proto import kvd_pb2, kvd_pb2_grpc  # noqa: E402
 from kvd_proto.paths import grpc_target  # noqa: E402
 from kvd_proto.wire import KvLayout  # noqa: E402
 from kvd_server.tiers.disk import DATA_FILE, DEFAULT_IO_THREADS, DEFAULT_QUEUE_BYTES  # noqa: E402
+from kvd_server.tiers.disk_files import open_data  # noqa: E402
 
 RESULTS = HERE / "results"
 MIB = 1 << 20
@@ -228,24 +229,6 @@ def keys_for(seed: str, n: int) -> list[bytes]:
 
 
 # --------------------------------------------------------------------------- 1. raw
-def _open_raw(path: Path, size: int) -> tuple[int, bool]:
-    """A preallocated file as the tier opens its data file: (fd, O_DIRECT or buffered)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    try:
-        fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:        # tmpfs: no direct I/O
-            raise
-        fd, direct = os.open(path, flags, 0o600), False
-    os.ftruncate(fd, size)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-    return fd, direct
-
-
 def _raw_pass(fd: int, write: bool, block: int, n: int) -> float:
     """n requests of `block` bytes at consecutive offsets, IO_THREADS in flight: seconds."""
     bufs = [mmap.mmap(-1, block) for _ in range(IO_THREADS)]
@@ -279,7 +262,7 @@ def raw(directory: Path, block: int, moved: int, file_bytes: int) -> dict:
         out[op] = {"runs_seconds": []}
     try:
         for _ in range(RAW_RUNS):
-            fd, direct = _open_raw(path, file_bytes)      # fresh, as the tier's file is
+            fd, direct = open_data(str(path), file_bytes)      # fresh, as the tier's file is
             try:
                 for op in ("write", "read"):
                     out[op]["runs_seconds"].append(_raw_pass(fd, op == "write", block, n))

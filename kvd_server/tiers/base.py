@@ -72,8 +72,6 @@ class Tier(Protocol):
     # Told, from any thread, of blocks the tier let go of by itself (its own evictions,
     # corrupt blocks), so that their removed events go out.
     on_dropped: Callable[[list[TierKey]], None] | None
-    # Told, from any thread, that the tier opened (what it held before is readable now).
-    on_opened: Callable[[], None] | None
 
     @property
     def readable(self) -> bool:

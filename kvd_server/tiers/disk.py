@@ -99,7 +99,6 @@ class DiskTier:
         self._stats = TierStats(self.name, health=TierHealth.OPENING, capacity_bytes=self.size,
                                 directory=self.directory)
         self.on_dropped: Callable[[list[TierKey]], None] | None = None   # evicted, corrupt
-        self.on_opened: Callable[[], None] | None = None     # its files opened (any thread)
         self._in_flight = 0              # bytes of buffers in flight
         self._retry_at = 0.0
         self._reads_fail_until = 0.0
@@ -135,11 +134,6 @@ class DiskTier:
             self._space, self._journal, self.direct = files.space, files.journal, files.direct
             self._lock_fd, self._fd = files.lock_fd, files.data_fd
             self._stats.health, self._stats.reason = TierHealth.OK, ""
-        if self.on_opened is not None:
-            try:
-                self.on_opened()
-            except Exception:  # the tier works on whatever the hook does
-                log.exception("disk tier: the opened hook failed")
 
     # ----------------------------------------------------------------- health
     def _degrade(self, reason: str) -> None:

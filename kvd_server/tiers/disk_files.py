@@ -50,7 +50,7 @@ def open_files(directory: str, size: int, extent_bytes: int,
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OSError(errno.EBUSY, f"another kvd daemon uses {directory}") from None
-        fd, direct = _open_data(os.path.join(directory, DATA_FILE), size)
+        fd, direct = open_data(os.path.join(directory, DATA_FILE), size)
         fds.append(fd)
         journal = Journal(os.path.join(directory, JOURNAL_FILE), size, extent_bytes)
         try:
@@ -78,8 +78,9 @@ def open_files(directory: str, size: int, extent_bytes: int,
     return OpenFiles(lock_fd, fd, direct, journal, space)
 
 
-def _open_data(path: str, size: int) -> tuple[int, bool]:
-    """The data file, preallocated: (its descriptor, whether it does direct I/O)."""
+def open_data(path: str, size: int) -> tuple[int, bool]:
+    """The data file, preallocated: (its descriptor, whether it does direct I/O). The
+    benchmarks open their raw files with it too, so they measure the same kind of file."""
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     try:
         fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True

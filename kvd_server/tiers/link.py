@@ -8,7 +8,6 @@ and a "held below" table; a namespace forgotten closes its table.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,12 +30,10 @@ class TierLink:
                  loop: asyncio.AbstractEventLoop,
                  refusing: Callable[[], bool] = lambda: False) -> None:
         self.tier = tier
-        self._loop = loop
         self.tables = BelowTables(tier)
-        self._readable = True
+        self._readable = False       # the first tick with the tier open names what it holds
         self.demoter = Demoter(tier, namespaces, pools, self.tables, loop)
         self.promoter = Promoter(tier, namespaces, pools, self.tables, loop, refusing)
-        tier.on_opened = self._opened_async
         namespaces.on_made.append(self.join)
         namespaces.on_forgotten.append(self.forget)
         for ns in namespaces:
@@ -54,9 +51,9 @@ class TierLink:
         return self.tables.get(ns_id)
 
     def tick(self) -> None:
-        """The daemon's periodic sweep: while the tier's reads fail, name nothing as held
-        below (engines read MISS instead of waiting on promotions bound to fail); once they
-        work again, name what it holds."""
+        """The daemon's periodic sweep: once the tier is open (at start, its files open on
+        its own thread) and whenever its reads work again, name what it holds; while they
+        fail, name nothing (engines read MISS instead of waiting on doomed promotions)."""
         readable = self.tier.readable
         if readable != self._readable:
             self._readable = readable
@@ -64,10 +61,6 @@ class TierLink:
                 self.tables.fill_all()
             else:
                 self.tables.clear_all()
-
-    def _opened_async(self) -> None:
-        with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
-            self._loop.call_soon_threadsafe(self.tables.fill_all)
 
     @property
     def health_service(self) -> str:

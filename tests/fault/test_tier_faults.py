@@ -9,14 +9,13 @@ import os
 import random
 import signal
 import time
-from collections.abc import Sequence
 
 import pytest
 
-from kvd_client.offload_session import Lookup, OffloadSession
-from tests.multiproc.offload_engine import close_session, open_session, read_block, settle, store
+from kvd_client.offload_session import Lookup
+from tests.multiproc.offload_engine import close_session, open_session, read_back, store
 from tests.multiproc.test_disk_tier import POOL, _env
-from tests.support.engine import block_bytes_of, keys_for
+from tests.support.engine import keys_for
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
@@ -26,35 +25,6 @@ PER_ROUND = 192               # stored per round: 1.5x the pool
 BATCH = 32
 VERIFY_S = 20.0
 RECENT = 4 * PER_ROUND        # the last rounds' keys: fit the disk tier
-
-
-def _verify(session: OffloadSession, keys: Sequence[bytes]) -> tuple[int, int]:
-    """Read `keys` back as a scheduler does (HIT_PENDING waits, MISS gives up): (blocks that
-    loaded, each its own key's bytes; keys that read MISS). Fails on a wrong byte."""
-    loaded = missed = 0
-    pool = session.client.pool
-    for i in range(0, len(keys), BATCH):
-        pending = list(keys[i:i + BATCH])
-        deadline = time.monotonic() + VERIFY_S
-        while pending:
-            assert time.monotonic() < deadline, f"{len(pending)} promotions never ended"
-            states = [session.lookup(k) for k in pending]
-            hits = [k for k, s in zip(pending, states, strict=True) if s is Lookup.HIT]
-            if hits:
-                offsets = session.start_loads(hits)
-                wrong = [k for k, o in zip(hits, offsets, strict=True)
-                         if o is None or read_block(pool, o) != block_bytes_of(k)]
-                session.finish_loads(hits)
-                assert not wrong, f"{len(wrong)} blocks served with another key's bytes"
-                loaded += len(hits)
-            missed += sum(s is Lookup.MISS for s in states)
-            pending = [k for k, s in zip(pending, states, strict=True)
-                       if s is Lookup.HIT_PENDING]
-            session.end_step()
-            if pending:
-                time.sleep(0.002)
-        settle(session)
-    return loaded, missed
 
 
 def _kill(daemon) -> None:
@@ -78,7 +48,7 @@ def test_sigkill_mid_demotion_and_mid_promotion_never_serves_a_wrong_block(start
                 # What earlier daemons wrote: on the disk (HIT_PENDING, then HIT) or lost to
                 # a kill (MISS); never wrong bytes.
                 sample = rng.sample(stored, min(len(stored), 2 * BATCH))
-                loaded, _ = _verify(session, sample)
+                loaded, _ = read_back(session, sample, BATCH, VERIFY_S)
                 loaded_total += loaded
             fresh = keys_for(f"tier-fault-{r}", PER_ROUND)
             for i in range(0, PER_ROUND, BATCH):
@@ -103,7 +73,7 @@ def test_sigkill_mid_demotion_and_mid_promotion_never_serves_a_wrong_block(start
     session = open_session(daemon.socket, MODEL, reserve=64)
     recent = stored[-RECENT:]             # what the disk (1024 blocks, LRU) still holds
     try:
-        loaded, _ = _verify(session, recent)
+        loaded, _ = read_back(session, recent, BATCH, VERIFY_S)
         tier = daemon.stats()["tiers"][0]
         assert tier["corrupt_total"] == 0 and tier["failures_total"] == 0
     finally:

@@ -145,6 +145,38 @@ def load(session: OffloadSession, keys: Sequence[bytes]) -> tuple[list[Lookup], 
     return states, bad
 
 
+def read_back(session: OffloadSession, keys: Sequence[bytes], batch: int = 32,
+              timeout: float = SETTLE_S) -> tuple[int, int]:
+    """Read `keys` back as a scheduler does, `batch` at a time (HIT_PENDING: ask again next
+    step; HIT: pin, copy, check, unpin; MISS: give up): (blocks loaded, keys that read MISS).
+    Fails on a wrong byte and on a batch whose promotions do not end within `timeout`."""
+    loaded = missed = 0
+    pool = session.client.pool
+    for i in range(0, len(keys), batch):
+        pending = list(keys[i:i + batch])
+        deadline = time.monotonic() + timeout
+        while pending:
+            assert time.monotonic() < deadline, \
+                f"{len(pending)} promotions did not end in {timeout}s"
+            states = [session.lookup(k) for k in pending]
+            hits = [k for k, s in zip(pending, states, strict=True) if s is Lookup.HIT]
+            if hits:
+                offsets = session.start_loads(hits)
+                wrong = [k for k, o in zip(hits, offsets, strict=True)
+                         if o is None or read_block(pool, o) != block_bytes_of(k)]
+                session.finish_loads(hits)
+                assert not wrong, f"{len(wrong)} blocks served with bytes not their own"
+                loaded += len(hits)
+            missed += sum(s is Lookup.MISS for s in states)
+            pending = [k for k, s in zip(pending, states, strict=True)
+                       if s is Lookup.HIT_PENDING]
+            session.end_step()
+            if pending:
+                time.sleep(0.002)
+        settle(session)
+    return loaded, missed
+
+
 # --- what the daemon says --------------------------------------------------------------------
 
 

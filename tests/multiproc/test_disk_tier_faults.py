@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,14 @@ import pytest
 
 from kvd_client.offload_session import Lookup, OffloadSession
 from kvd_server.tiers.disk import DATA_FILE
-from tests.multiproc.offload_engine import close_session, open_session, read_block, settle, store
+from tests.multiproc.offload_engine import (
+    close_session,
+    open_session,
+    read_back,
+    store,
+)
 from tests.support.daemon import HEARTBEAT, LIVENESS, Daemon, clean_env
-from tests.support.engine import block_bytes_of, keys_for
+from tests.support.engine import keys_for
 from tests.support.loopfs import MountedFs, mounted, unavailable
 from tests.support.waits import wait_until
 
@@ -114,44 +118,13 @@ def _fill_tier(daemon: Daemon, session: OffloadSession, keys: Sequence[bytes]) -
     return below
 
 
-def _read_back(session: OffloadSession, keys: Sequence[bytes]) -> tuple[int, int]:
-    """Read `keys` back as a scheduler does (HIT_PENDING: ask again next step; HIT: pin,
-    copy, check, unpin; MISS: give up): (blocks loaded, keys that read MISS). Fails on a
-    wrong byte and on a promotion that does not end within READ_S."""
-    loaded = missed = 0
-    pool = session.client.pool
-    for i in range(0, len(keys), BATCH):
-        pending = list(keys[i:i + BATCH])
-        deadline = time.monotonic() + READ_S
-        while pending:
-            assert time.monotonic() < deadline, \
-                f"{len(pending)} promotions did not end in {READ_S}s"
-            states = [session.lookup(k) for k in pending]
-            hits = [k for k, s in zip(pending, states, strict=True) if s is Lookup.HIT]
-            if hits:
-                offsets = session.start_loads(hits)
-                wrong = [k for k, o in zip(hits, offsets, strict=True)
-                         if o is None or read_block(pool, o) != block_bytes_of(k)]
-                session.finish_loads(hits)
-                assert not wrong, f"{len(wrong)} blocks served with bytes not their own"
-                loaded += len(hits)
-            missed += sum(s is Lookup.MISS for s in states)
-            pending = [k for k, s in zip(pending, states, strict=True)
-                       if s is Lookup.HIT_PENDING]
-            session.end_step()
-            if pending:
-                time.sleep(0.002)
-        settle(session)
-    return loaded, missed
-
-
 def _pool_serves(session: OffloadSession, seed: str) -> None:
     """The pool and an engine carry on: new blocks store, look up HIT and load byte-exact."""
     keys = keys_for(seed, BATCH)
     assert store(session, keys) is not None
     states = [session.lookup(k) for k in keys]
     assert states == [Lookup.HIT] * len(keys), states
-    assert _read_back(session, keys) == (len(keys), 0)
+    assert read_back(session, keys, BATCH, READ_S) == (len(keys), 0)
 
 
 def _says_degraded(daemon: Daemon, words: str) -> None:
@@ -186,7 +159,7 @@ def test_a_tier_larger_than_its_filesystem_degrades_at_start_and_the_pool_serves
     try:
         keys = keys_for(f"full-at-start-{fstype}", 3 * POOL_BLOCKS)
         _store_all(session, keys)                 # three times the pool: evictions
-        assert _read_back(session, keys[-BATCH:]) == (BATCH, 0)
+        assert read_back(session, keys[-BATCH:], BATCH, READ_S) == (BATCH, 0)
         # What the pool evicted was refused by the tier (not written, not held below).
         tier = _tier(daemon)
         assert tier["demotions_refused_total"] >= len(keys) - POOL_BLOCKS
@@ -237,7 +210,7 @@ def test_a_disk_that_fills_mid_run_degrades_the_tier_and_it_recovers_when_freed(
 
         # What the disk held before it filled: never wrong bytes, never stuck; and since a
         # full disk still reads, every block comes back (byte-exact), none reads MISS.
-        loaded, missed = _read_back(session, first[:below])
+        loaded, missed = read_back(session, first[:below], BATCH, READ_S)
         assert (loaded, missed) == (below, 0)
         wait_until(_settled(daemon), WAIT_S, "the promotions to end")
         assert _tier(daemon)["corrupt_total"] == 0
@@ -264,7 +237,7 @@ def test_a_disk_that_fills_mid_run_degrades_the_tier_and_it_recovers_when_freed(
         assert tier["demotions_total"] > demoted + POOL_BLOCKS
         # Written again, and read back byte-exact.
         back = recovered[-2 * BATCH:]
-        assert _read_back(session, back) == (len(back), 0)
+        assert read_back(session, back, BATCH, READ_S) == (len(back), 0)
     finally:
         close_session(session)
     assert daemon.terminate() == 0
@@ -283,7 +256,7 @@ def test_a_filesystem_shut_down_mid_run_degrades_the_tier_and_reads_end_as_miss(
         # The drive goes away: every read, write and fsync on the filesystem fails with EIO.
         fs.shutdown()
         assert "shutdown" in fs.options()
-        loaded, missed = _read_back(session, first[:below])
+        loaded, missed = read_back(session, first[:below], BATCH, READ_S)
         assert (loaded, missed) == (0, below), "a block was served from a shut-down disk"
         wait_until(_settled(daemon), WAIT_S, "the failed promotions to end",
                    detail=lambda: _tier(daemon))
@@ -345,7 +318,7 @@ def test_a_filesystem_gone_read_only_mid_run_degrades_demotions_and_still_serves
         _pool_serves(session, "read-only-pool")
 
         # A read-only disk still serves every block it holds, byte-exact.
-        assert _read_back(session, first[:below]) == (below, 0)
+        assert read_back(session, first[:below], BATCH, READ_S) == (below, 0)
         wait_until(_settled(daemon), WAIT_S, "the promotions to end")
         tier = _tier(daemon)
         assert tier["promotions_total"] >= below and tier["corrupt_total"] == 0
