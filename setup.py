@@ -4,7 +4,8 @@ runs on the pure-Python twins (kvd_proto/native.py)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvd_proto._native", sources=["kvd_proto/_native.c"],
+setup(ext_modules=[Extension("kvd_proto._native", sources=["kvd_proto/_native.c", "kvd_proto/_records.c"],
+                             depends=["kvd_proto/_records.h"],
                              extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra",
                                                  "-Wno-missing-field-initializers",
                                                  "-Wno-unused-parameter",

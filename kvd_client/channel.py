@@ -20,6 +20,7 @@ import time
 from collections import deque
 
 from kvd_proto.channel import UP_HEAD, ChannelHeader, ChannelView, fence
+from kvd_proto.native import eventfd_signal
 from kvd_proto.records import UP_KINDS, DownRecord, RecordError, Rejected, decode_down
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class SessionChannel:
             if self.view.daemon_idle:
                 self.wakes += 1
                 with contextlib.suppress(OSError):   # a full counter still wakes it
-                    os.eventfd_write(self.wake_fd, 1)
+                    eventfd_signal(self.wake_fd)     # keeps the GIL (kvd_proto/native.py)
 
     def receive(self) -> list[DownRecord]:
         """Every answer the daemon has published since the last call."""

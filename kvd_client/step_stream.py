@@ -3,7 +3,9 @@
 A message on an open gRPC stream costs about half a unary call in Python (bench/README.md), and
 the scheduler makes one step per iteration, so the client keeps one stream open per session.
 gRPC's synchronous stream has no per-message timeout: a watchdog thread cancels the stream when
-the step in flight passes its deadline, which makes the waiting `next()` raise at once.
+the step in flight passes its deadline, which makes the waiting `next()` raise at once. The
+watchdog sleeps until a step's deadline (or, with none in flight, until one is set): a thread
+that woke on a timer would take the GIL from a scheduler thread running flat out, every time.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import grpc
 
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 
-WATCH_INTERVAL_S = 0.025
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -44,6 +45,7 @@ class StepStream:
         self._requests: queue.SimpleQueue[kvd_pb2.StepRequest | None] = queue.SimpleQueue()
         self._call = stub.StepStream(iter(self._requests.get, None), metadata=metadata)
         self._deadline = 0.0          # monotonic deadline of the step in flight; 0: none
+        self._changed = threading.Condition()     # a deadline set, or the stream closed
         self._closed = threading.Event()
         self.timed_out = False
         self._watchdog = threading.Thread(target=self._watch, name="kvd-step-watchdog",
@@ -55,7 +57,9 @@ class StepStream:
         is gone, grpc.RpcError with UNIMPLEMENTED when the daemon has no StepStream."""
         if self._closed.is_set():
             raise StepStreamClosed(grpc.StatusCode.CANCELLED, "step stream closed")
-        self._deadline = time.monotonic() + deadline_s
+        with self._changed:
+            self._deadline = time.monotonic() + deadline_s
+            self._changed.notify()
         self._requests.put(request)
         try:
             return next(self._call)
@@ -75,14 +79,25 @@ class StepStream:
 
     def close(self) -> None:
         if not self._closed.is_set():
-            self._closed.set()
+            with self._changed:
+                self._closed.set()
+                self._changed.notify()
             self._requests.put(None)
             self._call.cancel()
 
     def _watch(self) -> None:
-        while not self._closed.wait(WATCH_INTERVAL_S):
-            deadline = self._deadline
-            if deadline and time.monotonic() > deadline and self._deadline == deadline:
+        """Sleep until the step in flight passes its deadline (cancel the stream then), or
+        until a step starts; with no step in flight, until one does."""
+        with self._changed:
+            while not self._closed.is_set():
+                deadline = self._deadline
+                if not deadline:
+                    self._changed.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._changed.wait(left)
+                    continue
                 self.timed_out = True
                 self._closed.set()
                 self._call.cancel()

@@ -13,12 +13,16 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
   answering.
 - `IndexTable`: the daemon's find / insert / set_ready / remove / key_of on its writable
   mapping.
+- `keys_block`, `keys_record`: the channel's records that carry keys (a store, a pin, a
+  completion: one per offload call of the scheduler, with up to hundreds of keys), encoded in
+  one pass (kvd_proto/records.py has the layout).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -337,6 +341,44 @@ def py_keys_block(keys: Sequence[bytes]) -> bytes:
     return struct.pack("<IHH", n, 0, 0) + bytes(map(len, keys)) + joined
 
 
+def py_keys_record(kind: int, prefix: bytes, req_id: str | None, keys: Sequence[bytes],
+                   with_positions: bool, positions: Sequence[int] | None,
+                   index: Sequence[int] | None, offsets: Sequence[int] | None) -> bytes:
+    """The Python twin of `_native.keys_record`: one channel record of the kinds that carry
+    keys (kvd_proto/records.py): `prefix` as given, the request (None: no such field), the keys
+    field, with_positions: the optional positions column (one per key, or none), `index`
+    (None: no field) as a u32 count and u32s, `offsets` (None: no field) as u64s."""
+    parts = [prefix]
+    if req_id is not None:
+        data = req_id.encode()
+        parts.append(struct.pack("<H", len(data)) + data)
+    parts.append(py_keys_block(keys))
+    if with_positions:
+        if positions:
+            if len(positions) != len(keys):
+                raise ValueError("one position per key")
+            parts.append(struct.pack(f"<B{len(positions)}q", 1, *positions))
+        else:
+            parts.append(b"\0")
+    if index is not None:
+        parts.append(struct.pack("<I", len(index)) + array("I", index).tobytes())
+    if offsets is not None:
+        parts.append(array("Q", offsets).tobytes())
+    payload = b"".join(parts)
+    n = 8 + len(payload)
+    return struct.pack("<IHH", n, kind, 0) + payload + bytes(-n % 8)
+
+
+def py_eventfd_signal(fd: int) -> bool:
+    """The Python twin of `_native.eventfd_signal` (this one releases the GIL around the
+    write: another thread of the engine may run first)."""
+    try:
+        os.eventfd_write(fd, 1)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def _load() -> Any:
     if os.environ.get("KVD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
@@ -356,4 +398,8 @@ key_fingerprint: Callable[[bytes], int] = \
     _native.fingerprint if _native is not None else fingerprint
 keys_block: Callable[[Sequence[bytes]], bytes] = \
     _native.keys_block if _native is not None else py_keys_block
+keys_record: Callable[..., bytes] = \
+    _native.keys_record if _native is not None else py_keys_record
+eventfd_signal: Callable[[int], bool] = \
+    _native.eventfd_signal if _native is not None else py_eventfd_signal
 STATES = (STATE_FREE, STATE_STORING, STATE_READY)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvd_proto.channel import record
-from kvd_proto.native import keys_block
+from kvd_proto.native import keys_block, keys_record
 from kvd_proto.wire import (
     MAX_EVENTS,
     MAX_GRANTED_SLOTS,
@@ -82,46 +82,34 @@ def _str(value: str) -> bytes:
 
 
 _keys = keys_block       # compiled where built (kvd_proto/native.py)
-
-
-_I64S: dict[int, struct.Struct] = {}
-
-
-def _i64s(values: Sequence[int] | None) -> bytes:
-    """The optional int64 column (a flag byte, then the values): packed by one struct of the
-    column's length (a third of array()'s time for a range, the usual positions)."""
-    if not values:
-        return b"\0"
-    n = len(values)
-    packer = _I64S.get(n)
-    if packer is None:
-        packer = _I64S[n] = struct.Struct(f"<B{n}q")
-    return packer.pack(1, *values)
+# The records that carry keys (one per offload call), in one pass where compiled.
+_keys_record = keys_record
 
 
 def encode_store(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
                  index: Sequence[int], offsets: Sequence[int]) -> bytes:
     """`index[i]`: the position in `keys` of a key stored into the granted slot at
     `offsets[i]`."""
-    return record(STORE, b"".join((_str(req_id), _keys(keys), _i64s(positions),
-                                   _U32.pack(len(index)), array("I", index).tobytes(),
-                                   array("Q", offsets).tobytes())))
+    if len(offsets) != len(index):
+        raise ValueError("one granted slot per stored key")
+    return _keys_record(STORE, b"", req_id, keys, True, positions, index, offsets)
 
 
 def encode_complete_store(keys: Sequence[bytes], success: bool, req_id: str,
                           epoch: int) -> bytes:
-    return record(COMPLETE_STORE, b"".join((_EPOCH_FLAG.pack(epoch, success), _str(req_id),
-                                            _keys(keys))))
+    return _keys_record(COMPLETE_STORE, _EPOCH_FLAG.pack(epoch, success), req_id, keys, False,
+                        None, None, None)
 
 
 def encode_pin(keys: Sequence[bytes], req_id: str, positions: Sequence[int] | None,
                offsets: Sequence[int]) -> bytes:
-    return record(PIN, b"".join((_str(req_id), _keys(keys), _i64s(positions),
-                                 array("Q", offsets).tobytes())))
+    if len(offsets) != len(keys):
+        raise ValueError("one slot per pinned key")
+    return _keys_record(PIN, b"", req_id, keys, True, positions, None, offsets)
 
 
 def encode_complete_load(keys: Sequence[bytes], req_id: str, epoch: int) -> bytes:
-    return record(COMPLETE_LOAD, b"".join((_U64.pack(epoch), _str(req_id), _keys(keys))))
+    return _keys_record(COMPLETE_LOAD, _U64.pack(epoch), req_id, keys, False, None, None, None)
 
 
 def encode_touch(keys: Sequence[bytes], req_id: str) -> bytes:

@@ -7,6 +7,7 @@ types where the extension was built (in CI it is: `make test` builds it)."""
 from __future__ import annotations
 
 import mmap
+import os
 import random
 import zlib
 
@@ -146,3 +147,70 @@ def test_the_compiled_types_refuse_a_mapping_their_geometry_does_not_fit():
     table.release()
     with pytest.raises(ValueError, match="released"):
         table.find(b"k")
+
+
+def _record_args(rng: random.Random) -> tuple:
+    """Random arguments of `keys_record` as the encoders pass them."""
+    n = rng.choice([0, 1, 2, 16, 75, 300])
+    width = rng.choice([0, 1, 32, 40])
+    keys = [rng.randbytes(width or rng.randint(0, 255)) for _ in range(n)]
+    with_positions = rng.random() < 0.6
+    positions = rng.choice([None, [], range(rng.randint(-5, 5), rng.randint(-5, 5) + 16 * n, 16)
+                            if n else [],
+                            [rng.randint(-(1 << 63), (1 << 63) - 1) for _ in range(n)]])
+    if positions is not None and len(positions) != n:
+        positions = None
+    index = rng.choice([None, range(n), [rng.randint(0, (1 << 32) - 1) for _ in range(n // 2)]])
+    offsets = rng.choice([None, [rng.randint(0, (1 << 64) - 1) for _ in range(n)],
+                          range(0, 4096 * n, 4096)])
+    prefix = rng.randbytes(rng.choice([0, 8, 9]))
+    req_id = rng.choice([None, "", "req-1", "é" * rng.randint(0, 300)])
+    return (rng.randint(0, 0xFFFF), prefix, req_id, keys, with_positions, positions, index,
+            offsets)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(8))
+def test_both_encode_every_record_to_the_same_bytes(seed):
+    rng = random.Random(seed)
+    for _ in range(200):
+        args = _record_args(rng)
+        assert _native.keys_record(*args) == native.py_keys_record(*args), args
+
+
+@needs_native
+@pytest.mark.parametrize("args, error", [
+    ((1, b"", "r", [b"k", 1], True, None, None, None), TypeError),
+    ((1, b"", "r", [b"k" * 256], True, None, None, None), ValueError),
+    ((1, b"", "r", [b"a", b"b"], True, [1], None, None), ValueError),
+    ((1, b"", "r", [b"a"], False, None, [-1], None), OverflowError),
+    ((1, b"", "r", [b"a"], False, None, [1 << 32], None), OverflowError),
+    ((1, b"", "r", [b"a"], False, None, None, [-1]), OverflowError),
+    ((1, b"", "r", [b"a"], False, None, None, [1 << 64]), OverflowError),
+    ((1, b"", "r", [b"a"], True, [1 << 63], None, None), OverflowError),
+    ((1, b"", "r", [b"a"], False, None, None, ["1"]), TypeError),
+    ((1, b"", "r" * 70000, [b"a"], False, None, None, None), ValueError),
+    ((1 << 16, b"", "r", [b"a"], False, None, None, None), OverflowError),
+    ((1, "p", "r", [b"a"], False, None, None, None), TypeError),
+])
+def test_the_compiled_encoder_refuses_what_does_not_fit(args, error):
+    """Bad input is an exception naming it, never a record with wrong bytes."""
+    with pytest.raises(error):
+        _native.keys_record(*args)
+
+
+@pytest.mark.parametrize("kind", ["python", "compiled"])
+def test_an_eventfd_is_signalled_and_a_full_one_says_so(kind):
+    if kind == "compiled" and _native is None:
+        pytest.skip("kvd_proto._native was not built")
+    signal = _native.eventfd_signal if kind == "compiled" else native.py_eventfd_signal
+    fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        assert signal(fd) and signal(fd)
+        assert os.eventfd_read(fd) == 2
+        os.eventfd_write(fd, (1 << 64) - 2)          # the counter's maximum
+        assert signal(fd) is False                   # full: the reader is woken anyway
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        signal(fd)                                   # closed
