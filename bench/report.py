@@ -94,14 +94,16 @@ def table(d: dict) -> str:
     if unary:
         extra.append(f"- 8 clients with unary `Step` calls instead of `StepStream`: "
                      f"{unary[0]['steps_per_second']:.0f} step calls/s.")
-    grid = ("\n" + grid_table(cells) if cells else "")
+    grid = ("\n" + grid_table(cells, cp.get("grid_commit", "")) if cells else "")
     return head + body + grid + ("\n" + "\n".join(extra) + "\n" if extra else "")
 
 
-def grid_table(cells: list[dict]) -> str:
-    """The control plane's grid: one row per cell, kvd against vLLM's in-process manager."""
-    lines = [f"Control plane grid ({cells[0]['trace']}, {cells[0]['capacity_chunks']} chunks "
-             "of pool, defaults only): manager time per step that schedules work.", "",
+def grid_table(cells: list[dict], commit: str = "") -> str:
+    """The control plane's grid: one row per cell, kvd against vLLM's in-process manager
+    (`commit`: where the grid was measured, when not the rest of the run's)."""
+    at = f" at `{commit}`" if commit else ""
+    lines = [f"Control plane grid{at} ({cells[0]['trace']}, {cells[0]['capacity_chunks']} "
+             "chunks of pool, defaults only): manager time per step that schedules work.", "",
              "| model step | max_num_seqs | policy | mean kvd / vLLM µs | p99 kvd / vLLM µs "
              "| hit tokens kvd / vLLM | prepare_store Nones kvd / vLLM (calls) "
              "| messages / engine step | blocking waits |",
@@ -126,7 +128,7 @@ def summary(d: dict) -> str:
     if not cells:
         return ""
     return (grid_table(cells) + f"\nMachine: {m['cpu']}, {m['cores']} cores; commit "
-            f"`{d['commit']}`.\n")
+            f"`{cp.get('grid_commit') or d['commit']}`.\n")
 
 
 def gpu_table(g: dict) -> str:

@@ -44,7 +44,8 @@ from .loads import LoadTracker
 from .old_copies import OldCopies
 from .promotions import Promotions
 from .reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, StoreReserve
-from .stores import UNKNOWN_EPOCH, StoreTracker
+from .resets import Resets
+from .stores import StoreTracker
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,6 @@ class OffloadSession:
         self._marks: Marks | None = None
         self._below: BelowMap | None = None
         self._per_record = 1          # keys one record carries (this session's key width)
-        self._reset_epoch = 0
         self._pool_id = ""
         # step state (scheduler thread)
         self._in_step = False
@@ -92,10 +92,8 @@ class OffloadSession:
         self._stores = StoreTracker()
         self._events = EventInbox()
         self._promotions = Promotions()
-        self._reset_pending = 0       # the token of the reset asked for (0: none)
-        self._reset_tokens = 0
-        self._old = OldCopies()
-        self._releases: list[str] = []      # earlier sessions to release once connected
+        self._resets = Resets(self._stores, self._loads)      # a reset asked for, its epoch
+        self._old = OldCopies()       # copies of ended sessions, until the daemon may release
         # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
         # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
         # there, and the daemon hears the counts.
@@ -144,8 +142,7 @@ class OffloadSession:
         generation = self.client.generation
         if generation == self._generation:
             return
-        release = self._old.add(self.client.previous_session_id,
-                                len(self._loads) + len(self._stores))
+        self._old.ended(self.client.previous_session_id, len(self._loads) + len(self._stores))
         self._generation = generation
         self._close_connection()
         self._hits.clear()
@@ -153,8 +150,7 @@ class OffloadSession:
         self._stores.clear()
         self._promotions.clear()
         self._reserve.clear()
-        self._reset_pending = 0
-        self._releases.extend(release)     # nothing of it in flight: let it go at once
+        self._resets.clear()
         self._adopt()
 
     def _adopt(self) -> None:
@@ -174,9 +170,7 @@ class OffloadSession:
         self._reserve.size_for(handoff.index.header.capacity)
         self._reserve.slots.extend(handoff.offsets)
         self._pool_id = self.client.pool_id or ""
-        releases, self._releases = self._releases, []
-        for session_id in releases:
-            self._put([rec.encode_release_held(session_id)])
+        self._put(self._old.release_records())
 
     def _close_connection(self) -> None:
         self._lookups.unbind()
@@ -199,11 +193,10 @@ class OffloadSession:
         self._in_step = True
         if self._index is not None and self._marks is not None:
             self._step_epoch = self._index.reclaim_epoch
-            if not self._reset_pending:
-                self._reset_epoch = self._index.reset_epoch
+            self._resets.follow(self._index.reset_epoch)
             self._marks.publish(self._loads.floor(self._step_epoch))
         # From here the compiled path answers what the index alone decides.
-        self._lookups.enabled = int(self._index is not None and not self._reset_pending
+        self._lookups.enabled = int(self._index is not None and not self._resets.pending
                                     and self.client.available)
 
     # --------------------------------------------------------------- lookups
@@ -223,7 +216,7 @@ class OffloadSession:
                 return self._lookups.lookup(key)
         counts = self._lookups
         counts.lookups += 1
-        if self._index is None or self._reset_pending or not self.client.available:
+        if self._index is None or self._resets.pending or not self.client.available:
             counts.misses += 1
             return self._miss
         found = counts.find(key)
@@ -280,7 +273,7 @@ class OffloadSession:
             loaded_offsets = [o for o in offsets if o is not None]
             if not loaded:
                 return offsets
-        distinct = self._loads.start(loaded, (self._step_epoch, self._reset_epoch, req_id))
+        distinct = self._loads.start(loaded, (self._step_epoch, self._resets.epoch, req_id))
         pos = positions if positions and len(positions) == len(keys) else None
         if pos and len(loaded) != len(keys):
             pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
@@ -291,7 +284,7 @@ class OffloadSession:
     def finish_loads(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Loads of `keys` finished (every worker copied)."""
         by_reset, unknown = self._loads.finish(keys, req_id)
-        self._finished_old_copies(unknown)
+        self._put(self._old.finished_records(unknown))
         if not self._loads.holding:
             self._publish_idle()
         for reset, group in by_reset.items():
@@ -322,8 +315,7 @@ class OffloadSession:
             return new, slots
         # During a reset this session asked for, the stores' epoch is the reset's answer:
         # UNKNOWN_EPOCH until it arrives.
-        self._stores.add(new, slots, UNKNOWN_EPOCH if self._reset_pending else
-                         self._reset_epoch, self._msgs.seq)
+        self._stores.add(new, slots, self._resets.store_epoch, self._msgs.seq)
         pos = positions if positions and len(positions) == len(keys) else None
         self._put(messages.store(keys, req_id, pos, new, slots, self._per_record))
         return new, slots
@@ -336,7 +328,7 @@ class OffloadSession:
         self._begin()
         if self._index is None or not self.client.available:
             return []
-        use_index = not self._reset_pending
+        use_index = not self._resets.pending
         return self._stores.new_keys(keys, self._lookups.find_new(keys, use_index),
                                      self._lookups.find if use_index else None)
 
@@ -360,7 +352,7 @@ class OffloadSession:
         """Stores of `keys` finished (every worker wrote its share). A failed one is gone for
         this engine at once: its lookups answer MISS and an offer stores it again."""
         by_reset, unknown = self._stores.complete(keys, req_id, success, self._msgs.seq)
-        self._finished_old_copies(unknown)
+        self._put(self._old.finished_records(unknown))
         for reset, group in by_reset.items():
             self._put(messages.complete_store(group, success, req_id, reset, self._per_record))
 
@@ -378,23 +370,15 @@ class OffloadSession:
         self._sync()
         if not self.available:
             return
-        self._reset_tokens += 1
-        self._reset_pending = self._reset_tokens
         self._lookups.enabled = 0
-        self._put([rec.encode_reset(self._reset_pending)])
-        self._stores.reset()
-        self._loads.reset()
+        self._resets.ask(self._put)
         self._promotions.clear()
         self._hits.clear()
 
     def reset_flushed(self) -> None:
         """Every copy that was in flight at the last reset has finished: release their slots
         at the daemon (it kept them, as zombies, until now)."""
-        for reset, keys in self._stores.reset_flushed().items():
-            self._put(messages.complete_store(keys, False, "", reset, self._per_record))
-        for reset, keys in self._loads.reset_flushed().items():
-            for key in keys:          # one per load: a key may have several in flight
-                self._put([rec.encode_complete_load([key], "", reset)])
+        self._resets.flushed(self._put, self._per_record)
 
     # ------------------------------------------------------------------ events
     def take_events(self) -> list[Event]:
@@ -434,7 +418,7 @@ class OffloadSession:
         """Records not yet read by the daemon, a reset not yet answered, or a promotion not
         finished (keep the engine stepping until they are)."""
         self._receive()
-        return bool(self._reset_pending) or self._msgs.unread() or \
+        return bool(self._resets.pending) or self._msgs.unread() or \
             self._promotions.waiting(self._msgs.acked, self._lookups.find)
 
     def _report_counts(self) -> None:
@@ -446,7 +430,7 @@ class OffloadSession:
             self._put([rec.encode_counters(*delta)], essential=False)
 
     def _put(self, records: list[bytes], essential: bool = True) -> None:
-        if self.client.available:
+        if records and self.client.available:
             self._msgs.put(records, essential)
 
     def _flush(self) -> None:
@@ -456,12 +440,6 @@ class OffloadSession:
             self._msgs.attach(self._msgs.channel)
             self.client.drop_session("the daemon does not keep up with this engine's messages")
 
-    def _finished_old_copies(self, n: int) -> None:
-        """Copies of an earlier session finished; when the last one does, the daemon may
-        release what it held for that session (its process lives on: this one)."""
-        for session_id in self._old.finished(n):
-            self._put([rec.encode_release_held(session_id)])
-
     # ---------------------------------------------------------- answers
     def _receive(self) -> None:
         """Apply what the daemon answered since the last call."""
@@ -470,23 +448,11 @@ class OffloadSession:
         for answer in self._msgs.receive():
             if isinstance(answer, rec.Granted):
                 self._reserve.granted(answer.offsets)
-            elif isinstance(answer, rec.ResetDone):
-                if answer.token == self._reset_pending:
-                    self._reset_done(answer.epoch)
-                else:                       # an earlier reset, asked again meanwhile
-                    self._stores.earlier_reset_done(answer.epoch)
             elif isinstance(answer, rec.Events):
                 self._events.add(answer)
-            elif answer.kind == rec.RESET and self._reset_pending:    # refused (logged)
-                self._reset_done(self._reset_epoch)
+            elif isinstance(answer, rec.ResetDone) or answer.kind == rec.RESET:
+                self._resets.answered(answer, self._put, self._per_record)
         self._stores.settle(self._msgs.acked)
-
-    def _reset_done(self, epoch: int) -> None:
-        """The daemon did the reset: the stores made meanwhile belong to its new epoch."""
-        self._reset_pending = 0
-        self._reset_epoch = epoch
-        for key, req_id, success in self._stores.reset_done(epoch):
-            self._put(messages.complete_store([key], success, req_id, epoch, self._per_record))
 
     def _publish_idle(self) -> None:
         """Between steps with no load in flight this session acts on no index entry: publish
