@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.13.0
+KVD_EXTRAS ?=
 PYTEST_ARGS ?=
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/kvd/kvd:$(VERSION)
@@ -30,9 +31,17 @@ $(VENV)/.stamp-run: pyproject.toml $(NATIVE) | $(BIN)/activate
 	$(PIP) install -e .
 	@touch $@
 
+# The cluster tier's tests run a real Mooncake store: its wheel (x86-64 Linux only) and, as
+# root, the two Debian libraries its client loads. Where either cannot be had, those tests
+# skip and say why; nothing else depends on them.
 $(VENV)/.stamp-test: pyproject.toml $(NATIVE) | $(BIN)/activate
 	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[cluster]' || echo "warning: no Mooncake wheel here: the cluster tier's tests will skip"
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1; then \
+	  (apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 >/dev/null) \
+	    || echo "warning: could not install libibverbs1 librdmacm1: the cluster tier's tests will skip"; \
+	fi
 	@touch $@
 
 # vLLM 0.33.0's Python code on a CPU-only machine (no CUDA wheels), for the conformance tests.
@@ -78,8 +87,8 @@ proto: $(VENV)/.stamp-test ## regenerate the committed gRPC code in kvd_proto/
 wheel: $(VENV)/.stamp-run ## build the kvd-offload wheel into dist/
 	$(PIP) wheel --no-deps --wheel-dir dist .
 
-image: ## build the daemon image ghcr.io/kvd/kvd:VERSION from deploy/Containerfile (CONTAINER=docker)
-	$(CONTAINER) build -f deploy/Containerfile -t $(IMAGE) .
+image: ## build the daemon image ghcr.io/kvd/kvd:VERSION from deploy/Containerfile (CONTAINER=docker, KVD_EXTRAS=cluster)
+	$(CONTAINER) build -f deploy/Containerfile --build-arg KVD_EXTRAS=$(KVD_EXTRAS) -t $(IMAGE) .
 
 engine-image: ## build vLLM 0.33.0's image with kvd_client added, from deploy/engine.Containerfile
 	$(CONTAINER) build -f deploy/engine.Containerfile -t $(ENGINE_IMAGE) .

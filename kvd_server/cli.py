@@ -36,7 +36,7 @@ DEFAULT_TIMEOUT = 5.0
 MAX_TIMEOUT = 3600.0
 DEFAULT_WAIT = 300.0    # `health --wait`: systemd's TimeoutStartSec for the shipped unit
 WAIT_POLL = 0.2
-TIERS = ("disk",)       # `health`: the tiers below the pool whose health it shows
+TIERS = ("disk", "cluster")    # `health`: the tiers below the pool whose health it shows
 NO_DAEMON_S = 5.0       # `health --wait`: how long nothing may listen with no daemon starting
 
 # serve's flags and the config key each overrides.

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -138,6 +139,24 @@ class DiskTierConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class ClusterTierConfig:
+    master: str             # the Mooncake master's host:port ("": no cluster tier)
+    metadata_url: str       # its metadata server, e.g. http://master:8080/metadata
+    protocol: str           # "tcp" or "rdma"
+    device: str             # RDMA device(s) ("" over TCP)
+    local_hostname: str     # how the other nodes reach this one ("": this host's name)
+    segment_size: int       # memory this daemon contributes to the store (0: a pure client)
+    buffer_size: int        # the store client's transfer buffer
+    size: int               # bytes of cluster blocks this daemon names to its engines
+    publish: str            # "stored": every block once stored; "evicted": when evicted
+    io_threads: int         # puts and gets in flight at once (each)
+    queue_size: int         # bytes of puts in flight; past it, publications are refused
+    sync_interval: float    # how often the nodes' lists of blocks are exchanged
+    retry_interval: float   # a degraded tier waits this long before it tries again
+    node_id: str            # this node's name in the store ("": host name and socket)
+
+
+@dataclass(slots=True, frozen=True)
 class Config:
     server: ServerConfig
     pool: PoolConfig
@@ -145,6 +164,7 @@ class Config:
     tenants: TenantsConfig
     restart: RestartConfig
     tiers_disk: DiskTierConfig
+    tiers_cluster: ClusterTierConfig
     source: str = field(default="", compare=False)  # the TOML file read, "" when none
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,8 +199,8 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SECTIONS = ("server", "pool", "manager", "tenants", "restart", "tiers.disk")
-_GROUPS = {"tiers"}              # tables that only hold sections: [tiers.disk]
+_SECTIONS = ("server", "pool", "manager", "tenants", "restart", "tiers.disk", "tiers.cluster")
+_GROUPS = {"tiers"}              # tables that only hold sections: [tiers.disk], [tiers.cluster]
 
 
 def _attr(section: str) -> str:
@@ -371,6 +391,20 @@ _SCHEMA: dict[str, _Key] = {
     "tiers.disk.tenant_quota": _Key("size", _size),
     "tiers.disk.tenant_quotas": _Key("sizemap", _quota_map),
     "tiers.disk.retry_interval": _Key("duration", _duration),
+    "tiers.cluster.master": _Key("str", _str),
+    "tiers.cluster.metadata_url": _Key("str", _str),
+    "tiers.cluster.protocol": _Key("str", _choice(("tcp", "rdma"))),
+    "tiers.cluster.device": _Key("str", _str),
+    "tiers.cluster.local_hostname": _Key("str", _str),
+    "tiers.cluster.segment_size": _Key("size", _size),
+    "tiers.cluster.buffer_size": _Key("size", _size),
+    "tiers.cluster.size": _Key("size", _size),
+    "tiers.cluster.publish": _Key("str", _choice(("stored", "evicted"))),
+    "tiers.cluster.io_threads": _Key("int", _int(1, 64)),
+    "tiers.cluster.queue_size": _Key("size", _size),
+    "tiers.cluster.sync_interval": _Key("duration", _duration),
+    "tiers.cluster.retry_interval": _Key("duration", _duration),
+    "tiers.cluster.node_id": _Key("str", _str),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)
@@ -507,7 +541,8 @@ def load_config(
         values["tiers.disk.path"] = os.path.abspath(values["tiers.disk.path"])
     for name, cls in (("server", ServerConfig), ("pool", PoolConfig),
                       ("manager", ManagerConfig), ("tenants", TenantsConfig),
-                      ("restart", RestartConfig), ("tiers.disk", DiskTierConfig)):
+                      ("restart", RestartConfig), ("tiers.disk", DiskTierConfig),
+                      ("tiers.cluster", ClusterTierConfig)):
         kwargs = {k[len(name) + 1:]: v for k, v in values.items() if k.startswith(name + ".")}
         sections[_attr(name)] = cls(**kwargs)
     return Config(**sections, source=source)
@@ -585,6 +620,25 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
                                           f"{disk_extent // 16} bytes")
         if not 0.1 <= values["tiers.disk.retry_interval"] <= 3600:
             fail("tiers.disk.retry_interval", "must be between 100ms and 1h")
+    if values["tiers.cluster.master"]:
+        if values["tiers.disk.path"]:
+            fail("tiers.cluster.master", "a cluster tier under a disk tier is not supported "
+                 "yet: configure one of [tiers.disk] path and [tiers.cluster] master")
+        if ":" not in values["tiers.cluster.master"]:
+            fail("tiers.cluster.master", "must be host:port (the Mooncake master's RPC port)")
+        if not values["tiers.cluster.metadata_url"].startswith(("http://", "https://", "etcd://")):
+            fail("tiers.cluster.metadata_url", "must be the metadata server's URL, e.g. "
+                 "http://master:8080/metadata")
+        node = values["tiers.cluster.node_id"]
+        if node and not re.fullmatch(r"[A-Za-z0-9._-]{1,253}", node):
+            fail("tiers.cluster.node_id", "letters, digits, '.', '_' and '-' only, at most 253")
+        if values["tiers.cluster.size"] < 1 << 20:
+            fail("tiers.cluster.size", "must be at least 1MiB")
+        if values["tiers.cluster.queue_size"] < 1 << 20:
+            fail("tiers.cluster.queue_size", "must be at least 1MiB")
+        for key in ("tiers.cluster.sync_interval", "tiers.cluster.retry_interval"):
+            if not 0.05 <= values[key] <= 3600:
+                fail(key, "must be between 50ms and 1h")
     if 0 < values["tenants.default_quota"] < smallest:
         fail("tenants.default_quota", f"must be 0 (no quota) or at least one extent "
                                       f"({smallest} bytes, pool.extent_size)")

@@ -58,7 +58,7 @@ from kvd_server.sessions import Session
 from kvd_server.snapshot import build_snapshot
 from kvd_server.stats import ChannelStats, DaemonFacts, RestartStats, StatsSnapshot
 from kvd_server.tenant_pools import TenantPools
-from kvd_server.tiers.link import TierLink, start_disk_tier
+from kvd_server.tiers.link import TierLink, start_tier
 from kvd_server.units import format_duration, format_size
 
 if TYPE_CHECKING:
@@ -353,9 +353,9 @@ class Daemon:
             core.warm = warm
             core.namespaces.files = warm
             warm.adopt(core)
-        core.tier = self._tier = start_disk_tier(cfg, core.namespaces, pools,
-                                                 asyncio.get_running_loop(),
-                                                 refusing=lambda: core.draining)
+        core.tier = self._tier = start_tier(cfg, core.namespaces, pools,
+                                            asyncio.get_running_loop(),
+                                            refusing=lambda: core.draining)
         if cfg.server.admin_token_file:
             try:
                 self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))

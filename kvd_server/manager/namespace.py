@@ -78,6 +78,9 @@ class NamespaceManager:
         # (their removed events wait until no tier holds them: `lost_below`).
         self.below: Callable[[Sequence[tuple[bytes, int]]], Collection[bytes]] | None = None
         self.below_reset: Callable[[], None] | None = None
+        # Told of blocks as they become readable, (keys, slots): a tier that publishes every
+        # stored block (the cluster tier) copies them from there.
+        self.on_stored: Callable[[Sequence[bytes], Sequence[int]], None] | None = None
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -316,6 +319,7 @@ class NamespaceManager:
                     self._free_or_hold(slot, hold)
             return 0
         changed: list[bytes] = []
+        ready_slots: list[int] = []
         table, blocks = self.table, self.table.state
         for i, key in enumerate(keys):
             slot = table.find(key)
@@ -333,6 +337,7 @@ class NamespaceManager:
                 table.set_ready(slot)
                 self._evictable += 1
                 self.policy.mark_evictable(slot)
+                ready_slots.append(slot)
             else:
                 self.policy.remove(slot)
                 table.drop(slot)
@@ -342,6 +347,8 @@ class NamespaceManager:
             if success:
                 self.counters.stores_completed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=False))
+                if self.on_stored is not None:
+                    self.on_stored(changed, ready_slots)
             else:
                 self.counters.stores_failed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))

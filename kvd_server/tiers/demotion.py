@@ -7,7 +7,8 @@ them. A demotion that fails later, and a block the tier itself evicts or finds c
 told to its namespace on the daemon's event loop (`lost_below`: a removed event when the pool
 does not hold it either). A namespace's reset drops its blocks from the tier too. What the
 tier holds is named to the namespace's engines in its "held below" table (BelowTables): a
-block once written, no longer once lost.
+block once written, no longer once lost. A tier that shares blocks between nodes
+(`publishes_stored`: the cluster tier) is also handed every block as it is stored.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class Demoter:
         """Make the tier the namespace's `below`."""
         ns.mgr.below = lambda victims, _ns=ns: self._demote(_ns, victims)
         ns.mgr.below_reset = lambda _ns=ns: self._reset(_ns)
+        if getattr(self.tier, "publishes_stored", False):   # the cluster tier, by default
+            ns.mgr.on_stored = lambda keys, slots, _ns=ns: self._demote(
+                _ns, list(zip(keys, slots, strict=True)))
 
     def _reset(self, ns: Namespace) -> None:
         self.tier.remove_namespace(ns.id)

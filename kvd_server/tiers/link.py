@@ -8,11 +8,15 @@ and a "held below" table; a namespace forgotten closes its table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
+import socket
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvd_server.tiers.base import Tier, TierHealth, TierStats
+from kvd_server.tiers.base import Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.below_table import BelowTable, BelowTables
 from kvd_server.tiers.demotion import Demoter
 from kvd_server.tiers.promotion import Promoter
@@ -30,14 +34,23 @@ class TierLink:
                  loop: asyncio.AbstractEventLoop,
                  refusing: Callable[[], bool] = lambda: False) -> None:
         self.tier = tier
+        self._loop = loop
         self.tables = BelowTables(tier)
         self._readable = False       # the first tick with the tier open names what it holds
         self.demoter = Demoter(tier, namespaces, pools, self.tables, loop)
         self.promoter = Promoter(tier, namespaces, pools, self.tables, loop, refusing)
+        if hasattr(tier, "on_named"):       # keys other nodes published (the cluster tier)
+            tier.on_named = self._named
         namespaces.on_made.append(self.join)
         namespaces.on_forgotten.append(self.forget)
         for ns in namespaces:
             self.join(ns)
+
+    def _named(self, keys: list[TierKey], found: bool) -> None:
+        """From the tier's threads: keys to name to the engines (found) or no longer."""
+        with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
+            self._loop.call_soon_threadsafe(self.tables.held if found else self.tables.lost,
+                                            keys)
 
     def join(self, ns: Namespace) -> None:
         self.demoter.join(ns)
@@ -89,17 +102,48 @@ class TierLink:
         self.tables.close()
 
 
-def start_disk_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
-                    loop: asyncio.AbstractEventLoop,
-                    refusing: Callable[[], bool] = lambda: False) -> TierLink | None:
-    """The configured disk tier ([tiers.disk]), joined to the namespaces; None without one.
-    A tier whose directory cannot be used starts degraded (logged): the daemon serves."""
-    disk = cfg.tiers_disk
-    if not disk.path:
-        return None
+def start_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
+               loop: asyncio.AbstractEventLoop,
+               refusing: Callable[[], bool] = lambda: False) -> TierLink | None:
+    """The configured tier below the pool ([tiers.disk] or [tiers.cluster]), joined to the
+    namespaces; None without one. A tier that cannot be used (a directory, a master) starts
+    degraded (logged): the daemon serves."""
+    if cfg.tiers_disk.path:
+        return TierLink(_disk_tier(cfg), namespaces, pools, loop, refusing)
+    if cfg.tiers_cluster.master:
+        return TierLink(_cluster_tier(cfg), namespaces, pools, loop, refusing)
+    return None
+
+
+def _disk_tier(cfg: Config) -> Tier:
     from kvd_server.tiers.disk import DiskTier
 
-    tier = DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
+    disk = cfg.tiers_disk
+    return DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
                     io_threads=disk.io_threads, queue_bytes=disk.queue_size,
                     quota_of=disk.quota_of, open_now=False, retry_s=disk.retry_interval)
-    return TierLink(tier, namespaces, pools, loop, refusing)
+
+
+def node_name(cfg: Config) -> str:
+    """This daemon's name in the cluster store: `tiers.cluster.node_id`, else the host's name
+    and a digest of the daemon's socket path (two daemons of one host differ)."""
+    if cfg.tiers_cluster.node_id:
+        return cfg.tiers_cluster.node_id
+    digest = zlib.crc32(os.path.abspath(cfg.server.socket).encode())
+    return f"{socket.gethostname()}-{digest:08x}"
+
+
+def _cluster_tier(cfg: Config) -> Tier:
+    from kvd_server.tiers.cluster import ClusterTier
+    from kvd_server.tiers.cluster_store import MooncakeStore, StoreConfig
+
+    c = cfg.tiers_cluster
+    store = StoreConfig(master=c.master, metadata_url=c.metadata_url, protocol=c.protocol,
+                        device=c.device, local_hostname=c.local_hostname
+                        or socket.gethostname(), segment_bytes=c.segment_size,
+                        buffer_bytes=c.buffer_size)
+    return ClusterTier(lambda: MooncakeStore(store), node=node_name(cfg),
+                       capacity_bytes=c.size, queue_bytes=c.queue_size,
+                       io_threads=c.io_threads, sync_s=c.sync_interval,
+                       retry_s=c.retry_interval, publish_stored=c.publish == "stored",
+                       where=c.master)

@@ -253,7 +253,8 @@ def test_the_image_the_manifests_name_is_the_one_make_image_builds(tmp_path):
     spec = daemonset["spec"]["template"]["spec"]
     images = {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
     assert images == {f"ghcr.io/kvd/kvd:{_version()}"}
-    assert f"podman build -f deploy/Containerfile -t {images.pop()} ." in _make_n("image")
+    assert f"podman build -f deploy/Containerfile --build-arg KVD_EXTRAS= -t {images.pop()} ." \
+        in _make_n("image")
     # Named once, in kustomization.yaml's `images:` (one line to change for another registry).
     mentions = [(p.name, n) for p in _manifests()
                 for n, line in enumerate(p.read_text().splitlines()) if "ghcr.io/kvd/kvd" in line]
@@ -337,3 +338,32 @@ def test_shell_scripts_pass_shellcheck():
     proc = subprocess.run([_tool("shellcheck"), *map(str, scripts)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_kustomize_cluster_tier_overlay_runs_a_master_and_points_the_daemons_at_it(tmp_path):
+    """deploy/k8s/cluster-tier: the base plus a Mooncake master (Deployment and Service) run
+    from kvd's image, and [tiers.cluster] set to the master's Service in the DaemonSet."""
+    rendered, docs = _kustomize(DEPLOY / "k8s" / "cluster-tier", tmp_path)
+    assert _kinds(docs) == BASE_KINDS | {("apps/v1", "Deployment")}
+    report = _validate(rendered)
+    assert "WARN" not in report, report
+    (master,) = [d for d in docs if d["kind"] == "Deployment"]
+    (service,) = [d for d in docs if d["kind"] == "Service"
+                  and d["metadata"]["name"] == "kvd-mooncake-master"]
+    (container,) = master["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert f"--rpc_port={ports['rpc']}" in container["command"]
+    assert f"--http_metadata_server_port={ports['metadata']}" in container["command"]
+    (ds,) = [doc for doc in docs if doc["kind"] == "DaemonSet"]
+    (kvd,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "kvd"]
+    assert container["image"] == kvd["image"]          # the image make image builds
+    env = {e["name"]: e.get("value") for e in kvd["env"]}
+    svc = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    assert env["KVD_TIERS_CLUSTER_MASTER"] == f"{svc}:{ports['rpc']}"
+    assert env["KVD_TIERS_CLUSTER_METADATA_URL"] == f"http://{svc}:{ports['metadata']}/metadata"
+    from kvd_server.config import load_config
+
+    cfg = load_config(None, env={k: v for k, v in env.items()
+                                 if k.startswith("KVD_TIERS") and v is not None})
+    assert cfg.tiers_cluster.master == env["KVD_TIERS_CLUSTER_MASTER"]
+    assert cfg.tiers_cluster.segment_size == 16 << 30

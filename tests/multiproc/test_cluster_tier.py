@@ -1,0 +1,167 @@
+"""The cluster tier on a real Mooncake store (one master on loopback) under real daemons: an
+engine on daemon A stores blocks, an engine on daemon B (its own pool and socket) finds them
+(HIT_PENDING, then HIT) and loads them byte-exact; another tenant never sees them; the master
+killed and restarted mid-run costs MISSes only: both daemons keep serving, the tier says it
+is degraded, then recovers by itself and shares again."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvd_client.offload_session import Lookup, OffloadSession
+from tests.multiproc.offload_engine import close_session, open_session, read_block, store
+from tests.multiproc.test_promotion import _read_back
+from tests.support import mooncake
+from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, clean_env
+from tests.support.engine import block_bytes_of, keys_for
+from tests.support.waits import wait_until
+
+pytestmark = [pytest.mark.multiproc,
+              pytest.mark.skipif(bool(mooncake.unavailable()), reason=mooncake.unavailable())]
+MODEL = "cluster-model"
+SHARED = 48                 # blocks A stores and B reads back
+
+
+def _env(master: mooncake.Master, node: str, **extra: str) -> dict[str, str]:
+    return clean_env(KVD_MANAGER_HEARTBEAT_INTERVAL=HEARTBEAT,
+                     KVD_MANAGER_LIVENESS_TIMEOUT=LIVENESS, KVD_SERVER_DRAIN_TIMEOUT="5s",
+                     KVD_TIERS_CLUSTER_MASTER=master.address,
+                     KVD_TIERS_CLUSTER_METADATA_URL=master.metadata_url,
+                     KVD_TIERS_CLUSTER_LOCAL_HOSTNAME="127.0.0.1",
+                     KVD_TIERS_CLUSTER_SEGMENT_SIZE="64MiB",
+                     KVD_TIERS_CLUSTER_BUFFER_SIZE="16MiB",
+                     KVD_TIERS_CLUSTER_SIZE="256MiB",
+                     KVD_TIERS_CLUSTER_SYNC_INTERVAL="200ms",
+                     KVD_TIERS_CLUSTER_RETRY_INTERVAL="1s",
+                     KVD_TIERS_CLUSTER_NODE_ID=node, **extra)
+
+
+def _tier(daemon) -> dict:
+    (tier,) = daemon.stats()["tiers"]
+    assert tier["name"] == "cluster"
+    return tier
+
+
+@pytest.fixture
+def master(workdir: Path):
+    m = mooncake.Master(workdir)
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _daemon(start_daemon, workdir: Path, master: mooncake.Master, node: str, **extra: str):
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+                          env=_env(master, node, **extra), socket=str(workdir / f"{node}.sock"))
+    wait_until(lambda: _tier(daemon)["health"] == "ok", 30, f"{node}'s cluster tier to connect")
+    return daemon
+
+
+def _published(daemon, n: int) -> None:
+    wait_until(lambda: _tier(daemon)["demotions_total"] >= n and
+               _tier(daemon)["queue_depth"] == 0, 30, f"{n} blocks published")
+
+
+def _shared(session: OffloadSession, daemon, keys: Sequence[bytes]) -> None:
+    """Wait until the daemon names `keys` (another node's manifest listed them), then read
+    them back through HIT_PENDING and HIT, byte-exact."""
+    wait_until(lambda: _tier(daemon)["below_keys"] >= len(keys), 30,
+               f"{len(keys)} blocks of the other node to be named here")
+    first, bad = _read_back(session, keys)
+    assert bad == [], f"{len(bad)} blocks from the cluster loaded with wrong bytes"
+    assert all(first[k] is Lookup.HIT_PENDING for k in keys), \
+        "a block only the cluster held did not answer HIT_PENDING first"
+
+
+def _never_wrong(session: OffloadSession, keys: Sequence[bytes]) -> list[Lookup]:
+    """Look `keys` up; every HIT must load the writer's bytes."""
+    states = [session.lookup(k) for k in keys]
+    hits = [k for k, s in zip(keys, states, strict=True) if s is Lookup.HIT]
+    offsets = session.start_loads(hits)
+    pool = session.client.pool
+    wrong = [k for k, o in zip(hits, offsets, strict=True)
+             if o is None or read_block(pool, o) != block_bytes_of(k)]
+    session.finish_loads(hits)
+    session.end_step()
+    assert wrong == [], f"{len(wrong)} HITs served wrong bytes"
+    return states
+
+
+def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon, workdir,
+                                                                  master):
+    a = _daemon(start_daemon, workdir, master, "node-a")
+    b = _daemon(start_daemon, workdir, master, "node-b")
+    writer = open_session(a.socket, MODEL, reserve=64)
+    reader = open_session(b.socket, MODEL, reserve=16)
+    try:
+        keys = keys_for("cluster", SHARED)
+        assert [reader.lookup(k) for k in keys] == [Lookup.MISS] * SHARED
+        reader.end_step()
+        store(writer, keys)
+        _published(a, SHARED)
+        _shared(reader, b, keys)
+        tier = _tier(b)
+        assert tier["promotions_total"] >= SHARED and tier["corrupt_total"] == 0
+        assert b.stats()["stats"]["hits_total"] >= SHARED
+    finally:
+        close_session(writer)
+        close_session(reader)
+
+    # Another tenant (uid mapped to team-b on daemon C: another namespace for the same model
+    # and layout) never sees them, however long it waits.
+    c = _daemon(start_daemon, workdir, master, "node-c",
+                KVD_TENANTS_UIDS=f"{os.getuid()}=team-b")
+    other = open_session(c.socket, MODEL, reserve=16)
+    try:
+        wait_until(lambda: _tier(c)["health"] == "ok", 10, "node-c's tier")
+        for _ in range(10):                           # two seconds of syncs
+            assert set(_never_wrong(other, keys)) == {Lookup.MISS}
+            time.sleep(0.2)
+        assert _tier(c)["below_keys"] == 0 and _tier(c)["promotions_total"] == 0
+    finally:
+        close_session(other)
+
+
+def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, master):
+    a = _daemon(start_daemon, workdir, master, "node-a")
+    b = _daemon(start_daemon, workdir, master, "node-b")
+    writer = open_session(a.socket, MODEL, reserve=64)
+    reader = open_session(b.socket, MODEL, reserve=16)
+    try:
+        before = keys_for("before", 16)
+        store(writer, before)
+        _published(a, 16)
+        wait_until(lambda: _tier(b)["below_keys"] >= 16, 30, "b to name a's blocks")
+
+        master.stop()
+        for daemon in (a, b):
+            wait_until(lambda d=daemon: _tier(d)["health"] == "degraded", 60,
+                       "the tier to report the master gone")
+            health = daemon.kvd("health")
+            assert health.returncode == 0, health.stderr       # the daemon serves
+            assert "tier cluster: NOT_SERVING" in health.stdout, health.stdout
+        # Both keep serving from their pools: A stores and reads its own blocks back.
+        during = keys_for("during", 16)
+        store(writer, during)
+        assert set(_never_wrong(writer, during)) == {Lookup.HIT}
+        _never_wrong(reader, before)                  # MISS (or a HIT of the right bytes)
+
+        master.start()                                # back, empty
+        for daemon in (a, b):
+            wait_until(lambda d=daemon: _tier(d)["health"] == "ok", 60,
+                       "the tier to recover by itself")
+        _never_wrong(reader, before)
+        after = keys_for("after", 16)
+        store(writer, after)
+        _published(a, 16)
+        _shared(reader, b, after)
+    finally:
+        close_session(writer)
+        close_session(reader)

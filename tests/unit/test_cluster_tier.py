@@ -1,0 +1,232 @@
+"""The cluster tier's logic over an in-memory store with Mooncake's semantics (names to bytes,
+a master that may go down and come back empty): publication, the nodes' manifests, promotion
+with its checksum, tenants apart, degradation and recovery. The real store runs in
+tests/multiproc/test_cluster_tier.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvd_server.tiers.base import TierHealth, TierKey
+from kvd_server.tiers.cluster import ClusterTier
+from kvd_server.tiers.cluster_names import (
+    NODES,
+    StoreFormatError,
+    block_name,
+    check_block,
+    decode_manifest,
+    decode_nodes,
+    encode_block,
+    encode_manifest,
+    encode_nodes,
+    manifest_name,
+)
+from kvd_server.tiers.cluster_store import StoreError
+
+BLOCK = 4096
+
+
+class MemoryStore:
+    """A store shared by the tiers of one test (one per node), with a master that can go
+    down (every call fails) and come back having lost everything."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.down = False
+        self.put_delay = 0.0
+        self.lock = threading.Lock()
+
+    def client(self) -> MemoryStore:
+        if self.down:
+            raise StoreError("master unreachable")
+        return self
+
+    def _check(self) -> None:
+        if self.down:
+            raise StoreError("master unreachable", -900)
+
+    def put(self, name: str, value: bytes) -> None:
+        self._check()
+        time.sleep(self.put_delay)
+        with self.lock:
+            self.values[name] = bytes(value)
+
+    def get(self, name: str) -> bytes | None:
+        self._check()
+        with self.lock:
+            return self.values.get(name)
+
+    def remove_prefix(self, prefix: str) -> None:
+        self._check()
+        with self.lock:
+            for name in [n for n in self.values if n.startswith(prefix)]:
+                del self.values[name]
+
+    def healthy(self) -> bool:
+        return not self.down
+
+    def close(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        """The master came back (non-HA): it lost every object."""
+        with self.lock:
+            self.values.clear()
+        self.down = False
+
+
+def wait(predicate, what: str, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+@pytest.fixture
+def make_tier(store: MemoryStore):  # noqa: ANN201
+    made: list[ClusterTier] = []
+
+    def make(node: str, **kwargs) -> ClusterTier:  # noqa: ANN003
+        tier = ClusterTier(store.client, node=node, capacity_bytes=64 << 20, sync_s=0.02,
+                           retry_s=0.1, **kwargs)
+        made.append(tier)
+        wait(lambda: tier.readable, f"{node} to connect")
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+def block(i: int) -> bytes:
+    return bytes([i % 251]) * BLOCK
+
+
+def publish(tier: ClusterTier, key: TierKey, data: bytes) -> None:
+    future = tier.demote(key, memoryview(data))
+    assert future is not None and future.result(timeout=5)
+
+
+def promote(tier: ClusterTier, key: TierKey) -> bytes | None:
+    dest = bytearray(BLOCK + 512)
+    future = tier.promote(key, memoryview(dest))
+    return bytes(dest[:BLOCK]) if future is not None and future.result(timeout=5) else None
+
+
+def test_a_block_one_node_published_is_found_and_read_by_another(make_tier, store):
+    a, b = make_tier("node-a"), make_tier("node-b")
+    named: list[tuple[list[TierKey], bool]] = []
+    b.on_named = lambda keys, found: named.append((keys, found))
+    key = TierKey("ns1", b"k" * 40, "tenant")
+    b.keys("ns1")                                   # b's engines use ns1: it watches it
+    publish(a, key, block(7))
+    assert a.contains(key) and store.get(block_name("ns1", key.key)) is not None
+    wait(lambda: b.contains(key), "node b to find the block through a's manifest")
+    assert any(found and key.key in [k.key for k in keys] for keys, found in named)
+    assert promote(b, key) == block(7)
+    st = b.stats()
+    assert st.promotions_total == 1 and st.hits_total == 1 and st.health == TierHealth.OK
+    assert sorted(decode_nodes(store.values[NODES])) == ["node-a", "node-b"]
+    assert decode_manifest(store.values[manifest_name("ns1", "node-a")]) == [key.key]
+
+
+def test_another_namespace_never_sees_the_block(make_tier):
+    """Namespaces are digests of tenant, model and layout: another tenant's engines (another
+    namespace) find nothing, on any node."""
+    a, b = make_tier("node-a"), make_tier("node-b")
+    b.keys("other-tenant-ns")
+    key = TierKey("ns1", b"shared-prefix", "t1")
+    publish(a, key, block(1))
+    time.sleep(0.2)                                 # several syncs
+    other = TierKey("other-tenant-ns", key.key, "t2")
+    assert not b.contains(other) and b.keys("other-tenant-ns") == []
+    assert promote(b, other) is None
+
+
+def test_a_corrupt_or_vanished_block_is_a_miss_and_forgotten(make_tier, store):
+    a = make_tier("node-a")
+    good, bad, gone = (TierKey("ns", bytes([i]) * 8) for i in range(3))
+    for key in (good, bad, gone):
+        publish(a, key, block(3))
+    value = bytearray(store.values[block_name("ns", bad.key)])
+    value[-1] ^= 0xFF                                # a flipped bit in the block
+    store.values[block_name("ns", bad.key)] = bytes(value)
+    del store.values[block_name("ns", gone.key)]     # the store evicted it
+    dropped: list[TierKey] = []
+    a.on_dropped = dropped.extend
+    assert promote(a, good) == block(3)
+    assert promote(a, bad) is None and promote(a, gone) is None
+    assert not a.contains(bad) and not a.contains(gone) and a.contains(good)
+    assert sorted(dropped, key=lambda k: k.key) == [bad, gone]
+    st = a.stats()
+    assert st.corrupt_total == 1 and st.misses_total >= 1 and st.failures_total == 0
+
+
+def test_a_master_down_degrades_the_tier_which_recovers_and_forgets_what_was_lost(make_tier,
+                                                                                  store):
+    a, b = make_tier("node-a"), make_tier("node-b")
+    b.keys("ns")
+    key = TierKey("ns", b"before")
+    publish(a, key, block(5))
+    wait(lambda: b.contains(key), "b to find the block")
+    store.down = True
+    wait(lambda: b.stats().health == TierHealth.DEGRADED, "b to degrade")
+    assert not b.readable and promote(b, key) is None
+    assert b.demote(TierKey("ns", b"refused"), memoryview(block(6))) is None
+    store.restart()                                  # back, empty
+    wait(lambda: a.readable and b.readable, "both to recover")
+    wait(lambda: not b.contains(key), "b to forget what the master lost")
+    assert promote(b, key) is None                   # never served from memory of it
+    after = TierKey("ns", b"after")
+    publish(a, after, block(9))
+    wait(lambda: b.contains(after), "b to find a block published after the restart")
+    assert promote(b, after) == block(9)
+
+
+def test_publications_are_bounded_and_a_reset_drops_the_namespace_everywhere(make_tier,
+                                                                            store):
+    a = make_tier("node-a", queue_bytes=3 * BLOCK)
+    store.put_delay = 0.05                           # a slow store: puts pile up
+    keys = [TierKey("ns", bytes([i]) * 4) for i in range(16)]
+    futures = [a.demote(k, memoryview(block(i))) for i, k in enumerate(keys)]
+    taken = [f for f in futures if f is not None]
+    assert 0 < len(taken) <= 2, "more publications in flight than the queue's bytes allow"
+    assert all(f.result(timeout=5) for f in taken)
+    st = a.stats()
+    assert st.demotions_total == len(taken)
+    assert st.demotions_refused_total == len(keys) - len(taken)
+    store.put_delay = 0.0
+    assert a.remove_namespace("ns") >= 1
+    wait(lambda: not any(n.startswith("kvd/v1/b/ns/") for n in store.values),
+         "the namespace's blocks to leave the store")
+    assert a.keys("ns") == []
+
+
+@pytest.mark.parametrize("value", [b"", b"KVDB", encode_block(b"x")[:-1],
+                                   b"XXXX" + encode_block(b"x")[4:]])
+def test_a_block_value_that_is_not_one_is_refused(value):
+    with pytest.raises(StoreFormatError):
+        check_block(value)
+
+
+@pytest.mark.parametrize("value", [b"", b"KVDM\x02\x00\x00\x00\x01a",
+                                   b"KVDM\x01\x00\x00\x00\x05abc", b"KVDM\xff\xff\xff\xff",
+                                   encode_manifest([b"a"]) + b"tail"])
+def test_a_manifest_that_is_not_one_is_refused(value):
+    with pytest.raises(StoreFormatError):
+        decode_manifest(value)
+
+
+def test_lists_round_trip():
+    keys = [bytes([i]) * (1 + i % 40) for i in range(100)]
+    assert decode_manifest(encode_manifest(keys)) == keys
+    assert decode_nodes(encode_nodes(["a", "b-é"])) == ["a", "b-é"]
