@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -128,20 +129,23 @@ class Daemon:
     `kvd stats --json` prints)."""
 
     def __init__(self, workdir: Path, pool_mib: int, disk: Path | None = None,
-                 disk_mib: int = 0) -> None:
+                 disk_mib: int = 0, toml: str = "") -> None:
+        """`toml`: another tier's configuration (bench/cluster_tier.py: [tiers.cluster])."""
         workdir.mkdir(parents=True, exist_ok=True)
         extra: list[str] = []
         if disk is not None:
+            toml = f'[tiers.disk]\npath = "{disk}"\nsize = "{disk_mib}MiB"\n'
+        if toml:
             cfg = workdir / "kvd.toml"
-            cfg.write_text(f'[tiers.disk]\npath = "{disk}"\nsize = "{disk_mib}MiB"\n')
+            cfg.write_text(toml)
             extra = ["--config", str(cfg)]
         # The pool pre-faulted, as a user's is (pool.prefault's default).
         self.proc, self.socket = start_daemon(str(workdir), f"{pool_mib}MiB", *extra,
                                               prefault=True)
         self.channel = grpc.insecure_channel(grpc_target(self.socket))
         self.admin = kvd_pb2_grpc.KvdAdminStub(self.channel)
-        if disk is not None:
-            self.wait(lambda: self.tier()["health"] == "ok", "the disk tier to open")
+        if toml:
+            self.wait(lambda: self.tier()["health"] == "ok", "the tier to open")
 
     def stats(self) -> dict:
         return json.loads(self.admin.Stats(kvd_pb2.StatsRequest(), timeout=10).json)
@@ -406,11 +410,19 @@ def bandwidth(base: Path, pool_mib: int, times: int, disk_mib: int) -> list[dict
 
 
 # --------------------------------------------------------------------------- 3. hits
-def replay(session: OffloadSession, requests: list[list[bytes]]) -> dict:
-    """The trace through `session` as vLLM's scheduler drives it (see the module doc)."""
+def replay(session: OffloadSession | list[OffloadSession], requests: list[list[bytes]],
+           pick: Callable[[int], int] | None = None, pace_s: float = 0.0) -> dict:
+    """The trace through `session` as vLLM's scheduler drives it (see the module doc); with a
+    list of sessions (engines on several daemons), request n goes to `pick(n)`'s, arriving
+    `pace_s` after the one before (0: at once)."""
+    sessions = session if isinstance(session, list) else [session]
     hits = lookups = waited_steps = given_up = declined = 0
     t0 = time.perf_counter()
     for n, keys in enumerate(requests):
+        session = sessions[pick(n) if pick is not None else 0]
+        due = t0 + n * pace_s
+        if pace_s and time.perf_counter() < due:
+            time.sleep(due - time.perf_counter())
         req = f"r{n}"
         lookups += len(keys)
         deadline = time.monotonic() + PENDING_WAIT_S
@@ -447,7 +459,8 @@ def replay(session: OffloadSession, requests: list[list[bytes]]) -> dict:
                 declined += 1
         session.request_finished(req)
         session.end_step()
-    settle(session)
+    for session in sessions:
+        settle(session)
     return {"lookup_blocks": lookups, "hit_blocks": hits, "hit_rate": hits / max(1, lookups),
             "steps_waited_for_pending": waited_steps, "requests_gave_up_waiting": given_up,
             "stores_declined": declined, "seconds": time.perf_counter() - t0}
@@ -629,14 +642,16 @@ def table(t: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def record(t: dict) -> None:
-    """`tiers` into results/latest.json (every other key kept) and bench/README.md."""
+def record(t: dict, key: str = "tiers", text: str | None = None,
+           marker: str = "tiers-results") -> None:
+    """`t` as `key` of results/latest.json (every other key kept) and its table (`text`,
+    default this bench's) between bench/README.md's `marker` lines."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "latest.json"
     latest = json.loads(path.read_text()) if path.exists() else {}
-    latest["tiers"] = t
+    latest[key] = t
     path.write_text(json.dumps(latest, indent=2) + "\n")
-    _fill(HERE / "README.md", table(t), "tiers-results")
+    _fill(HERE / "README.md", table(t) if text is None else text, marker)
 
 
 def main() -> int:

@@ -621,9 +621,6 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
         if not 0.1 <= values["tiers.disk.retry_interval"] <= 3600:
             fail("tiers.disk.retry_interval", "must be between 100ms and 1h")
     if values["tiers.cluster.master"]:
-        if values["tiers.disk.path"]:
-            fail("tiers.cluster.master", "a cluster tier under a disk tier is not supported "
-                 "yet: configure one of [tiers.disk] path and [tiers.cluster] master")
         if ":" not in values["tiers.cluster.master"]:
             fail("tiers.cluster.master", "must be host:port (the Mooncake master's RPC port)")
         if not values["tiers.cluster.metadata_url"].startswith(("http://", "https://", "etcd://")):

@@ -265,7 +265,7 @@ class Daemon:
             step_ops_total=engine.step_ops if engine else 0, rpc=self._rpc.counts,
             channels=self._channel_stats(),
             restart=self._warm.stats if self._warm is not None else RestartStats(),
-            tiers=[self._tier.stats()] if self._tier is not None else []))
+            tiers=self._tier.stats() if self._tier is not None else []))
 
     def _channel_stats(self) -> ChannelStats:
         hub, service = self._channels, self._channel_service

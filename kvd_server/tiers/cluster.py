@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 10.0
 SYNC_S = 1.0
+CLOSE_WAIT_S = 5.0      # the daemon's stop waits this long for the client to leave the store
 
 
 def _done(value: bool) -> Future[bool]:
@@ -122,8 +123,9 @@ class ClusterTier:
 
     # ------------------------------------------------------------ publication
     def demote(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
-        """Publish a block (stored or evicted): copied now, put on the tier's threads."""
-        if self.directory.mine(key.namespace, key.key):
+        """Publish a block (stored or evicted): copied now, put on the tier's threads. A block
+        the store holds already (this node's or another's, a promoted one) is not put again."""
+        if self.contains(key):
             return _done(True)
         length = len(data) + BLOCK_HEADER.size
         with self._lock:
@@ -138,6 +140,8 @@ class ClusterTier:
             st.queue_depth += 1
         block = bytes(data)     # the copy: the slot may be reused from now on
         return self._puts.submit(self._put, key, block)
+
+    publish = demote        # what the demoter hands over as blocks are stored
 
     def _put(self, key: TierKey, block: bytes) -> bool:
         """On a put thread: checksum, header and the store's put (off the event loop)."""
@@ -307,11 +311,21 @@ class ClusterTier:
         self._tell(result.gone, False)
 
     @staticmethod
-    def _close_store(store: Store) -> None:
-        try:
-            store.close()
-        except Exception:  # noqa: BLE001
-            log.exception("cluster tier: closing the store's client")
+    def _close_store(store: Store, wait_s: float | None = None) -> None:
+        """Close a client (`wait_s`: give up waiting after that long: Mooncake's close tells
+        the master it leaves, ~15 s when the master is down; the process may exit meanwhile)."""
+        def close() -> None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                log.exception("cluster tier: closing the store's client")
+
+        if wait_s is None:
+            close()
+            return
+        closer = threading.Thread(target=close, name="kvd-cluster-close", daemon=True)
+        closer.start()
+        closer.join(wait_s)
 
     def _forget_all(self) -> None:
         known = self.directory.clear()
@@ -334,9 +348,9 @@ class ClusterTier:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._puts.shutdown(wait=True, cancel_futures=True)
+        self._puts.shutdown(wait=True, cancel_futures=True)   # a call in flight: ~4 s at most
         self._gets.shutdown(wait=True, cancel_futures=True)
         self._keeper.join(timeout=10)
         store, self._store = self._store, None
         if store is not None:
-            self._close_store(store)
+            self._close_store(store, CLOSE_WAIT_S)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -48,22 +48,25 @@ class Demoter:
         ns.mgr.below_reset = lambda _ns=ns: self._reset(_ns)
         if getattr(self.tier, "publishes_stored", False):   # the cluster tier, by default
             ns.mgr.on_stored = lambda keys, slots, _ns=ns: self._demote(
-                _ns, list(zip(keys, slots, strict=True)))
+                _ns, list(zip(keys, slots, strict=True)), self.tier.publish)
 
     def _reset(self, ns: Namespace) -> None:
         self.tier.remove_namespace(ns.id)
         self._tables.clear(ns.id)
 
-    def _demote(self, ns: Namespace, victims: Sequence[tuple[bytes, int]]) -> Collection[bytes]:
-        """Hand evicted blocks to the tier (on the event loop, before their slots are freed);
-        the keys it took."""
+    def _demote(self, ns: Namespace, victims: Sequence[tuple[bytes, int]],
+                write: Callable[[TierKey, memoryview], Future[bool] | None] | None = None
+                ) -> Collection[bytes]:
+        """Hand evicted blocks to the tier (on the event loop, before their slots are freed),
+        or, with `write` (the tier's `publish`), stored blocks; the keys it took."""
+        write = write or self.tier.demote
         kept: set[bytes] = set()
         n = ns.layout.block_bytes
         with self._pools.for_tenant(ns.tenant).view() as pool:
             for key, slot in victims:
                 start = ns.slots.offset(slot)
                 tier_key = TierKey(ns.id, key, ns.tenant)
-                future = self.tier.demote(tier_key, pool[start:start + n])
+                future = write(tier_key, pool[start:start + n])
                 if future is None:
                     continue
                 kept.add(key)

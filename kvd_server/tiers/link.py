@@ -76,26 +76,32 @@ class TierLink:
                 self.tables.clear_all()
 
     @property
-    def health_service(self) -> str:
-        """Its name in the daemon's gRPC health service (`kvd health` reads it)."""
-        return f"kvd.tier.{self.tier.name}"
+    def parts(self) -> tuple[Tier, ...]:
+        """The tiers joined (two for a disk tier over the cluster store: tiers/stack.py)."""
+        return tuple(getattr(self.tier, "parts", (self.tier,)))
 
     async def publish_health(self, health: Any) -> None:
-        """Into the daemon's gRPC health servicer (`kvd health` reads it): the tier's own
-        service NOT_SERVING while it is opening or degraded (the daemon's "" stays SERVING:
-        the pool serves without it)."""
+        """Into the daemon's gRPC health servicer (`kvd health` reads it): each tier's own
+        service, `kvd.tier.NAME`, NOT_SERVING while it is opening or degraded (the daemon's
+        "" stays SERVING: the pool serves without it)."""
         from grpc_health.v1 import health_pb2
 
-        ok = self.tier.stats().health == TierHealth.OK
-        await health.set(self.health_service, health_pb2.HealthCheckResponse.SERVING if ok
-                         else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for part in self.parts:
+            ok = part.stats().health == TierHealth.OK
+            await health.set(f"kvd.tier.{part.name}",
+                             health_pb2.HealthCheckResponse.SERVING if ok
+                             else health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def stats(self) -> TierStats:
-        return dataclasses.replace(
-            self.tier.stats(), promotions_open=self.promoter.open,
+    def stats(self) -> list[TierStats]:
+        """Each tier's counters; the promotions and the held-below tables (one machinery for
+        all of them) counted on the first."""
+        out = [part.stats() for part in self.parts]
+        out[0] = dataclasses.replace(
+            out[0], promotions_open=self.promoter.open,
             promotions_refused_total=self.promoter.refused_total,
             promotions_late_total=self.promoter.late_total,
             below_keys=self.tables.keys_named)
+        return out
 
     def close(self) -> None:
         self.tier.close()
@@ -105,14 +111,17 @@ class TierLink:
 def start_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
                loop: asyncio.AbstractEventLoop,
                refusing: Callable[[], bool] = lambda: False) -> TierLink | None:
-    """The configured tier below the pool ([tiers.disk] or [tiers.cluster]), joined to the
-    namespaces; None without one. A tier that cannot be used (a directory, a master) starts
+    """The configured tiers below the pool ([tiers.disk], [tiers.cluster], or the disk over
+    the cluster store), joined to the namespaces; None without one. A tier that cannot be used (a directory, a master) starts
     degraded (logged): the daemon serves."""
-    if cfg.tiers_disk.path:
-        return TierLink(_disk_tier(cfg), namespaces, pools, loop, refusing)
-    if cfg.tiers_cluster.master:
-        return TierLink(_cluster_tier(cfg), namespaces, pools, loop, refusing)
-    return None
+    disk = _disk_tier(cfg) if cfg.tiers_disk.path else None
+    cluster = _cluster_tier(cfg) if cfg.tiers_cluster.master else None
+    if disk is not None and cluster is not None:
+        from kvd_server.tiers.stack import TierStack
+
+        return TierLink(TierStack(disk, cluster), namespaces, pools, loop, refusing)
+    tier = disk or cluster
+    return None if tier is None else TierLink(tier, namespaces, pools, loop, refusing)
 
 
 def _disk_tier(cfg: Config) -> Tier:

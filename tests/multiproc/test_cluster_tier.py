@@ -6,9 +6,10 @@ is degraded, then recovers by itself and shares again."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from kvd_client.offload_session import Lookup, OffloadSession
 from tests.multiproc.offload_engine import close_session, open_session, read_block, store
 from tests.multiproc.test_promotion import _read_back
 from tests.support import mooncake
-from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, clean_env
+from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, Daemon, clean_env
 from tests.support.engine import block_bytes_of, keys_for
 from tests.support.waits import wait_until
 
@@ -42,9 +43,9 @@ def _env(master: mooncake.Master, node: str, **extra: str) -> dict[str, str]:
 
 
 def _tier(daemon) -> dict:
-    (tier,) = daemon.stats()["tiers"]
-    assert tier["name"] == "cluster"
-    return tier
+    """The daemon's cluster tier entry of `kvd stats` (with a disk tier too, the promotions
+    and held-below counts are on the disk's entry)."""
+    return {t["name"]: t for t in daemon.stats()["tiers"]}["cluster"]
 
 
 @pytest.fixture
@@ -57,11 +58,27 @@ def master(workdir: Path):
         m.stop()
 
 
-def _daemon(start_daemon, workdir: Path, master: mooncake.Master, node: str, **extra: str):
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+def _daemon(start_daemon, workdir: Path, master: mooncake.Master, node: str, pool: str = POOL,
+            **extra: str):
+    daemon = start_daemon("--pool-size", pool, "--extent-size", "4MiB",
                           env=_env(master, node, **extra), socket=str(workdir / f"{node}.sock"))
     wait_until(lambda: _tier(daemon)["health"] == "ok", 30, f"{node}'s cluster tier to connect")
     return daemon
+
+
+@contextlib.contextmanager
+def _two_nodes(start_daemon, workdir: Path, master: mooncake.Master
+               ) -> Iterator[tuple[Daemon, Daemon, OffloadSession, OffloadSession]]:
+    """Daemons A and B on the master, an engine on each (the writer on A, the reader on B)."""
+    a = _daemon(start_daemon, workdir, master, "node-a")
+    b = _daemon(start_daemon, workdir, master, "node-b")
+    writer = open_session(a.socket, MODEL, reserve=64)
+    reader = open_session(b.socket, MODEL, reserve=16)
+    try:
+        yield a, b, writer, reader
+    finally:
+        close_session(writer)
+        close_session(reader)
 
 
 def _published(daemon, n: int) -> None:
@@ -96,11 +113,7 @@ def _never_wrong(session: OffloadSession, keys: Sequence[bytes]) -> list[Lookup]
 
 def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon, workdir,
                                                                   master):
-    a = _daemon(start_daemon, workdir, master, "node-a")
-    b = _daemon(start_daemon, workdir, master, "node-b")
-    writer = open_session(a.socket, MODEL, reserve=64)
-    reader = open_session(b.socket, MODEL, reserve=16)
-    try:
+    with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
         keys = keys_for("cluster", SHARED)
         assert [reader.lookup(k) for k in keys] == [Lookup.MISS] * SHARED
         reader.end_step()
@@ -110,9 +123,6 @@ def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon,
         tier = _tier(b)
         assert tier["promotions_total"] >= SHARED and tier["corrupt_total"] == 0
         assert b.stats()["stats"]["hits_total"] >= SHARED
-    finally:
-        close_session(writer)
-        close_session(reader)
 
     # Another tenant (uid mapped to team-b on daemon C: another namespace for the same model
     # and layout) never sees them, however long it waits.
@@ -130,11 +140,7 @@ def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon,
 
 
 def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, master):
-    a = _daemon(start_daemon, workdir, master, "node-a")
-    b = _daemon(start_daemon, workdir, master, "node-b")
-    writer = open_session(a.socket, MODEL, reserve=64)
-    reader = open_session(b.socket, MODEL, reserve=16)
-    try:
+    with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
         before = keys_for("before", 16)
         store(writer, before)
         _published(a, 16)
@@ -162,6 +168,61 @@ def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, 
         store(writer, after)
         _published(a, 16)
         _shared(reader, b, after)
+
+
+def test_a_node_leaving_costs_only_misses(start_daemon, workdir, master):
+    """Daemon A stops (drains, its client leaves the store with its segment): B, reading A's
+    blocks, gets each one byte-exact or a MISS (what only A's segment held), serves on, and
+    its tier stays healthy."""
+    with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
+        keys = keys_for("leaving", 32)
+        store(writer, keys)
+        _published(a, len(keys))
+        wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 30, "b to name a's blocks")
+        a.close()
+        seen: dict[bytes, Lookup] = {}
+        for _ in range(2000):                       # until no key is pending any more
+            states = _never_wrong(reader, keys)
+            seen.update(zip(keys, states, strict=True))
+            if Lookup.HIT_PENDING not in states:
+                break
+            time.sleep(0.005)
+        else:
+            raise AssertionError("promotions of the leaving node's blocks never ended")
+        assert set(seen.values()) <= {Lookup.HIT, Lookup.MISS}
+        assert _tier(b)["health"] == "ok"
+        mine = keys_for("b-own", 8)                 # b serves on: stores and hits
+        store(reader, mine)
+        assert set(_never_wrong(reader, mine)) == {Lookup.HIT}
+
+
+def test_a_disk_tier_over_the_cluster_store(start_daemon, workdir, master):
+    """Daemon A has both tiers (kvd_server/tiers/stack.py): what its pool evicts goes to its
+    disk and comes back from there; daemon B (the cluster tier only) reads the same blocks
+    from the store; A reports each tier apart."""
+    a = _daemon(start_daemon, workdir, master, "node-a",
+                KVD_TIERS_DISK_PATH=str(workdir / "disk-a"), KVD_TIERS_DISK_SIZE="64MiB",
+                KVD_TIERS_DISK_EXTENT_SIZE="4MiB", pool="16MiB")
+    b = _daemon(start_daemon, workdir, master, "node-b")
+    tiers = {t["name"]: t for t in a.stats()["tiers"]}
+    assert set(tiers) == {"disk", "cluster"}
+    writer = open_session(a.socket, MODEL, reserve=32)
+    reader = open_session(b.socket, MODEL, reserve=16)
+    try:
+        keys = keys_for("stacked", 384)              # 1.5x A's pool (256 blocks)
+        for i in range(0, len(keys), 32):
+            store(writer, keys[i:i + 32])
+        wait_until(lambda: {t["name"]: t for t in a.stats()["tiers"]}["disk"]["blocks"] > 0
+                   and all(t["queue_depth"] == 0 for t in a.stats()["tiers"]), 30,
+                   "A's evictions to reach its disk")
+        evicted = keys[:64]                          # the oldest: on A's disk now
+        first, bad = _read_back(writer, evicted)
+        assert bad == [] and Lookup.HIT_PENDING in set(first.values())
+        wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 30, "B to name A's blocks")
+        first, bad = _read_back(reader, keys[-64:])
+        assert bad == [], f"{len(bad)} blocks from the store loaded with wrong bytes"
+        health = a.kvd("health")
+        assert health.returncode == 0 and "NOT_SERVING" not in health.stdout, health.stdout
     finally:
         close_session(writer)
         close_session(reader)

@@ -230,3 +230,38 @@ def test_lists_round_trip():
     keys = [bytes([i]) * (1 + i % 40) for i in range(100)]
     assert decode_manifest(encode_manifest(keys)) == keys
     assert decode_nodes(encode_nodes(["a", "b-é"])) == ["a", "b-é"]
+
+
+def test_the_disk_over_the_cluster_store_acts_as_one_tier(make_tier, store, tmp_path):
+    """tiers/stack.py: evicted blocks go to the disk, promotions read the disk first and the
+    store otherwise, and a block is told dropped only when neither holds it."""
+    from kvd_server.tiers.disk import DiskTier
+    from kvd_server.tiers.stack import TierStack
+
+    disk = DiskTier(str(tmp_path / "disk"), 16 << 20, extent_bytes=4 << 20, io_threads=2)
+    other = make_tier("node-other")
+    stack = TierStack(disk, make_tier("node-here"))
+    dropped: list[TierKey] = []
+    stack.on_dropped = dropped.extend
+    try:
+        stack.lower.keys("ns")
+        evicted, shared = TierKey("ns", b"evicted"), TierKey("ns", b"shared")
+        assert stack.publishes_stored
+        future = stack.demote(evicted, memoryview(block(1)))     # eviction: the disk only
+        assert future is not None and future.result(timeout=5)
+        assert disk.contains(evicted) and not stack.lower.contains(evicted)
+        publish(other, shared, block(2))                        # another node's block
+        wait(lambda: stack.contains(shared), "the stack to know the other node's block")
+        assert sorted(stack.keys("ns")) == sorted([evicted.key, shared.key])
+        assert promote(stack, evicted) == block(1)              # from the disk
+        assert promote(stack, shared) == block(2)               # from the store
+        future = stack.publish(evicted, memoryview(block(1)))  # stored: to the store
+        assert future is not None and future.result(timeout=5)
+        assert stack.lower.contains(evicted)                    # now both hold it
+        disk.on_dropped([evicted])                              # the disk lets it go
+        assert dropped == []                                    # the store still has it
+        stack.lower.on_dropped([shared])
+        assert dropped == [shared]
+        assert stack.stats().capacity_bytes == disk.stats().capacity_bytes + (64 << 20)
+    finally:
+        disk.close()
