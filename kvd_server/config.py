@@ -154,6 +154,11 @@ class ClusterTierConfig:
     sync_interval: float    # how often the nodes' lists of blocks are exchanged
     retry_interval: float   # a degraded tier waits this long before it tries again
     node_id: str            # this node's name in the store ("": host name and socket)
+    tenants: tuple[str, ...] = ()   # tenants whose blocks are shared (empty: every tenant)
+
+    def shares(self, tenant: str) -> bool:
+        """Whether the tenant's namespaces publish to and read from the store."""
+        return not self.tenants or tenant in self.tenants
 
 
 @dataclass(slots=True, frozen=True)
@@ -285,6 +290,15 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(parse(item) for item in value)
 
 
+def _names(value: Any) -> tuple[str, ...]:
+    """A list of names (TOML array, or "a,b" from the environment or a flag)."""
+    if isinstance(value, str):
+        value = [item for item in value.replace(" ", "").split(",") if item]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"expected a list of names, got {value!r}")
+    return tuple(value)
+
+
 def _pairs(value: Any, form: str) -> Any:
     """The env/flag form of a table, "a=1,b=2", as a dict; anything else unchanged."""
     if not isinstance(value, str):
@@ -405,6 +419,7 @@ _SCHEMA: dict[str, _Key] = {
     "tiers.cluster.sync_interval": _Key("duration", _duration),
     "tiers.cluster.retry_interval": _Key("duration", _duration),
     "tiers.cluster.node_id": _Key("str", _str),
+    "tiers.cluster.tenants": _Key("names", _names),
 }
 
 KEYS: tuple[str, ...] = tuple(_SCHEMA)

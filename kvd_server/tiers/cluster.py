@@ -62,12 +62,15 @@ class ClusterTier:
                  block_bytes_hint: int = 64 << 10, queue_bytes: int = 256 << 20,
                  io_threads: int = 4, sync_s: float = SYNC_S, retry_s: float = RETRY_S,
                  publish_stored: bool = True, where: str = "",
+                 shares: Callable[[str], bool] = lambda tenant: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`connect` makes the store's client (on the tier's thread: it may block for
         seconds); `capacity_bytes` bounds how many blocks the tier names (at
         `block_bytes_hint` each); `publish_stored`: every block as it is stored (the
-        demoter hands them over), else only the blocks the pool evicts."""
+        demoter hands them over), else only the blocks the pool evicts; `shares(tenant)`:
+        whether a tenant's namespaces use the store (`tiers.cluster.tenants`)."""
         self.publishes_stored = publish_stored
+        self.shares = shares
         self._connect = connect
         self._store: Store | None = None
         self.queue_bytes = queue_bytes
@@ -117,8 +120,13 @@ class ClusterTier:
     def contains(self, key: TierKey) -> bool:
         return self.directory.known(key.namespace, key.key)
 
+    def join_namespace(self, namespace: str, tenant: str) -> None:
+        """A namespace of this daemon (its engines use it): read the other nodes' blocks of it
+        from the next sync on, if its tenant shares through the store."""
+        if self.shares(tenant):
+            self.directory.watch(namespace)
+
     def keys(self, namespace: str) -> list[bytes]:
-        self.directory.watch(namespace)
         return self.directory.keys(namespace) if self.readable else []
 
     # ------------------------------------------------------------ publication
@@ -127,6 +135,8 @@ class ClusterTier:
         the store holds already (this node's or another's, a promoted one) is not put again."""
         if self.contains(key):
             return _done(True)
+        if not self.shares(key.tenant):
+            return None                 # the tenant's blocks never leave the node
         length = len(data) + BLOCK_HEADER.size
         with self._lock:
             st = self._stats

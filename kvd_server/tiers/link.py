@@ -53,6 +53,9 @@ class TierLink:
                                             keys)
 
     def join(self, ns: Namespace) -> None:
+        join = getattr(self.tier, "join_namespace", None)    # the cluster tier's watch list
+        if join is not None:
+            join(ns.id, ns.tenant)
         self.demoter.join(ns)
         self.tables.join(ns.id, ns.layout.block_bytes)
 
@@ -155,4 +158,4 @@ def _cluster_tier(cfg: Config) -> Tier:
                        capacity_bytes=c.size, queue_bytes=c.queue_size,
                        io_threads=c.io_threads, sync_s=c.sync_interval,
                        retry_s=c.retry_interval, publish_stored=c.publish == "stored",
-                       where=c.master)
+                       where=c.master, shares=c.shares)

@@ -52,6 +52,12 @@ class TierStack:
         if keys and self.on_named is not None:
             self.on_named(keys, found)
 
+    def join_namespace(self, namespace: str, tenant: str) -> None:
+        for part in self.parts:
+            join = getattr(part, "join_namespace", None)
+            if join is not None:
+                join(namespace, tenant)
+
     @property
     def readable(self) -> bool:
         return self.upper.readable or self.lower.readable

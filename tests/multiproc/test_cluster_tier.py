@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from kvd_client.offload_session import Lookup, OffloadSession
-from tests.multiproc.offload_engine import close_session, open_session, read_block, store
+from tests.multiproc.offload_engine import (
+    close_session,
+    count_blocking_calls,
+    open_session,
+    read_block,
+    store,
+)
 from tests.multiproc.test_promotion import _read_back
 from tests.support import mooncake
 from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, Daemon, clean_env
@@ -226,3 +233,32 @@ def test_a_disk_tier_over_the_cluster_store(start_daemon, workdir, master):
     finally:
         close_session(writer)
         close_session(reader)
+
+
+def test_a_hung_master_never_slows_the_scheduler(start_daemon, workdir, master):
+    """The master stopped (SIGSTOP: a store that answers nothing, the worst kind of slow):
+    B's engine looks A's blocks up with no call to the daemon on its thread; a promotion
+    waits on the tier's threads until its deadline and then reads MISS, never wrong bytes;
+    once the master runs again the tier serves again."""
+    with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
+        keys = keys_for("hung", 16)
+        store(writer, keys)
+        _published(a, len(keys))
+        wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 30, "b to name a's blocks")
+        calls = count_blocking_calls(reader.client)
+        os.kill(master.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while True:                          # pending until the promotions give up
+                states = _never_wrong(reader, keys)
+                if Lookup.HIT_PENDING not in states:
+                    break
+                assert time.monotonic() < deadline, "promotions never ended"
+                time.sleep(0.01)
+            assert calls[0] == 0, f"{calls[0]} calls to the daemon on the scheduler thread"
+            mine = keys_for("b-own", 8)          # b serves on from its pool meanwhile
+            store(reader, mine)
+            assert set(_never_wrong(reader, mine)) == {Lookup.HIT}
+        finally:
+            os.kill(master.proc.pid, signal.SIGCONT)
+        wait_until(lambda: _tier(b)["health"] == "ok", 60, "b's tier to serve again")

@@ -127,7 +127,7 @@ def test_a_block_one_node_published_is_found_and_read_by_another(make_tier, stor
     named: list[tuple[list[TierKey], bool]] = []
     b.on_named = lambda keys, found: named.append((keys, found))
     key = TierKey("ns1", b"k" * 40, "tenant")
-    b.keys("ns1")                                   # b's engines use ns1: it watches it
+    b.join_namespace("ns1", "tenant")               # b's engines use ns1: it watches it
     publish(a, key, block(7))
     assert a.contains(key) and store.get(block_name("ns1", key.key)) is not None
     wait(lambda: b.contains(key), "node b to find the block through a's manifest")
@@ -143,7 +143,7 @@ def test_another_namespace_never_sees_the_block(make_tier):
     """Namespaces are digests of tenant, model and layout: another tenant's engines (another
     namespace) find nothing, on any node."""
     a, b = make_tier("node-a"), make_tier("node-b")
-    b.keys("other-tenant-ns")
+    b.join_namespace("other-tenant-ns", "t2")
     key = TierKey("ns1", b"shared-prefix", "t1")
     publish(a, key, block(1))
     time.sleep(0.2)                                 # several syncs
@@ -174,7 +174,7 @@ def test_a_corrupt_or_vanished_block_is_a_miss_and_forgotten(make_tier, store):
 def test_a_master_down_degrades_the_tier_which_recovers_and_forgets_what_was_lost(make_tier,
                                                                                   store):
     a, b = make_tier("node-a"), make_tier("node-b")
-    b.keys("ns")
+    b.join_namespace("ns", "")
     key = TierKey("ns", b"before")
     publish(a, key, block(5))
     wait(lambda: b.contains(key), "b to find the block")
@@ -244,7 +244,7 @@ def test_the_disk_over_the_cluster_store_acts_as_one_tier(make_tier, store, tmp_
     dropped: list[TierKey] = []
     stack.on_dropped = dropped.extend
     try:
-        stack.lower.keys("ns")
+        stack.join_namespace("ns", "")
         evicted, shared = TierKey("ns", b"evicted"), TierKey("ns", b"shared")
         assert stack.publishes_stored
         future = stack.demote(evicted, memoryview(block(1)))     # eviction: the disk only
@@ -265,3 +265,19 @@ def test_the_disk_over_the_cluster_store_acts_as_one_tier(make_tier, store, tmp_
         assert stack.stats().capacity_bytes == disk.stats().capacity_bytes + (64 << 20)
     finally:
         disk.close()
+
+
+def test_only_the_tenants_that_share_use_the_store(make_tier, store):
+    """tiers.cluster.tenants: a tenant not named never publishes, and its namespaces never
+    read the other nodes' blocks."""
+    a = make_tier("node-a", shares=lambda tenant: tenant == "shared")
+    assert a.demote(TierKey("ns-private", b"k", "private"), memoryview(block(1))) is None
+    publish(a, TierKey("ns-shared", b"k", "shared"), block(2))
+    assert not any("ns-private" in name for name in store.values)
+    b = make_tier("node-b", shares=lambda tenant: tenant == "shared")
+    b.join_namespace("ns-shared", "shared")
+    b.join_namespace("ns-private", "private")
+    publish(make_tier("node-c"), TierKey("ns-private", b"p", "private"), block(3))
+    wait(lambda: b.contains(TierKey("ns-shared", b"k")), "b to find the shared block")
+    time.sleep(0.2)
+    assert not b.contains(TierKey("ns-private", b"p"))
