@@ -7,8 +7,11 @@ is degraded, then recovers by itself and shares again."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,7 +28,7 @@ from tests.multiproc.offload_engine import (
 )
 from tests.multiproc.test_promotion import _read_back
 from tests.support import mooncake
-from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, Daemon, clean_env
+from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, PY, ROOT, Daemon, clean_env
 from tests.support.engine import block_bytes_of, keys_for
 from tests.support.waits import wait_until
 
@@ -262,3 +265,67 @@ def test_a_hung_master_never_slows_the_scheduler(start_daemon, workdir, master):
         finally:
             os.kill(master.proc.pid, signal.SIGCONT)
         wait_until(lambda: _tier(b)["health"] == "ok", 60, "b's tier to serve again")
+
+
+OTHER_UID = 60031
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run an engine as "
+                                                          "another uid (another tenant)")
+
+
+@needs_root
+def test_another_tenant_on_the_same_daemon_never_sees_them(start_daemon, workdir, master):
+    """On daemon B, an engine of another uid (tenant team-b), same model and layout, looks up
+    the blocks A's engine (the default tenant) published: MISS, however long it waits, while
+    B's engine of the default tenant reads them."""
+    os.chmod(workdir, 0o755)
+    sockdir = workdir / "s"
+    sockdir.mkdir()
+    os.chmod(sockdir, 0o777)
+    a = _daemon(start_daemon, workdir, master, "node-a")
+    b = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", socket=str(sockdir / "b.sock"),
+                     env=_env(master, "node-b", KVD_SERVER_SOCKET_MODE="0666",
+                              KVD_TENANTS_UIDS=f"{OTHER_UID}=team-b"))
+    wait_until(lambda: _tier(b)["health"] == "ok", 30, "b's cluster tier to connect")
+    writer = open_session(a.socket, MODEL, reserve=64)
+    reader = open_session(b.socket, MODEL, reserve=16)
+    try:
+        keys = keys_for("tenants", 16)
+        store(writer, keys)
+        _published(a, len(keys))
+        _shared(reader, b, keys)                     # the same tenant on B: found
+        out = subprocess.run([PY, "-m", "tests.multiproc.test_cluster_tier", str(OTHER_UID),
+                              b.socket, *[k.hex() for k in keys]], env=clean_env(),
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result == {"miss": 10 * len(keys)}, result
+        tenants = {ns["tenant"] for ns in b.stats()["namespaces"] if ns["model"] == MODEL}
+        assert tenants == {"default", "team-b"}, tenants
+    finally:
+        close_session(writer)
+        close_session(reader)
+
+
+def _other_tenant_main(argv: list[str]) -> int:
+    """`UID SOCKET KEY_HEX...`: drop to UID, open an engine session, look the keys up in 10
+    steps 0.2 s apart; print the answers' counts as one JSON line."""
+    uid, sock, keys = int(argv[0]), argv[1], [bytes.fromhex(k) for k in argv[2:]]
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    session = open_session(sock, MODEL, reserve=4)
+    counts: dict[str, int] = {}
+    try:
+        for _ in range(10):
+            for state in (session.lookup(k) for k in keys):
+                counts[state.value] = counts.get(state.value, 0) + 1
+            session.end_step()
+            time.sleep(0.2)
+    finally:
+        close_session(session)
+    print(json.dumps(counts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_other_tenant_main(sys.argv[1:]))
