@@ -51,9 +51,12 @@ def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
     health = f"{t.health}: {t.reason}" if t.reason else t.health
     return [
         ("health", health),
-        ("directory", f"{t.directory} ({'direct' if t.direct_io else 'buffered'} I/O)"),
+        ("directory", f"{t.directory} ({'direct' if t.direct_io else 'buffered'} I/O)")
+        if t.name != "cluster" else ("master", t.directory),
         ("used", f"{format_size(t.used_bytes)} of {format_size(t.capacity_bytes)} "
-                 f"({t.blocks} blocks)"),
+                 f"({t.blocks} blocks)") if t.name != "cluster"
+        else ("known", f"{t.blocks} blocks in the store (this node's and the others'), "
+                       f"named up to {format_size(t.capacity_bytes)}"),
         ("demoted", f"{t.demotions_total} blocks, {format_size(t.demoted_bytes_total)} in "
                     f"{t.write_seconds_total:.2f}s ({t.demotions_refused_total} refused)"),
         ("promoted", f"{t.promotions_total} blocks, {format_size(t.promoted_bytes_total)} in "

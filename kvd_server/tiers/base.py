@@ -61,7 +61,8 @@ class TierStats:
     write_seconds_total: float = 0.0      # time the I/O threads spent writing
     read_seconds_total: float = 0.0
     by_tenant_bytes: dict[str, int] = field(default_factory=dict)
-    directory: str = ""                   # where its files are (a local tier)
+    directory: str = ""                   # where its files are (a local tier; the cluster
+                                          # tier: its master's address)
     direct_io: bool = False               # O_DIRECT (False: the filesystem has none)
 
 
