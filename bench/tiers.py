@@ -34,6 +34,10 @@ the defaults a user gets except the pool's size and `[tiers.disk]` path and size
   keys held nowhere (which a tier's "held below" table is also asked about), on both of those
   daemons in alternating rounds, the tier's daemon with its tier open and holding blocks.
 
+The cluster tier (the same machinery over a Mooncake store) has its own bench,
+bench/cluster_tier.py (promotion across two daemons against Mooncake's own put/get, and the
+hits when sessions move between daemons); `make bench` runs both.
+
 Run: `python bench/tiers.py [--quick] [--dir DIR]` (default: a new directory under /var/tmp,
 a real disk where /tmp is tmpfs); it writes `tiers` into bench/results/latest.json (the other
 keys kept) and its section of bench/README.md. `make bench` runs it after run_all.py.
