@@ -242,7 +242,7 @@ class Daemon:
         self._answers: set[asyncio.Future[None]] = set()   # Drain answers not yet written
         self._lock: int | None = None      # the socket path's lock (socket_lock_path)
         self._activity = Activity()
-        self._tier: TierLink | None = None    # the disk tier under the pool, if any
+        self._tier: TierLink | None = None    # the tiers under the pool (disk, cluster), if any
 
     # -- stats and drain entry points
 
