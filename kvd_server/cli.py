@@ -195,8 +195,8 @@ def build_parser() -> _Parser:
     p = sub.add_parser("health", parents=common, help="check whether the daemon serves",
                        description="Query the standard gRPC health service. Prints SERVING or "
                                    "NOT_SERVING, then a line for a tier below the pool that "
-                                   "is not serving (the disk tier opening or degraded: the "
-                                   "daemon still serves). Exit 0 SERVING, 1 NOT_SERVING, 2 "
+                                   "is not serving (the disk or cluster tier opening or "
+                                   "degraded: the daemon still serves). Exit 0 SERVING, 1 NOT_SERVING, 2 "
                                    "unreachable.")
     p.add_argument("--wait", nargs="?", type=_wait, const=DEFAULT_WAIT, metavar="TIMEOUT",
                    help="wait until the daemon serves (it answers NOT_SERVING while it "
@@ -404,7 +404,8 @@ def _health_status(args: argparse.Namespace, service: str = "") -> str:
 
 def _print_tiers(args: argparse.Namespace) -> None:
     """A tier below the pool that does not serve (opening, or degraded: a full, read-only or
-    failing disk) is named on a line of its own; the daemon still serves (exit 0)."""
+    failing disk, the cluster's master down) is named on a line of its own; the daemon still
+    serves (exit 0)."""
     for tier in TIERS:
         try:
             status = _health_status(args, f"kvd.tier.{tier}")

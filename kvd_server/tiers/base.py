@@ -66,6 +66,13 @@ class TierStats:
     direct_io: bool = False               # O_DIRECT (False: the filesystem has none)
 
 
+def done_future(value: bool) -> Future[bool]:
+    """A Future already holding `value` (a tier's answer known at once)."""
+    future: Future[bool] = Future()
+    future.set_result(value)
+    return future
+
+
 class Tier(Protocol):
     """A tier below the pool (see the module doc)."""
 

@@ -17,6 +17,7 @@ itself degraded with the reason, and the daemon serves without it.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -100,8 +101,6 @@ class MooncakeStore:
         return bytes(value)
 
     def remove_prefix(self, prefix: str) -> None:
-        import re
-
         rc = self._client.remove_by_regex("^" + re.escape(prefix))
         if rc < 0:
             raise StoreError(f"remove {prefix}*: code {rc}", rc)

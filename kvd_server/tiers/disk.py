@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvd_server.tiers.base import TierHealth, TierKey, TierStats
+from kvd_server.tiers.base import TierHealth, TierKey, TierStats, done_future
 from kvd_server.tiers.buffers import AlignedBuffers
 from kvd_server.tiers.disk_files import DATA_FILE, JOURNAL_FILE, LOCK_FILE, open_files
 from kvd_server.tiers.disk_journal import Journal, Placed
@@ -63,12 +63,6 @@ def _page_aligned(view: memoryview) -> bool:
         return ctypes.addressof(ctypes.c_char.from_buffer(view)) % mmap.PAGESIZE == 0
     except (TypeError, ValueError):
         return False
-
-
-def _done(value: bool) -> Future[bool]:
-    future: Future[bool] = Future()
-    future.set_result(value)
-    return future
 
 
 class DiskTier:
@@ -178,7 +172,7 @@ class DiskTier:
             if existing is not None:
                 if existing.state is State.READY:
                     self._space.touch(existing)
-                    return _done(True)
+                    return done_future(True)
                 return None                         # being written already
             if not self._usable() or self._in_flight + aligned(length) > self.queue_bytes:
                 st.demotions_refused_total += 1
