@@ -9,7 +9,9 @@ A demotion copies the block into an aligned buffer at once (the pool slot may be
 soon as `demote` returns), then one of the tier's I/O threads writes it and computes its
 CRC-32; the index records it only once it is written. A promotion reads the block on an I/O
 thread, checks its CRC-32 and copies it into the caller's buffer: a corrupt or torn block is
-dropped and counted, never served. The buffers in flight are bounded (`queue_bytes`): past
+dropped and counted, never served. The I/O threads take the blocks in batches once they fall
+behind (kvd_server/tiers/io_batches.py), each batch written or read in one call that holds no
+GIL (kvd_server/tiers/block_io.py) and journaled in one write. The buffers in flight are bounded (`queue_bytes`): past
 it demotions are refused (counted), so the pool never waits for the disk.
 
 A missing or read-only directory, a full disk or an I/O error degrades the tier (one WARNING,
@@ -27,15 +29,16 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvd_server.tiers import block_io
 from kvd_server.tiers.base import TierHealth, TierKey, TierStats, done_future
 from kvd_server.tiers.buffers import AlignedBuffers
 from kvd_server.tiers.disk_files import DATA_FILE, JOURNAL_FILE, LOCK_FILE, open_files
 from kvd_server.tiers.disk_journal import Journal, Placed
 from kvd_server.tiers.disk_space import DiskSpace, Entry, State, aligned
+from kvd_server.tiers.io_batches import IoBatches
 
 __all__ = ["DATA_FILE", "JOURNAL_FILE", "LOCK_FILE", "DiskTier"]
 
@@ -103,6 +106,12 @@ class DiskTier:
         # demotions (up to queue_bytes of them): each has its own threads.
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk-write")
         self._reads = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk-read")
+        # Handed to those threads in batches once they fall behind (kvd_server/tiers/
+        # io_batches.py): a busy tier pays the GIL and a journal write once per batch.
+        self._writes: IoBatches[tuple[Entry, mmap.mmap, Future[bool]]] = \
+            IoBatches(self._io, self._write_batch, io_threads)
+        self._read_batches: IoBatches[tuple[Entry, memoryview, Future[bool]]] = \
+            IoBatches(self._reads, self._read_batch, io_threads)
         self._buffers = AlignedBuffers(queue_bytes)
         self._closed = threading.Event()
         if open_now:
@@ -188,48 +197,64 @@ class DiskTier:
         buf[:length] = data
         if entry.alloc > length:        # the padding: never another block's bytes on disk
             buf[length:] = bytes(entry.alloc - length)
-        return self._io.submit(self._write, entry, buf)
+        future: Future[bool] = Future()
+        self._writes.add((entry, buf, future))
+        return future
 
-    def _write(self, entry: Entry, buf: mmap.mmap) -> bool:
+    def _write_batch(self, batch: list[tuple[Entry, mmap.mmap, Future[bool]]]) -> None:
+        """On an I/O thread: write a batch of demotions (kvd_server/tiers/block_io.py), then
+        record the written ones in the index and the journal (one write for the batch)."""
         t0 = time.perf_counter()
-        crc, error = 0, None
         try:
-            written = os.pwritev(self._fd, [buf], entry.offset)
-            if written != entry.alloc:
-                raise OSError(errno.EIO, f"short write ({written} of {entry.alloc} bytes)")
-            crc = zlib.crc32(memoryview(buf)[:entry.length])
-        except OSError as exc:
-            error = exc
+            results = block_io.write_blocks(self._fd, [(buf, e.offset, e.length)
+                                                       for e, buf, _ in batch])
+        except Exception:  # a bug, not the disk: the blocks are lost, the tier goes on
+            log.exception("disk tier %s: a batch of writes failed", self.directory)
+            results = [-errno.EIO] * len(batch)
         seconds = time.perf_counter() - t0
-        self._buffers.give(buf)
+        for _, buf, _ in batch:
+            self._buffers.give(buf)
         st = self._stats
+        written: list[Entry] = []
         with self._lock:
-            self._in_flight -= entry.alloc
-            st.queue_depth -= 1
             st.write_seconds_total += seconds
-            if error is not None or entry.dropped or self._journal is None:
+            for (entry, _, _), result in zip(batch, results, strict=True):
+                self._in_flight -= entry.alloc
+                st.queue_depth -= 1
+                if result < 0 or entry.dropped or self._journal is None:
+                    self._space.release(entry)
+                    if result < 0:
+                        st.failures_total += 1
+                        self._degrade(_reason(block_io.error(result)))
+                    continue
+                self._space.ready(entry, result)
+                written.append(entry)
+            written = self._journal_written(written)
+        ok = set(map(id, written))
+        for entry, _, future in batch:
+            future.set_result(id(entry) in ok)
+
+    def _journal_written(self, written: list[Entry]) -> list[Entry]:
+        """Under the lock: journal the blocks a batch wrote; those it recorded (all, or none
+        when the journal cannot be written: then they are released and the tier degrades)."""
+        if not written or self._journal is None:
+            return written
+        st = self._stats
+        try:
+            self._journal.put_many([Placed(e.offset, e.length, e.alloc, e.crc, e.key.namespace,
+                                           e.key.key, e.key.tenant) for e in written])
+        except OSError as exc:
+            for entry in written:
                 self._space.release(entry)
-                if error is not None:
-                    st.failures_total += 1
-                    self._degrade(_reason(error))
-                return False
-            self._space.ready(entry, crc)
-            try:
-                self._journal.put(Placed(entry.offset, entry.length, entry.alloc, crc,
-                                         entry.key.namespace, entry.key.key,
-                                         entry.key.tenant))
-            except OSError as exc:
-                self._space.release(entry)
-                st.failures_total += 1
-                self._degrade(_reason(exc))
-                return False
-            st.demotions_total += 1
-            st.demoted_bytes_total += entry.length
-            if st.health is TierHealth.DEGRADED:
-                log.info("disk tier %s: writing again (was degraded: %s)", self.directory,
-                         st.reason)
-                st.health, st.reason = TierHealth.OK, ""
-            return True
+            st.failures_total += 1
+            self._degrade(_reason(exc))
+            return []
+        st.demotions_total += len(written)
+        st.demoted_bytes_total += sum(e.length for e in written)
+        if st.health is TierHealth.DEGRADED:
+            log.info("disk tier %s: writing again (was degraded: %s)", self.directory, st.reason)
+            st.health, st.reason = TierHealth.OK, ""
+        return written
 
     def _dropped(self, entries: list[Entry]) -> None:
         """Entries the space evicted (under the lock): journal their removal."""
@@ -271,54 +296,70 @@ class DiskTier:
             entry.readers += 1
             self._space.touch(entry)
             st.queue_depth += 1
-        return self._reads.submit(self._read, entry, dest)
+        future: Future[bool] = Future()
+        self._read_batches.add((entry, dest, future))
+        return future
 
-    def _read(self, entry: Entry, dest: memoryview) -> bool:
+    def _read_batch(self, batch: list[tuple[Entry, memoryview, Future[bool]]]) -> None:
+        """On an I/O thread: read a batch of promotions, each checked against its CRC-32,
+        straight into its destination (a pool slot: page-aligned, its stride covers the
+        padding) where it can take the whole aligned read, else through a buffer."""
+        bufs: list[mmap.mmap | None] = []
+        items: list[block_io.ReadItem] = []
+        for entry, dest, _ in batch:
+            if len(dest) >= entry.alloc and _page_aligned(dest):
+                bufs.append(None)
+                items.append((dest[:entry.alloc], entry.offset, entry.length, entry.crc, None))
+            else:
+                buf = self._buffers.take(entry.alloc)
+                bufs.append(buf)
+                items.append((buf, entry.offset, entry.length, entry.crc, dest))
         t0 = time.perf_counter()
-        direct = len(dest) >= entry.alloc and _page_aligned(dest)
-        buf = None if direct else self._buffers.take(entry.alloc)
-        error: OSError | None = None
-        good = False
         try:
-            # Straight into the destination (a pool slot: page-aligned, its stride covers the
-            # padding) where it can take the whole aligned read; else through a buffer.
-            target = dest[:entry.alloc] if buf is None else memoryview(buf)
-            with target:
-                got = os.preadv(self._fd, [target], entry.offset)
-                with target[:entry.length] as view:
-                    good = got == entry.alloc and zlib.crc32(view) == entry.crc
-                    if good and buf is not None:
-                        dest[:entry.length] = view
-        except OSError as exc:
-            error = exc
-        seconds = time.perf_counter() - t0
-        if buf is not None:
-            self._buffers.give(buf)
-        st = self._stats
+            results = block_io.read_blocks(self._fd, items)
+        except Exception:  # a bug, not the disk: these promotions fail, the tier goes on
+            log.exception("disk tier %s: a batch of reads failed", self.directory)
+            results = [-errno.EIO] * len(batch)
+        finally:
+            seconds = time.perf_counter() - t0
+            for buf, item in zip(bufs, items, strict=True):
+                if buf is None:
+                    item[0].release()
+                else:
+                    self._buffers.give(buf)
         with self._lock:
-            st.queue_depth -= 1
-            st.read_seconds_total += seconds
-            entry.readers -= 1
-            if error is not None:
-                st.failures_total += 1
-                self._reads_fail_until = self._clock() + self.retry_s
-                self._degrade(_reason(error))          # one WARNING per reason
-            elif not good:
-                st.corrupt_total += 1
-                log.warning("disk tier %s: a block failed its checksum: dropped, not served",
-                            self.directory)
-            if not good and not entry.dropped:
-                entry.dropped = True
-                self._tell_dropped([entry.key])
-            if entry.dropped:
-                if entry.readers == 0:
-                    self._journal_delete(entry)
-                    self._space.release(entry)
-                return False
-            st.hits_total += 1
-            st.promotions_total += 1
-            st.promoted_bytes_total += entry.length
-            return True
+            self._stats.read_seconds_total += seconds
+            good = [self._read_done(entry, result)
+                    for (entry, _, _), result in zip(batch, results, strict=True)]
+        for (_, _, future), ok in zip(batch, good, strict=True):
+            future.set_result(ok)
+
+    def _read_done(self, entry: Entry, result: int) -> bool:
+        """Under the lock: a promotion's read ended (`read_blocks`' result); whether it was
+        good. A corrupt or torn block is dropped (and told), never served."""
+        st = self._stats
+        st.queue_depth -= 1
+        entry.readers -= 1
+        if result < 0:
+            st.failures_total += 1
+            self._reads_fail_until = self._clock() + self.retry_s
+            self._degrade(_reason(block_io.error(result)))       # one WARNING per reason
+        elif result == 0:
+            st.corrupt_total += 1
+            log.warning("disk tier %s: a block failed its checksum: dropped, not served",
+                        self.directory)
+        if result != 1 and not entry.dropped:
+            entry.dropped = True
+            self._tell_dropped([entry.key])
+        if entry.dropped:
+            if entry.readers == 0:
+                self._journal_delete(entry)
+                self._space.release(entry)
+            return False
+        st.hits_total += 1
+        st.promotions_total += 1
+        st.promoted_bytes_total += entry.length
+        return True
 
     # --------------------------------------------------------------- removal
     def remove(self, key: TierKey) -> bool:

@@ -164,6 +164,11 @@ class Journal:
     def put(self, placed: Placed) -> None:
         self._append(_put_record(placed))
 
+    def put_many(self, placed: list[Placed]) -> None:
+        """PUT records for a batch of blocks in one write: all of them, or (OSError) none."""
+        if placed:
+            self._append(b"".join(map(_put_record, placed)))
+
     def delete(self, offset: int) -> None:
         self._append(_del_record(offset))
 
