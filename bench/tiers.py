@@ -470,15 +470,36 @@ def replay(session: OffloadSession | list[OffloadSession], requests: list[list[b
             "stores_declined": declined, "seconds": time.perf_counter() - t0}
 
 
+def make_hot(s: OffloadSession, keys: list[bytes], d: Daemon | None) -> None:
+    """Have `keys` in the pool (untimed): stored again where the pool let one go (a reserve
+    refill or a promotion evicts too), until every one reads HIT (or 5 tries)."""
+    for _ in range(5):
+        missing = [k for k in keys if s.lookup(k) is not Lookup.HIT]
+        s.end_step()
+        if not missing:
+            return
+        settle(s)                            # promotions the lookups asked for: done
+        if d is not None:
+            d.wait(lambda: d.tier()["promotions_open"] == 0, "promotions to end")
+        missing = [k for k in keys if s.lookup(k) is not Lookup.HIT]
+        s.end_step()
+        for i in range(0, len(missing), 64):
+            store(s, missing[i:i + 64], None, "hot")
+        s.request_finished("hot")            # the newest blocks of the pool (LRU)
+        settle(s)
+
+
 def lookup_times(sessions: dict[str, OffloadSession], hot: dict[str, list[bytes]],
-                 cold: list[bytes]) -> dict:
+                 cold: list[bytes], make_ready: Callable[[str], None]) -> dict:
     """ns per OffloadSession.lookup, keys in the pool (HIT) and held nowhere (MISS), rounds
-    alternating between the daemons; the medians over rounds."""
+    alternating between the daemons, each round after `make_ready(name)` (untimed) put the
+    hot keys back in that pool; the medians over rounds."""
     per: dict[str, dict[str, list[float]]] = {n: {"hit": [], "miss": []} for n in sessions}
     names = list(sessions)
     for r in range(LOOKUP_ROUNDS):
         for name in names if r % 2 == 0 else names[::-1]:
             s = sessions[name]
+            make_ready(name)
             s.lookup(b"\1")                      # starts the step (untimed)
             keys = hot[name]
             t0 = time.perf_counter_ns()
@@ -532,23 +553,16 @@ def hit_rate_and_lookups(base: Path, trace: tuple[str, str] = HR_TRACE) -> tuple
         out["gain_blocks"] = out["tier"]["hit_blocks"] - out["no_tier"]["hit_blocks"]
         out["gain"] = out["tier"]["hit_blocks"] / max(1, out["no_tier"]["hit_blocks"])
         # 4. the hot path: fresh keys stored in both pools, looked up with and without a tier
-        # (once the replay's last promotions are done: they would evict them)
+        # (once the replay's last promotions are done: they would evict them; every record read
+        # first, so none is asked for after the wait)
+        for s in sessions.values():
+            settle(s)
         daemons["tier"].wait(lambda: daemons["tier"].tier()["promotions_open"] == 0,
                              "the replay's promotions to end")
-        hot = {}
-        for name, s in sessions.items():
-            hot[name] = keys_for(f"hot-{name}", LOOKUP_KEYS)
-            for _ in range(5):                   # (stored again if the pool let one go)
-                missing = [k for k in hot[name] if s.lookup(k) is not Lookup.HIT]
-                s.end_step()
-                if not missing:
-                    break
-                for i in range(0, len(missing), 64):
-                    store(s, missing[i:i + 64], None, "hot")
-                s.request_finished("hot")        # the newest blocks of the pool (LRU)
-                settle(s)
+        hot = {name: keys_for(f"hot-{name}", LOOKUP_KEYS) for name in sessions}
         cold = keys_for("cold", LOOKUP_KEYS)
-        lk = lookup_times(sessions, hot, cold)
+        lk = lookup_times(sessions, hot, cold, lambda name: make_hot(
+            sessions[name], hot[name], daemons[name] if name == "tier" else None))
         lk["tier_blocks_held"] = daemons["tier"].tier()["blocks"]
         print(f"lookup ns/key: hit {lk['no_tier']['hit_ns_per_key']:.0f} without a tier, "
               f"{lk['tier']['hit_ns_per_key']:.0f} with; miss "
