@@ -113,6 +113,10 @@ class DiskTier:
         self._read_batches: IoBatches[tuple[Entry, memoryview, Future[bool]]] = \
             IoBatches(self._reads, self._read_batch, io_threads)
         self._buffers = AlignedBuffers(queue_bytes)
+        if not block_io.NATIVE:
+            log.warning("disk tier %s: its block I/O runs on the pure-Python twin (kvd_server."
+                        "_blockio was not built, or KVD_NATIVE=0): slower under load",
+                        self.directory)
         self._closed = threading.Event()
         if open_now:
             self._try_open()
