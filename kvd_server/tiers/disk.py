@@ -305,38 +305,43 @@ class DiskTier:
         return future
 
     def _read_batch(self, batch: list[tuple[Entry, memoryview, Future[bool]]]) -> None:
-        """On an I/O thread: read a batch of promotions, each checked against its CRC-32,
-        straight into its destination (a pool slot: page-aligned, its stride covers the
-        padding) where it can take the whole aligned read, else through a buffer."""
-        bufs: list[mmap.mmap | None] = []
-        items: list[block_io.ReadItem] = []
-        for entry, dest, _ in batch:
-            if len(dest) >= entry.alloc and _page_aligned(dest):
-                bufs.append(None)
-                items.append((dest[:entry.alloc], entry.offset, entry.length, entry.crc, None))
-            else:
-                buf = self._buffers.take(entry.alloc)
-                bufs.append(buf)
-                items.append((buf, entry.offset, entry.length, entry.crc, dest))
+        """On an I/O thread: read a batch of promotions, then settle each (whatever happens,
+        every promotion of the batch ends: a failure reads as an I/O error)."""
         t0 = time.perf_counter()
         try:
-            results = block_io.read_blocks(self._fd, items)
-        except Exception:  # a bug, not the disk: these promotions fail, the tier goes on
+            results = self._read_all([(entry, dest) for entry, dest, _ in batch])
+        except Exception:  # a bug or no memory for a buffer, not the disk: the tier goes on
             log.exception("disk tier %s: a batch of reads failed", self.directory)
             results = [-errno.EIO] * len(batch)
-        finally:
-            seconds = time.perf_counter() - t0
-            for buf, item in zip(bufs, items, strict=True):
-                if buf is None:
-                    item[0].release()
-                else:
-                    self._buffers.give(buf)
+        seconds = time.perf_counter() - t0
         with self._lock:
             self._stats.read_seconds_total += seconds
             good = [self._read_done(entry, result)
                     for (entry, _, _), result in zip(batch, results, strict=True)]
         for (_, _, future), ok in zip(batch, good, strict=True):
             future.set_result(ok)
+
+    def _read_all(self, reads: list[tuple[Entry, memoryview]]) -> list[int]:
+        """Each block checked against its CRC-32 (`read_blocks`), read straight into its
+        destination (a pool slot: page-aligned, its stride covers the padding) where it can
+        take the whole aligned read, else through a buffer."""
+        items: list[block_io.ReadItem] = []
+        bufs: list[mmap.mmap] = []
+        try:
+            for entry, dest in reads:
+                if len(dest) >= entry.alloc and _page_aligned(dest):
+                    items.append((dest[:entry.alloc], entry.offset, entry.length, entry.crc,
+                                  None))
+                else:
+                    bufs.append(self._buffers.take(entry.alloc))
+                    items.append((bufs[-1], entry.offset, entry.length, entry.crc, dest))
+            return block_io.read_blocks(self._fd, items)
+        finally:
+            for item in items:
+                if isinstance(item[0], memoryview):
+                    item[0].release()
+            for buf in bufs:
+                self._buffers.give(buf)
 
     def _read_done(self, entry: Entry, result: int) -> bool:
         """Under the lock: a promotion's read ended (`read_blocks`' result); whether it was

@@ -268,3 +268,44 @@ def test_promotion_reads_straight_into_an_aligned_slot_and_checks_it_there(tier)
     assert future is not None and not future.result(timeout=10)
     view.release()
     assert not tier.contains(keys[0]) and tier.stats().corrupt_total == 1
+
+
+def test_a_backlog_is_written_and_read_in_batches_byte_exact(tier):
+    """Many demotions and promotions at once (more than the threads: they go in batches,
+    kvd_server/tiers/io_batches.py) each come back whole and in its own slot."""
+    keys = [key(i) for i in range(16)]
+    futures = [tier.demote(k, block(i)) for i, k in enumerate(keys)]
+    assert all(f is not None and f.result(timeout=10) for f in futures)
+    dests = [bytearray(BLOCK) for _ in keys]
+    reads = [tier.promote(k, memoryview(d)) for k, d in zip(keys, dests)]
+    assert all(f is not None and f.result(timeout=10) for f in reads)
+    assert [bytes(d) for d in dests] == [block(i) for i in range(16)]
+    st = tier.stats()
+    assert (st.demotions_total, st.promotions_total, st.queue_depth) == (16, 16, 0)
+
+
+def test_a_batch_that_fails_outside_the_disk_ends_every_promotion(tmp_path, monkeypatch):
+    """No memory for a read buffer (or a bug): each promotion of the batch ends as failed (an
+    I/O error: the tier degrades), nothing is left counted in flight, and once it retries the
+    tier reads again."""
+    tier = DiskTier(str(tmp_path / "disk"), SIZE, extent_bytes=EXTENT, io_threads=2,
+                    retry_s=0.0)
+    try:
+        keys = [key(i) for i in range(3)]
+        demote_all(tier, keys)
+
+        def no_memory(size: int):
+            raise MemoryError("no buffer")
+
+        monkeypatch.setattr(tier._buffers, "take", no_memory)
+        # not page-aligned: read through a buffer, which cannot be had
+        futures = [tier.promote(k, memoryview(bytearray(BLOCK + 1))[1:]) for k in keys]
+        assert [f.result(timeout=10) for f in futures] == [False] * 3
+        st = tier.stats()
+        assert st.queue_depth == 0 and st.failures_total == 3
+        assert st.health is TierHealth.DEGRADED
+        monkeypatch.undo()
+        demote_all(tier, [key(9)])
+        assert read(tier, key(9)) == block(9)
+    finally:
+        tier.close()
