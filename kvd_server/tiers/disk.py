@@ -49,6 +49,7 @@ DEFAULT_IO_THREADS = 4
 DEFAULT_QUEUE_BYTES = 256 << 20
 RETRY_S = 30.0                  # a degraded tier tries again after this long (the default)
 FLUSH_S = 1.0                   # the journal is fsynced this often (when it changed)
+CANCELLED = -errno.ECANCELED    # an I/O result: not done, the tier is closing
 
 _REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
             errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied",
@@ -108,10 +109,13 @@ class DiskTier:
         self._reads = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk-read")
         # Handed to those threads in batches once they fall behind (kvd_server/tiers/
         # io_batches.py): a busy tier pays the GIL and a journal write once per batch.
-        self._writes: IoBatches[tuple[Entry, mmap.mmap, Future[bool]]] = \
-            IoBatches(self._io, self._write_batch, io_threads)
-        self._read_batches: IoBatches[tuple[Entry, memoryview, Future[bool]]] = \
-            IoBatches(self._reads, self._read_batch, io_threads)
+        # (what comes after the tier closed its threads ends unwritten / unread: cancelled)
+        self._writes: IoBatches[tuple[Entry, mmap.mmap, Future[bool]]] = IoBatches(
+            self._io, self._write_batch, io_threads,
+            cancel=lambda b: self._write_batch(b, cancelled=True))
+        self._read_batches: IoBatches[tuple[Entry, memoryview, Future[bool]]] = IoBatches(
+            self._reads, self._read_batch, io_threads,
+            cancel=lambda b: self._read_batch(b, cancelled=True))
         self._buffers = AlignedBuffers(queue_bytes)
         if not block_io.NATIVE:
             log.warning("disk tier %s: its block I/O runs on the pure-Python twin (kvd_server."
@@ -205,13 +209,15 @@ class DiskTier:
         self._writes.add((entry, buf, future))
         return future
 
-    def _write_batch(self, batch: list[tuple[Entry, mmap.mmap, Future[bool]]]) -> None:
+    def _write_batch(self, batch: list[tuple[Entry, mmap.mmap, Future[bool]]],
+                     cancelled: bool = False) -> None:
         """On an I/O thread: write a batch of demotions (kvd_server/tiers/block_io.py), then
-        record the written ones in the index and the journal (one write for the batch)."""
+        record the written ones in the index and the journal (one write for the batch).
+        `cancelled`: the tier is closing: none is written (not a failure)."""
         t0 = time.perf_counter()
         try:
-            results = block_io.write_blocks(self._fd, [(buf, e.offset, e.length)
-                                                       for e, buf, _ in batch])
+            results = [CANCELLED] * len(batch) if cancelled else block_io.write_blocks(
+                self._fd, [(buf, e.offset, e.length) for e, buf, _ in batch])
         except Exception:  # a bug, not the disk: the blocks are lost, the tier goes on
             log.exception("disk tier %s: a batch of writes failed", self.directory)
             results = [-errno.EIO] * len(batch)
@@ -227,7 +233,7 @@ class DiskTier:
                 st.queue_depth -= 1
                 if result < 0 or entry.dropped or self._journal is None:
                     self._space.release(entry)
-                    if result < 0:
+                    if result < 0 and result != CANCELLED:
                         st.failures_total += 1
                         self._degrade(_reason(block_io.error(result)))
                     continue
@@ -291,7 +297,7 @@ class DiskTier:
         with self._lock:
             entry = self._space.get(key)
             if entry is None or entry.state is not State.READY or entry.dropped \
-                    or self._fd < 0:
+                    or self._fd < 0 or self._closed.is_set():
                 st.misses_total += 1
                 return None
             if len(dest) < entry.length:
@@ -304,12 +310,15 @@ class DiskTier:
         self._read_batches.add((entry, dest, future))
         return future
 
-    def _read_batch(self, batch: list[tuple[Entry, memoryview, Future[bool]]]) -> None:
+    def _read_batch(self, batch: list[tuple[Entry, memoryview, Future[bool]]],
+                    cancelled: bool = False) -> None:
         """On an I/O thread: read a batch of promotions, then settle each (whatever happens,
-        every promotion of the batch ends: a failure reads as an I/O error)."""
+        every promotion of the batch ends: a failure reads as an I/O error). `cancelled`:
+        the tier is closing: none is read (each fails, the blocks kept)."""
         t0 = time.perf_counter()
         try:
-            results = self._read_all([(entry, dest) for entry, dest, _ in batch])
+            results = [CANCELLED] * len(batch) if cancelled else \
+                self._read_all([(entry, dest) for entry, dest, _ in batch])
         except Exception:  # a bug or no memory for a buffer, not the disk: the tier goes on
             log.exception("disk tier %s: a batch of reads failed", self.directory)
             results = [-errno.EIO] * len(batch)
@@ -349,6 +358,11 @@ class DiskTier:
         st = self._stats
         st.queue_depth -= 1
         entry.readers -= 1
+        if result == CANCELLED:                  # the tier is closing: kept, not read
+            if entry.dropped and entry.readers == 0:
+                self._journal_delete(entry)
+                self._space.release(entry)
+            return False
         if result < 0:
             st.failures_total += 1
             self._reads_fail_until = self._clock() + self.retry_s

@@ -309,3 +309,14 @@ def test_a_batch_that_fails_outside_the_disk_ends_every_promotion(tmp_path, monk
         assert read(tier, key(9)) == block(9)
     finally:
         tier.close()
+
+
+def test_closing_with_demotions_in_flight_ends_each_and_refuses_after(tmp_path):
+    """close() waits for what was handed to the threads (each demotion ends, written or not,
+    none raises); a promotion or demotion asked after it is refused, not run."""
+    tier = DiskTier(str(tmp_path / "disk"), SIZE, extent_bytes=EXTENT, io_threads=1)
+    futures = [tier.demote(key(i), block(i)) for i in range(12)]
+    tier.close()
+    assert all(f is not None and f.done() and isinstance(f.result(), bool) for f in futures)
+    assert tier.promote(key(0), memoryview(bytearray(BLOCK))) is None
+    assert tier.demote(key(99), block(99)) is None
