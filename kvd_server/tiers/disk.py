@@ -11,8 +11,9 @@ CRC-32; the index records it only once it is written. A promotion reads the bloc
 thread, checks its CRC-32 and copies it into the caller's buffer: a corrupt or torn block is
 dropped and counted, never served. The I/O threads take the blocks in batches once they fall
 behind (kvd_server/tiers/io_batches.py), each batch written or read in one call that holds no
-GIL (kvd_server/tiers/block_io.py) and journaled in one write. The buffers in flight are bounded (`queue_bytes`): past
-it demotions are refused (counted), so the pool never waits for the disk.
+GIL (kvd_server/tiers/block_io.py) and journaled in one write. The buffers in flight are
+bounded (`queue_bytes`): past it demotions are refused (counted), so the pool never waits for
+the disk.
 
 A missing or read-only directory, a full disk or an I/O error degrades the tier (one WARNING,
 counted, `kvd health` says so): it refuses demotions for `retry_s`, then tries again; the pool
