@@ -115,8 +115,8 @@ def start_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
                loop: asyncio.AbstractEventLoop,
                refusing: Callable[[], bool] = lambda: False) -> TierLink | None:
     """The configured tiers below the pool ([tiers.disk], [tiers.cluster], or the disk over
-    the cluster store), joined to the namespaces; None without one. A tier that cannot be used (a directory, a master) starts
-    degraded (logged): the daemon serves."""
+    the cluster store), joined to the namespaces; None without one. A tier that cannot be
+    used (a directory, a master) starts degraded (logged): the daemon serves."""
     disk = _disk_tier(cfg) if cfg.tiers_disk.path else None
     cluster = _cluster_tier(cfg) if cfg.tiers_cluster.master else None
     if disk is not None and cluster is not None:
