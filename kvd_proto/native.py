@@ -20,6 +20,7 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
 from array import array
@@ -379,17 +380,19 @@ def py_eventfd_signal(fd: int) -> bool:
     return True
 
 
-def _load() -> Any:
+def compiled(module: str) -> Any:
+    """The compiled extension `module` (e.g. "kvd_proto._native"), or None where it was not
+    built or `KVD_NATIVE=0` forces the pure-Python twins (kvd_server/tiers/block_io.py asks
+    for its own extension the same way)."""
     if os.environ.get("KVD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        from kvd_proto import _native
+        return importlib.import_module(module)
     except ImportError:
         return None
-    return _native
 
 
-_native = _load()
+_native = compiled("kvd_proto._native")
 NATIVE = _native is not None
 Lookups: Any = _native.Lookups if _native is not None else PyLookups
 IndexTable: Any = _native.IndexTable if _native is not None else PyIndexTable

@@ -21,6 +21,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from kvd_proto.native import compiled
+
 WriteItem = tuple[Any, int, int]
 ReadItem = tuple[Any, int, int, int, Any]
 
@@ -67,17 +69,7 @@ def py_read_blocks(fd: int, items: Sequence[ReadItem]) -> list[int]:
     return out
 
 
-def _compiled() -> Any:
-    if os.environ.get("KVD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    try:
-        from kvd_server import _blockio  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _blockio
-
-
-_native = _compiled()
+_native = compiled("kvd_server._blockio")
 NATIVE = _native is not None
 write_blocks = _native.write_blocks if _native is not None else py_write_blocks
 read_blocks = _native.read_blocks if _native is not None else py_read_blocks

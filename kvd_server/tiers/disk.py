@@ -62,6 +62,12 @@ def _reason(exc: OSError) -> str:
     return f"{_REASONS.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
 
 
+def _placed(entry: Entry) -> Placed:
+    """A block as the journal records it."""
+    return Placed(entry.offset, entry.length, entry.alloc, entry.crc, entry.key.namespace,
+                  entry.key.key, entry.key.tenant)
+
+
 def _page_aligned(view: memoryview) -> bool:
     """Whether a writable buffer starts on a page (what O_DIRECT needs)."""
     try:
@@ -226,10 +232,10 @@ class DiskTier:
         for _, buf, _ in batch:
             self._buffers.give(buf)
         st = self._stats
-        written: list[Entry] = []
+        good = [False] * len(batch)
         with self._lock:
             st.write_seconds_total += seconds
-            for (entry, _, _), result in zip(batch, results, strict=True):
+            for i, ((entry, _, _), result) in enumerate(zip(batch, results, strict=True)):
                 self._in_flight -= entry.alloc
                 st.queue_depth -= 1
                 if result < 0 or entry.dropped or self._journal is None:
@@ -239,33 +245,33 @@ class DiskTier:
                         self._degrade(_reason(block_io.error(result)))
                     continue
                 self._space.ready(entry, result)
-                written.append(entry)
-            written = self._journal_written(written)
-        ok = set(map(id, written))
-        for entry, _, future in batch:
-            future.set_result(id(entry) in ok)
+                good[i] = True
+            written = [e for (e, _, _), ok in zip(batch, good, strict=True) if ok]
+            if not self._journal_written(written):
+                good = [False] * len(batch)
+        for (_, _, future), ok in zip(batch, good, strict=True):
+            future.set_result(ok)
 
-    def _journal_written(self, written: list[Entry]) -> list[Entry]:
-        """Under the lock: journal the blocks a batch wrote; those it recorded (all, or none
-        when the journal cannot be written: then they are released and the tier degrades)."""
+    def _journal_written(self, written: list[Entry]) -> bool:
+        """Under the lock: journal the blocks a batch wrote, all of them, or (False) none when
+        the journal cannot be written: then they are released and the tier degrades."""
         if not written or self._journal is None:
-            return written
+            return True
         st = self._stats
         try:
-            self._journal.put_many([Placed(e.offset, e.length, e.alloc, e.crc, e.key.namespace,
-                                           e.key.key, e.key.tenant) for e in written])
+            self._journal.put_many(list(map(_placed, written)))
         except OSError as exc:
             for entry in written:
                 self._space.release(entry)
             st.failures_total += 1
             self._degrade(_reason(exc))
-            return []
+            return False
         st.demotions_total += len(written)
         st.demoted_bytes_total += sum(e.length for e in written)
         if st.health is TierHealth.DEGRADED:
             log.info("disk tier %s: writing again (was degraded: %s)", self.directory, st.reason)
             st.health, st.reason = TierHealth.OK, ""
-        return written
+        return True
 
     def _dropped(self, entries: list[Entry]) -> None:
         """Entries the space evicted (under the lock): journal their removal."""
@@ -440,11 +446,8 @@ class DiskTier:
                 return
             try:
                 if journal.needs_compaction(len(self._space.entries)):
-                    journal.compact(
-                        Placed(e.offset, e.length, e.alloc, e.crc, e.key.namespace, e.key.key,
-                               e.key.tenant)
-                        for e in self._space.entries.values()
-                        if e.state is State.READY and not e.dropped)
+                    journal.compact(_placed(e) for e in self._space.entries.values()
+                                    if e.state is State.READY and not e.dropped)
                 journal.sync()
             except OSError as exc:
                 self._stats.failures_total += 1
