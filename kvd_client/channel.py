@@ -89,12 +89,13 @@ class SessionChannel:
 class _Step:
     """One engine step's records not in the ring yet, in order."""
 
-    __slots__ = ("seq", "records", "essential")
+    __slots__ = ("seq", "records", "essential", "size")
 
     def __init__(self, seq: int) -> None:
         self.seq = seq
         self.records: list[bytes] = []
         self.essential = False
+        self.size = -1              # bytes of `records` (-1: not counted since the last put)
 
 
 class Outbox:
@@ -121,16 +122,17 @@ class Outbox:
         return step
 
     def put(self, seq: int, data: bytes, essential: bool = True) -> None:
-        step = self._step(seq)
-        step.records.append(data)
-        step.essential |= essential
-        self._waiting_bytes += len(data)
+        self.put_many(seq, [data], essential)
 
     def put_many(self, seq: int, records: list[bytes], essential: bool = True) -> None:
-        step = self._step(seq)
-        step.records.extend(records)
-        step.essential |= essential
-        self._waiting_bytes += sum(map(len, records))
+        """Queue records for step `seq` (the hot path: no per-record work; sizes are counted
+        when a flush leaves some waiting)."""
+        waiting = self._waiting
+        step = waiting[-1] if waiting and waiting[-1].seq == seq else self._step(seq)
+        step.records += records
+        step.size = -1
+        if essential:
+            step.essential = True
 
     @property
     def overflowing(self) -> bool:
@@ -149,13 +151,22 @@ class Outbox:
             if n:
                 written.append((step.seq, ends[-1], step.essential))
                 self.sent += n
-                self._waiting_bytes -= sum(map(len, step.records[:n])) \
-                    if n < len(step.records) else sum(map(len, step.records))
             if n < len(step.records):
+                if n and step.size >= 0:
+                    step.size -= sum(map(len, step.records[:n]))
                 del step.records[:n]
                 break
             waiting.popleft()
         channel.publish()
+        if not waiting:
+            self._waiting_bytes = 0
+            return 0
+        # What the ring had no room for (the daemon is behind): its bytes bound it. Each
+        # step is counted once while it waits (the hot path counts nothing).
+        for step in waiting:
+            if step.size < 0:
+                step.size = sum(map(len, step.records))
+        self._waiting_bytes = sum(step.size for step in waiting)
         return self.waiting()
 
     def acked(self, channel: SessionChannel | None, current: int) -> int:

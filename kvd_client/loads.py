@@ -8,8 +8,9 @@ request started loading in one step) with its (reclaim epoch, reset epoch, reque
 counts loads per reclaim epoch, so the floor to publish is one min() over a handful of epochs.
 
 An engine finishes a load with the keys it started (vLLM does, in any order): that finds its
-pin by (request, key set) and ends it whole, with no per-key work but the set. Anything else
-(a part of a pin, keys of several pins, no request named) goes key by key.
+pin among its request's pins (the newest of the same size holding every key: one membership
+test per key, nothing built) and ends it whole. Anything else (a part of a pin, keys of
+several pins, no request named) goes key by key.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class LoadTracker:
     """Loads in flight (see the module doc)."""
 
     def __init__(self) -> None:
-        # (request, key set) -> its pins in flight, oldest first (a request may load the same
-        # keys again, e.g. after a preemption)
-        self._pins: dict[tuple[str, frozenset[bytes]], list[_Pin]] = {}
+        # request -> its pins in flight, oldest first (a request may load the same keys
+        # again, e.g. after a preemption)
+        self._pins: dict[str, list[_Pin]] = {}
         self._epochs: collections.Counter[int] = collections.Counter()
         # epochs of loads that were in flight at a reset: they still copy (the engine finishes
         # them) and stay protected until reset_flushed
@@ -71,7 +72,11 @@ class LoadTracker:
         """Loads of `loaded` started under `epochs` (a key named twice loads once); whether
         the keys were distinct."""
         keys = frozenset(loaded)
-        self._pins.setdefault((epochs[2], keys), []).append(_Pin(epochs, keys))
+        pins = self._pins.get(epochs[2])
+        if pins is None:
+            self._pins[epochs[2]] = [_Pin(epochs, keys)]
+        else:
+            pins.append(_Pin(epochs, keys))
         self._epochs[epochs[0]] += len(keys)
         return len(keys) == len(loaded)
 
@@ -89,14 +94,18 @@ class LoadTracker:
         session)."""
         if not keys:
             return {}, 0
-        whole = frozenset(keys)
-        pins = self._pins.get((req_id, whole))
-        if pins and len(whole) == len(keys) and pins[-1].left is None:
-            pin = pins.pop()                  # the newest: a floor too low only waits longer
-            if not pins:
-                del self._pins[(req_id, whole)]
-            self._release(pin.epochs[0], len(whole))
-            return {pin.epochs[1]: keys if isinstance(keys, list) else list(keys)}, 0
+        pins = self._pins.get(req_id, [])
+        n = len(keys)
+        for i in range(len(pins) - 1, -1, -1):
+            pin = pins[i]           # the newest first: a floor too low only waits longer
+            if pin.left is None and len(pin.keys) == n and pin.keys.issuperset(keys):
+                if not isinstance(keys, (set, frozenset)) and len(set(keys)) != n:
+                    break           # a key named twice: key by key
+                del pins[i]
+                if not pins:
+                    del self._pins[req_id]
+                self._release(pin.epochs[0], n)
+                return {pin.epochs[1]: keys if isinstance(keys, list) else list(keys)}, 0
         return self._finish_each(keys, req_id)
 
     def _finish_each(self, keys: Sequence[bytes], req_id: str
@@ -107,7 +116,7 @@ class LoadTracker:
         names no requests) the newest, so the loads left hold the older epochs: a floor too
         low holds freed slots back a little longer, one too high could hand a slot still
         being read to a new store."""
-        holders: dict[bytes, list[tuple[tuple[str, frozenset[bytes]], _Pin]]] = {}
+        holders: dict[bytes, list[tuple[str, _Pin]]] = {}
         for where, pins in self._pins.items():
             for pin in pins:
                 for key in pin.loading():

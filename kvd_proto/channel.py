@@ -32,6 +32,7 @@ position and length and raises `RingError` on a violation (the daemon ends such 
 from __future__ import annotations
 
 import struct
+from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import mod
@@ -198,17 +199,35 @@ class RingWriter(_RingEnd):
     def write_many(self, records: list[bytes]) -> list[int]:
         """Append records in order, as many as fit now (one copy per run that does not cross
         the ring's end); the position after each record appended."""
+        if not records:
+            return []
         lens = list(map(len, records))
-        total = sum(lens)
-        at = self.tail & self._mask
-        # The common case, with no per-record Python: all of them fit before the ring's end.
-        if lens and at + total <= self._size and total <= self.free() \
-                and max(lens) <= self.max_record and not any(map(mod, lens, repeat(ALIGN))):
+        if max(lens) > self.max_record or any(map(mod, lens, repeat(ALIGN))):
+            return self._write_runs(records)          # refuses the record that breaks a rule
+        # The common cases, with no per-record Python: all of them fit before the ring's end,
+        # or the ones that do, a filler, and the rest from the ring's start.
+        tail, size = self.tail, self._size
+        at = tail & self._mask
+        ends = list(accumulate(lens))
+        total = ends[-1]
+        if at + total <= size:
+            if total > self.free():
+                return self._write_runs(records)
             self._data[at:at + total] = b"".join(records) if len(records) > 1 else records[0]
-            ends = list(accumulate(lens, initial=self.tail))[1:]
-            self.tail += total
-            return ends
-        return self._write_runs(records)
+            self.tail = tail + total
+            return [tail + e for e in ends]
+        before = bisect_right(ends, size - at)        # records that fit before the end
+        first = ends[before - 1] if before else 0
+        wrap = size - at - first                      # the filler's bytes (a multiple of 8)
+        if total + wrap > self.free():
+            return self._write_runs(records)
+        if first:
+            self._data[at:at + first] = b"".join(records[:before])
+        if wrap:
+            self._data[at + first:at + first + RECORD_HEADER.size] = RECORD_HEADER.pack(wrap, PAD, 0)
+        self._data[:total - first] = b"".join(records[before:])
+        self.tail = tail + total + wrap
+        return [tail + e for e in ends[:before]] + [tail + wrap + e for e in ends[before:]]
 
     def _write_runs(self, records: list[bytes]) -> list[int]:
         """`write_many` record by record: runs up to the ring's end, a filler, and on."""

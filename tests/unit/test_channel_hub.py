@@ -168,3 +168,27 @@ def test_the_idle_flag_is_set_only_when_nothing_is_waiting(h):
     out.put(0, rec.encode_reserve(2))
     out.flush(ch)
     assert not channel.go_idle(), "a record is waiting: the daemon must stay awake"
+
+
+def test_what_the_ring_has_no_room_for_waits_in_order_and_bounds_the_outbox(h, monkeypatch):
+    """Records put while the daemon is behind wait, by step, in order; their bytes (counted
+    when a flush leaves them waiting) are what `overflowing` compares with its bound."""
+    import kvd_client.channel as engine_channel
+
+    monkeypatch.setattr(engine_channel, "MAX_WAITING_BYTES", 16 << 10)
+    s, ch, out = h.engine()
+    counters = rec.encode_counters(1, 1, 0)
+    for seq in range(3):                                     # 3 steps of 1,000 records
+        out.put_many(seq, [counters] * 1000)
+    assert not out.overflowing                               # nothing counted before a flush
+    left = out.flush(ch)                                     # the 64 KiB ring takes ~2,000
+    assert 0 < left < 3000 and out.overflowing
+    assert out._waiting_bytes == left * len(counters)
+    for _ in range(200):                                     # the daemon catches up
+        h.hub.poll()
+        ch.receive()
+        if not out.flush(ch) and ch.writer.tail == ch.read_position:
+            break
+    assert not out.waiting() and not out.overflowing
+    ns = stats(h.core)["namespaces"][0]
+    assert ns["lookups_total"] == 3000 and ns["hits_total"] == 3000

@@ -88,6 +88,32 @@ def test_a_record_never_wraps_a_filler_ends_the_ring():
     assert (length, kind) == (448, PAD)
 
 
+def test_write_many_across_the_ring_end_puts_one_filler_and_says_where_each_record_ends():
+    """A batch that crosses the end goes in whole (the records that fit, one filler, the rest
+    from the start), with the same ends and bytes as one record at a time."""
+    batch = [record(3, bytes([i]) * 592) for i in range(4)]     # 600 bytes each
+    ends = {}
+    streams = {}
+    for how in ("many", "one"):
+        engine, daemon, m = views()
+        for size in [392] * 8 + [40]:                            # tail at 3248: 1 fits
+            assert engine.writer.write(record(3, bytes(size)))
+        engine.writer.publish()
+        drain(daemon)
+        if how == "many":
+            ends[how] = engine.writer.write_many(batch)
+        else:
+            ends[how] = []
+            for r in batch:
+                assert engine.writer.write(r)
+                ends[how].append(engine.writer.tail)
+        engine.writer.publish()
+        streams[how] = drain(daemon)
+        assert engine.writer.tail == ends[how][-1]
+    assert ends["many"] == ends["one"] == [3848, 4096 + 600, 4096 + 1200, 4096 + 1800]
+    assert streams["many"] == streams["one"] == [(3, bytes([i]) * 592) for i in range(4)]
+
+
 def test_a_full_ring_takes_nothing_until_the_consumer_reads():
     engine, daemon, _ = views()
     rec = record(2, bytes(1016))                          # 1024: the up ring's largest
