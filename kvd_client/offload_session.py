@@ -225,7 +225,7 @@ class OffloadSession:
         else:
             own = self._stores.answer(key, found, self._msgs.acked)
         if own is None and found is None and self._promotions.answer(
-                key, self._msgs.seq, self._msgs.acked, counts.below):
+                key, self._msgs.seq, self._msgs.acked, counts.below, counts.find):
             own = True                               # held below: promoted on request
         if own is True:
             return self._pending

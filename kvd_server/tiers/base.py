@@ -73,6 +73,12 @@ def done_future(value: bool) -> Future[bool]:
     return future
 
 
+# What a tier answers a demotion of a block it holds already: one shared, finished Future (a
+# Future per block is a lock and a condition made for nothing, at every eviction of a block
+# that came back from the tier).
+HELD_ALREADY: Future[bool] = done_future(True)
+
+
 class Tier(Protocol):
     """A tier below the pool (see the module doc)."""
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvd_server.tiers.base import TierHealth, TierKey, TierStats, done_future
+from kvd_server.tiers.base import HELD_ALREADY, TierHealth, TierKey, TierStats
 from kvd_server.tiers.cluster_directory import Directory
 from kvd_server.tiers.cluster_names import (
     BLOCK_HEADER,
@@ -128,7 +128,7 @@ class ClusterTier:
         """Publish a block (stored or evicted): copied now, put on the tier's threads. A block
         the store holds already (this node's or another's, a promoted one) is not put again."""
         if self.contains(key):
-            return done_future(True)
+            return HELD_ALREADY
         if not self.shares(key.tenant):
             return None                 # the tenant's blocks never leave the node
         length = len(data) + BLOCK_HEADER.size

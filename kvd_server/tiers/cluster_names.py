@@ -16,8 +16,9 @@ is refused with StoreFormatError, never half-read.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterable
+
+from kvd_server.tiers import block_io
 
 BLOCK_MAGIC = b"KVDB"
 MANIFEST_MAGIC = b"KVDM"
@@ -47,7 +48,7 @@ def manifest_name(namespace: str, node: str) -> str:
 
 
 def encode_block(data: memoryview | bytes) -> bytes:
-    return BLOCK_HEADER.pack(BLOCK_MAGIC, zlib.crc32(data), len(data)) + bytes(data)
+    return BLOCK_HEADER.pack(BLOCK_MAGIC, block_io.crc32(data), len(data)) + bytes(data)
 
 
 def check_block(value: bytes) -> memoryview:
@@ -60,7 +61,7 @@ def check_block(value: bytes) -> memoryview:
     data = memoryview(value)[BLOCK_HEADER.size:]
     if len(data) != length:
         raise StoreFormatError(f"a block of {len(data)} bytes says {length}")
-    if zlib.crc32(data) != crc:
+    if block_io.crc32(data) != crc:
         raise StoreFormatError("a block failed its checksum")
     return data
 

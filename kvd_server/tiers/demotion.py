@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from kvd_server.tenant_pools import TenantPools
 
 
+def _succeeded(future: Future[bool]) -> bool:
+    return not future.cancelled() and future.exception() is None and bool(future.result())
+
+
 class Demoter:
     """One tier below the pool, joined to a daemon's namespaces (see the module doc)."""
 
@@ -61,6 +65,8 @@ class Demoter:
         or, with `write` (the tier's `publish`), stored blocks; the keys it took."""
         write = write or self.tier.demote
         kept: set[bytes] = set()
+        held: list[TierKey] = []
+        lost: list[TierKey] = []
         n = ns.layout.block_bytes
         with self._pools.for_tenant(ns.tenant).view() as pool:
             for key, slot in victims:
@@ -70,12 +76,19 @@ class Demoter:
                 if future is None:
                     continue
                 kept.add(key)
-                future.add_done_callback(lambda f, _k=tier_key: self._written(f, _k))
+                if future.done():   # answered at once (held already): no callback, no wake-up
+                    (held if _succeeded(future) else lost).append(tier_key)
+                else:
+                    future.add_done_callback(lambda f, _k=tier_key: self._written(f, _k))
+        if held:
+            self._tables.held(held)
+        if lost:                    # told after the eviction that asked, as from a thread
+            self._loop.call_soon(self._lost, lost)
         return kept
 
     def _written(self, future: Future[bool], key: TierKey) -> None:
         """On an I/O thread: a demotion ended; a failed one loses the block."""
-        if future.cancelled() or future.exception() is not None or not future.result():
+        if not _succeeded(future):
             self._dropped_async([key])
         else:
             self._held.put(key)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvd_server.tiers import block_io
-from kvd_server.tiers.base import TierHealth, TierKey, TierStats, done_future
+from kvd_server.tiers.base import HELD_ALREADY, TierHealth, TierKey, TierStats
 from kvd_server.tiers.buffers import AlignedBuffers
 from kvd_server.tiers.disk_files import DATA_FILE, JOURNAL_FILE, LOCK_FILE, open_files
 from kvd_server.tiers.disk_journal import Journal, Placed
@@ -196,7 +196,7 @@ class DiskTier:
             if existing is not None:
                 if existing.state is State.READY:
                     self._space.touch(existing)
-                    return done_future(True)
+                    return HELD_ALREADY
                 return None                         # being written already
             if not self._usable() or self._in_flight + aligned(length) > self.queue_bytes:
                 st.demotions_refused_total += 1

@@ -47,7 +47,6 @@ class Promotion:
     slot: int
     epoch: int
     dest: memoryview
-    timer: asyncio.TimerHandle | None = None
     held: list[int] = field(default_factory=list)    # slots kept until a late read ends
     late: bool = False
 
@@ -88,7 +87,7 @@ class Promoter:
             return started                       # names it all again once reads work)
         mgr = ns.mgr
         wanted: list[TierKey] = []
-        for key in keys:
+        for key in dict.fromkeys(keys):          # a key asked twice is promoted once
             if (ns.id, key) in self._open:
                 started.add(key)
                 continue
@@ -114,53 +113,78 @@ class Promoter:
             # Room for all of them at once (slots waiting for readers count: they come back
             # at the engines' next steps, when it asks again), none evicted among them.
             mgr.make_room(len(wanted), [k.key for k in wanted])
-        waiting = 0
-        for tier_key in wanted:
-            if self._start(ns, tier_key):
-                started.add(tier_key.key)
-            else:
-                waiting += 1
+        started.update(self._start_all(ns, wanted))
+        waiting = len(wanted) - sum(1 for k in wanted if k.key in started)
         # The slots evicted for the ones that got none come free at the engines' next steps:
         # kept for them (not handed to reserves) while the engine asks again.
         ns.promotions_waiting = waiting
         ns.promotions_waiting_until = time.monotonic() + WAIT_FOR_SLOTS_S
         return started
 
-    def _start(self, ns: Namespace, tier_key: TierKey) -> bool:
+    def _start_all(self, ns: Namespace, wanted: list[TierKey]) -> list[bytes]:
+        """Start the reads of `wanted` (distinct keys, none in the pool): the slots of as many
+        as are free taken in one store decision, one view of the pool, one deadline timer;
+        the keys started. The rest wait for slots (the engine asks again)."""
         mgr = ns.mgr
-        if not ns.slots.free_count():
-            self.refused_total += 1              # its slot waits for readers: asked again
-            return False
-        grant = mgr.prepare_store([tier_key.key])
+        n = min(len(wanted), ns.slots.free_count())
+        self.refused_total += len(wanted) - n     # their slots wait for readers
+        if not n:
+            return []
+        grant = mgr.prepare_store([k.key for k in wanted[:n]])
         if grant is None or not grant.keys_to_store:
-            self.refused_total += 1
-            return False
-        slot, epoch = grant.slots[0], mgr.epoch
-        start = ns.slots.offset(slot)
+            self.refused_total += n
+            return []
+        by_key = {k.key: k for k in wanted[:n]}
+        self.refused_total += n - len(grant.keys_to_store)
+        epoch = mgr.epoch
+        started: list[Promotion] = []
+        lost: list[TierKey] = []
+        failed: list[bytes] = []
         with self._pools.for_tenant(ns.tenant).view() as pool:
-            dest = pool[start:start + ns.slots.stride]     # the whole slot: aligned reads
-        future = self.tier.promote(tier_key, dest)
-        if future is None:                       # dropped meanwhile
-            dest.release()
-            mgr.complete_store([tier_key.key], False, epoch=epoch)
-            self._tables.lost([tier_key])
-            return False
-        p = Promotion(ns.id, tier_key.key, slot, epoch, dest)
-        self._open[(ns.id, tier_key.key)] = p
-        p.timer = self._loop.call_later(PROMOTE_DEADLINE_S, self._late, p)
-        future.add_done_callback(lambda f, _p=p: self._done_async(_p, f))
-        return True
+            for key, slot in zip(grant.keys_to_store, grant.slots, strict=True):
+                start = ns.slots.offset(slot)
+                dest = pool[start:start + ns.slots.stride]   # the whole slot: aligned reads
+                tier_key = by_key[key]
+                future = self.tier.promote(tier_key, dest)
+                if future is None:                   # dropped meanwhile
+                    dest.release()
+                    failed.append(key)
+                    lost.append(tier_key)
+                    continue
+                p = Promotion(ns.id, key, slot, epoch, dest)
+                self._open[(ns.id, key)] = p
+                started.append(p)
+                future.add_done_callback(lambda f, _p=p: self._done_async(_p, f))
+        if failed:
+            mgr.complete_store(failed, False, epoch=epoch)
+            self._tables.lost(lost)
+        if started:                     # one deadline for the batch (done ones are skipped)
+            self._loop.call_later(PROMOTE_DEADLINE_S, self._late_all, started)
+        return [p.key for p in started]
 
     def _done_async(self, p: Promotion, future: Future[bool]) -> None:
         ok = not future.cancelled() and future.exception() is None and bool(future.result())
         self._finished.put((p, ok))
 
     def _done_all(self, finished: list[tuple[Promotion, bool]]) -> None:
+        """The reads that ended since the last call (on the event loop): each namespace told
+        once per epoch and outcome, not once per key."""
+        groups: dict[tuple[str, int, bool], list[bytes]] = {}
         for p, ok in finished:
             try:
-                self._done(p, ok)
+                if self._finish(p):
+                    groups.setdefault((p.ns_id, p.epoch, ok), []).append(p.key)
             except Exception:  # one promotion's bug must not strand the others
                 log.exception("finishing a promotion failed")
+        for (ns_id, epoch, ok), keys in groups.items():
+            try:
+                ns = self._ns(ns_id)
+                if ns is not None:
+                    ns.mgr.complete_store(keys, ok, epoch=epoch)
+                if not ok:
+                    self._tables.lost([TierKey(ns_id, key) for key in keys])
+            except Exception:
+                log.exception("finishing %d promotions failed", len(keys))
 
     def _ns(self, ns_id: str) -> Namespace | None:
         try:
@@ -168,22 +192,22 @@ class Promoter:
         except NotFound:
             return None
 
-    def _done(self, p: Promotion, ok: bool) -> None:
-        """The tier's read ended (on the event loop)."""
+    def _finish(self, p: Promotion) -> bool:
+        """A read ended: its slot view let go; whether the promotion is still open (one given
+        up already only gives its held slots back)."""
         p.dest.release()
-        ns = self._ns(p.ns_id)
         if p.late:                               # given up already: its slot comes back now
+            ns = self._ns(p.ns_id)
             if ns is not None:
                 for slot in p.held:
                     ns.slots.free(slot)
-            return
+            return False
         del self._open[(p.ns_id, p.key)]
-        if p.timer is not None:
-            p.timer.cancel()
-        if ns is not None:
-            ns.mgr.complete_store([p.key], ok, epoch=p.epoch)
-        if not ok:
-            self._tables.lost([TierKey(p.ns_id, p.key)])
+        return True
+
+    def _late_all(self, batch: list[Promotion]) -> None:
+        for p in batch:
+            self._late(p)
 
     def _late(self, p: Promotion) -> None:
         """The read outlived its deadline: the key is a MISS from now on; the slot waits."""

@@ -43,13 +43,38 @@ def test_the_switch_names_what_is_in_use():
     assert block_io.error(-errno.ENOSPC).errno == errno.ENOSPC
 
 
+_CRC_CHECK = """
+import random, zlib
+from kvd_server import _blockio
+rng = random.Random(5)
+big = rng.randbytes(1 << 20)
+for n in list(range(0, 200)) + [4095, 4096, 65536, 65536 + 3, 262144 + 13, 1 << 20]:
+    for start in (0, 1, 7, 16):
+        data = memoryview(big)[start:start + n]
+        for value in (0, 1234, 0xFFFFFFFF):
+            assert _blockio.crc32(data, value) == zlib.crc32(data, value), (n, start, value)
+print(_blockio.CLMUL)
+"""
+
+
 @needs_native
-def test_the_compiled_crc_is_zlibs():
-    rng = random.Random(5)
-    for n in [0, 1, 7, 8, 9, 4095, 65536, 65536 + 3]:
-        data = rng.randbytes(n)
-        assert _blockio.crc32(data) == zlib.crc32(data)
-        assert _blockio.crc32(data, 1234) == zlib.crc32(data, 1234)
+@pytest.mark.parametrize("clmul", [True, False])
+def test_the_compiled_crc_is_zlibs_at_every_length_start_and_seed(clmul):
+    """The carry-less-multiply path (where the CPU has one) and zlib's own give zlib's
+    values, whatever the length (under and over the 64 bytes the fast path needs), the
+    buffer's alignment and the running value; KVD_NO_CLMUL=1 forces zlib's."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("KVD_NO_CLMUL", None)
+    if not clmul:
+        env["KVD_NO_CLMUL"] = "1"
+    r = subprocess.run([sys.executable, "-c", _CRC_CHECK], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if not clmul:
+        assert r.stdout.strip() == "0"
 
 
 @pytest.mark.parametrize("kind", KINDS)
