@@ -286,6 +286,33 @@ PyDoc_STRVAR(read_blocks_doc,
 
 static PyObject *read_blocks(PyObject *self, PyObject *args) { return run_batch(args, 1); }
 
+PyDoc_STRVAR(copy_into_doc,
+"copy_into(dest, data) -> None\n\n"
+"Copy `data` into the start of the writable buffer `dest` (at least as long), the GIL\n"
+"released while a large copy runs (the event loop copies each demoted block out of its pool\n"
+"slot; meanwhile the tier's I/O threads may run).");
+
+static PyObject *copy_into(PyObject *self, PyObject *args) {
+    Py_buffer dest, data;
+    if (!PyArg_ParseTuple(args, "w*y*:copy_into", &dest, &data)) return NULL;
+    if (data.len > dest.len) {
+        PyBuffer_Release(&dest);
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "copy_into: the data is longer than the destination");
+        return NULL;
+    }
+    if (data.len >= (1 << 16)) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dest.buf, data.buf, (size_t)data.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        memcpy(dest.buf, data.buf, (size_t)data.len);
+    }
+    PyBuffer_Release(&dest);
+    PyBuffer_Release(&data);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(crc32_doc,
 "crc32(data, value=0) -> int\n\n"
 "zlib's CRC-32, as the batches compute it (for tests).");
@@ -306,6 +333,7 @@ static PyMethodDef methods[] = {
     {"write_blocks", write_blocks, METH_VARARGS, write_blocks_doc},
     {"read_blocks", read_blocks, METH_VARARGS, read_blocks_doc},
     {"crc32", crc32_py, METH_VARARGS, crc32_doc},
+    {"copy_into", copy_into, METH_VARARGS, copy_into_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,6 +11,7 @@ each time; under load that wait bounds the tier, not the drive. A batch takes th
 - `read_blocks(fd, [(buffer, offset, length, crc, dest)])`: len(buffer) bytes read at `offset`
   into the buffer; per item 1 when its first `length` bytes came whole with checksum `crc`
   (then copied into `dest`, unless None), 0 when short or corrupt, -errno on an error.
+- `copy_into(dest, data)`: `dest[:len(data)] = data`, the GIL released during a large copy.
 - `crc32(data)`: zlib's CRC-32, compiled (carry-less multiplies where the CPU has them: ~10x
   zlib's table code) or zlib's; the tiers checksum whole blocks with it.
 """
@@ -76,6 +77,16 @@ NATIVE = _native is not None
 write_blocks = _native.write_blocks if _native is not None else py_write_blocks
 read_blocks = _native.read_blocks if _native is not None else py_read_blocks
 crc32 = _native.crc32 if _native is not None else zlib.crc32
+
+
+def py_copy_into(dest: Any, data: Any) -> None:
+    n = len(data)
+    if n > len(dest):
+        raise ValueError("copy_into: the data is longer than the destination")
+    dest[:n] = data
+
+
+copy_into = _native.copy_into if _native is not None else py_copy_into
 
 
 def error(result: int) -> OSError:

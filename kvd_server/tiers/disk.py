@@ -209,7 +209,7 @@ class DiskTier:
             self._in_flight += entry.alloc
             st.queue_depth += 1
         buf = self._buffers.take(entry.alloc)
-        buf[:length] = data
+        block_io.copy_into(buf, data)   # the GIL let go meanwhile: the I/O threads run
         if entry.alloc > length:        # the padding: never another block's bytes on disk
             buf[length:] = bytes(entry.alloc - length)
         future: Future[bool] = Future()

@@ -141,3 +141,18 @@ def test_compiled_writes_refuse_bad_items(items, error, fd):
 def test_compiled_reads_refuse_bad_items(item, error, fd):
     with pytest.raises(error):
         _blockio.read_blocks(fd, [item])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copy_into_copies_to_the_start_and_refuses_what_does_not_fit(kind):
+    copy = block_io.py_copy_into if kind == "python" else _blockio.copy_into
+    for n in (0, 5, 1 << 16, (1 << 16) + 3):                  # under and over the GIL release
+        dest = bytearray(b"\xee" * (n + 8))
+        data = random.Random(n).randbytes(n)
+        copy(dest, memoryview(data))
+        assert dest[:n] == data and dest[n:] == b"\xee" * 8
+    with pytest.raises(ValueError, match="longer"):
+        copy(bytearray(3), b"abcd")
+    if kind == "compiled":
+        with pytest.raises(TypeError):
+            copy(b"read-only", b"x")
