@@ -228,3 +228,42 @@ def test_a_reset_while_promotions_run_serves_nothing_old_and_leaks_no_slot(start
     finally:
         close_session(session)
     assert_no_slot_leaked(daemon, MODEL)
+
+
+def test_promotions_go_on_past_the_asks_a_session_remembers(start_daemon, tmp_path,
+                                                             monkeypatch):
+    """A promoted key reads HIT from the index and never comes back to the session's asks;
+    they are still forgotten, so the engine keeps promoting past MAX_ASKED keys (it read
+    MISS for every later key until has_pending_work happened to sweep them)."""
+    import kvd_client.promotions
+
+    monkeypatch.setattr(kvd_client.promotions, "MAX_ASKED", BATCH + 8)
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+                          env=_env(tmp_path / "disk"))
+    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    keys = keys_for("many-asks", STORED)
+    session = open_session(daemon.socket, MODEL, reserve=64)
+    try:
+        below = _fill(daemon, session, keys)
+        assert below > 4 * BATCH
+        promoted = 0
+        for i in range(0, below, BATCH):          # as vLLM: never has_pending_work
+            batch = keys[i:i + BATCH]
+            for _ in range(STEPS):
+                states = [session.lookup(k) for k in batch]
+                assert Lookup.MISS not in states, \
+                    f"{states.count(Lookup.MISS)} keys held on disk read MISS after " \
+                    f"{promoted} promotions"
+                if all(s is Lookup.HIT for s in states):
+                    break
+                session.end_step()
+                time.sleep(0.002)
+            else:
+                raise AssertionError(f"promotions did not finish in {STEPS} steps")
+            session.start_loads(batch)
+            session.finish_loads(batch)
+            session.end_step()
+            promoted += len(batch)
+        assert promoted > kvd_client.promotions.MAX_ASKED
+    finally:
+        close_session(session)
