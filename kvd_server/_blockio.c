@@ -23,7 +23,11 @@
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#include <sys/uio.h>
 #include <unistd.h>
+
+#define MAX_VECTOR 64                 /* blocks in one request, at most (IoBatches' batch) */
+#define MAX_VECTOR_BYTES (16LL << 20)  /* bytes in one request, at most */
 
 typedef unsigned long (*zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
 static zlib_crc32_fn zlib_crc32 = NULL;
@@ -226,6 +230,60 @@ fail:
     return NULL;
 }
 
+/* A block that moved whole (`moved` bytes of its buffer): a write's result is its CRC; a
+ * read's is 1 when its first `length` bytes came with the CRC it must have (then copied to
+ * its destination, if any), 0 when short (torn) or corrupt. */
+static void settle(Item *it, int reading, long long moved) {
+    unsigned char *p = it->buf.buf;
+    if (!reading) {
+        it->result = (long long)crc32_of(0, p, (size_t)it->length);
+        return;
+    }
+    if (moved < it->length || crc32_of(0, p, (size_t)it->length) != it->crc) {
+        it->result = 0;
+        return;
+    }
+    if (it->dest.obj != NULL) memcpy(it->dest.buf, p, (size_t)it->length);
+    it->result = 1;
+}
+
+/* How many items from `i` lie back to back in the file (at most MAX_VECTOR, up to
+ * MAX_VECTOR_BYTES): blocks demoted together sit in consecutive slots, and one read of all of
+ * them costs one system call and lets the drive take a larger transfer (bench/tiers.py:
+ * promotions of 64 KiB blocks from ~0.8 to ~1.05 GB/s, the raw drive's one-block reads).
+ * Writes stay one per block: a run of them in one pwritev measured slower (0.6-0.8 against
+ * 0.9-1.0 GB/s at 64 KiB on ext4 over virtio), so `run_batch` only reads runs this way. */
+static Py_ssize_t contiguous_run(const Item *items, Py_ssize_t i, Py_ssize_t n) {
+    Py_ssize_t k = i + 1;
+    long long bytes = items[i].buf.len;
+    while (k < n && k - i < MAX_VECTOR &&
+           items[k].offset == items[k - 1].offset + (long long)items[k - 1].buf.len &&
+           bytes + items[k].buf.len <= MAX_VECTOR_BYTES) {
+        bytes += items[k].buf.len;
+        k++;
+    }
+    return k - i;
+}
+
+/* The whole run in one pwritev / preadv: 0 when every byte moved, -1 otherwise (the caller
+ * then moves the run block by block, so each block gets its own result; rewriting or
+ * rereading what did move is harmless). */
+static int vector_io(int fd, Item *run, Py_ssize_t count, int reading) {
+    struct iovec iov[MAX_VECTOR];
+    long long total = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        iov[k].iov_base = run[k].buf.buf;
+        iov[k].iov_len = (size_t)run[k].buf.len;
+        total += run[k].buf.len;
+    }
+    for (;;) {
+        ssize_t r = reading ? preadv(fd, iov, (int)count, (off_t)run[0].offset)
+                            : pwritev(fd, iov, (int)count, (off_t)run[0].offset);
+        if (r < 0 && errno == EINTR) continue;
+        return r == total ? 0 : -1;
+    }
+}
+
 static PyObject *run_batch(PyObject *args, int reading) {
     int fd;
     PyObject *arg;
@@ -238,24 +296,23 @@ static PyObject *run_batch(PyObject *args, int reading) {
     Py_DECREF(seq);
     if (items == NULL) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Item *it = &items[i];
-        unsigned char *p = it->buf.buf;
-        if (!reading) {
-            long long r = write_full(fd, (const char *)p, (size_t)it->buf.len, it->offset);
-            it->result = r < 0 ? r : (long long)crc32_of(0, p, (size_t)it->length);
+    for (Py_ssize_t i = 0; i < n;) {
+        Py_ssize_t run = reading ? contiguous_run(items, i, n) : 1;
+        if (run > 1 && vector_io(fd, items + i, run, reading) == 0) {
+            for (Py_ssize_t k = i; k < i + run; k++) settle(&items[k], reading,
+                                                            items[k].buf.len);
+            i += run;
             continue;
         }
-        long long got = read_full(fd, (char *)p, (size_t)it->buf.len, it->offset);
-        if (got < 0) {
-            it->result = got;
-        } else if (got < it->length ||
-                   crc32_of(0, p, (size_t)it->length) != it->crc) {
-            it->result = 0;                         /* short (torn) or corrupt */
-        } else {
-            if (it->dest.obj != NULL) memcpy(it->dest.buf, p, (size_t)it->length);
-            it->result = 1;
+        for (Py_ssize_t k = i; k < i + run; k++) {     /* one by one: each its own result */
+            Item *it = &items[k];
+            long long r = reading
+                ? read_full(fd, (char *)it->buf.buf, (size_t)it->buf.len, it->offset)
+                : write_full(fd, (const char *)it->buf.buf, (size_t)it->buf.len, it->offset);
+            if (r < 0) it->result = r;
+            else settle(it, reading, reading ? r : it->buf.len);
         }
+        i += run;
     }
     Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(n);

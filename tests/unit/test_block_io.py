@@ -156,3 +156,25 @@ def test_copy_into_copies_to_the_start_and_refuses_what_does_not_fit(kind):
     if kind == "compiled":
         with pytest.raises(TypeError):
             copy(b"read-only", b"x")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_back_to_back_blocks_move_as_one_request_with_the_same_results(kind, fd):
+    """Blocks in consecutive places of the file (as demoted together) are read in one request
+    (the compiled path; at most 64 a request) with per-block results as one by one: every
+    byte where it belongs, a run cut by the file's end read whole up to it and short after."""
+    write, read = ops(kind)
+    rng = random.Random(7)
+    blocks = [rng.randbytes(4096) for _ in range(70)]          # over one request's 64
+    places = [i * 4096 for i in range(70)]
+    places[40:] = [p + 8192 for p in places[40:]]                # a gap: two runs
+    crcs = write(fd, list(zip(blocks, places, [4096] * 70)))
+    assert crcs == [zlib.crc32(b) for b in blocks]
+    for block, place in zip(blocks, places):
+        assert os.pread(fd, 4096, place) == block
+    bufs = [bytearray(4096) for _ in range(72)]
+    end = places[-1] + 4096
+    items = [(b, p, 4096, c, None) for b, p, c in zip(bufs, places, crcs)]
+    items += [(bufs[70], end, 4096, 0, None), (bufs[71], end + 4096, 4096, 0, None)]
+    assert read(fd, items) == [1] * 70 + [0, 0]                  # the last two: past the end
+    assert [bytes(b) for b in bufs[:70]] == blocks
