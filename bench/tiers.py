@@ -106,8 +106,9 @@ STEP_BLOCKS = 2048 // HR_TOKENS_PER_BLOCK   # vLLM's max_num_batched_tokens per 
 PENDING_WAIT_S = 2.0     # a request waits this long for HIT_PENDING blocks, then goes without
 STALL_S = 10.0           # bound on waiting for the reserve, the daemon, the tier's queue
 PROMOTE_IN_FLIGHT = 4    # read-back requests looked up at once (an eighth of the pool each)
-LOOKUP_KEYS = 256
+LOOKUP_KEYS = 128         # a quarter of the 512-block pool: its reserve refills never take them
 LOOKUP_ROUNDS = 40
+LOOKUP_TRIES = 5          # a round whose hot keys did not all read HIT is made again
 GOAL = 0.8               # the goal: the tier moves >= 80% of raw, both ways
 
 
@@ -556,19 +557,24 @@ def lookup_times(sessions: dict[str, OffloadSession], hot: dict[str, list[bytes]
     for r in range(LOOKUP_ROUNDS):
         for name in names if r % 2 == 0 else names[::-1]:
             s = sessions[name]
-            make_ready(name)
-            s.lookup(b"\1")                      # starts the step (untimed)
-            keys = hot[name]
-            t0 = time.perf_counter_ns()
-            got = [s.lookup(k) for k in keys]
-            t1 = time.perf_counter_ns()
-            for k in cold:
-                s.lookup(k)
-            t2 = time.perf_counter_ns()
-            s.end_step()
-            if got.count(Lookup.HIT) != len(keys):
-                raise RuntimeError(f"{name} round {r}: keys stored in the pool did not read HIT: "
-                                   f"{collections.Counter(got)}")
+            for _ in range(LOOKUP_TRIES):
+                make_ready(name)
+                s.lookup(b"\1")                  # starts the step (untimed)
+                keys = hot[name]
+                t0 = time.perf_counter_ns()
+                got = [s.lookup(k) for k in keys]
+                t1 = time.perf_counter_ns()
+                for k in cold:
+                    s.lookup(k)
+                t2 = time.perf_counter_ns()
+                s.end_step()
+                # Between make_ready and the lookups the daemon may still evict a hot key
+                # (its reserve refill takes the oldest blocks): that round is not timed.
+                if got.count(Lookup.HIT) == len(keys):
+                    break
+            else:
+                raise RuntimeError(f"{name} round {r}: keys stored in the pool did not read HIT "
+                                   f"in {LOOKUP_TRIES} tries: {collections.Counter(got)}")
             per[name]["hit"].append((t1 - t0) / len(keys))
             per[name]["miss"].append((t2 - t1) / len(cold))
     out = {n: {f"{k}_ns_per_key": statistics.median(v) for k, v in p.items()}
