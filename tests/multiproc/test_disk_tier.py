@@ -50,7 +50,9 @@ def test_evicted_blocks_are_demoted_byte_exact_and_outlive_the_daemon(start_daem
             (tier,) = daemon.stats()["tiers"]
             return tier["demotions_total"] >= demoted and tier["queue_depth"] == 0
 
-        wait_until(written, 20, "the evicted blocks to be written to the disk tier")
+        wait_until(written, 20, "the evicted blocks to be written to the disk tier",
+                   detail=lambda: (demoted, daemon.stats()["tiers"][0],
+                                   daemon.stats()["blocks"], daemon.log()[-3000:]))
         (tier,) = daemon.stats()["tiers"]
         assert tier["health"] == "ok" and tier["failures_total"] == 0
         assert tier["blocks"] == demoted and tier["demotions_refused_total"] == 0
