@@ -73,6 +73,11 @@ def done_future(value: bool) -> Future[bool]:
     return future
 
 
+def succeeded(future: Future[bool]) -> bool:
+    """Whether a finished tier Future says the block moved (not cancelled, no error, True)."""
+    return not future.cancelled() and future.exception() is None and bool(future.result())
+
+
 # What a tier answers a demotion of a block it holds already: one shared, finished Future (a
 # Future per block is a lock and a condition made for nothing, at every eviction of a block
 # that came back from the tier).

@@ -20,17 +20,13 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvd_server.errors import NotFound
-from kvd_server.tiers.base import Tier, TierKey
+from kvd_server.tiers.base import Tier, TierKey, succeeded
 from kvd_server.tiers.below_table import BelowTables
 from kvd_server.tiers.loop_inbox import LoopInbox
 
 if TYPE_CHECKING:
     from kvd_server.namespaces import Namespace, NamespaceTable
     from kvd_server.tenant_pools import TenantPools
-
-
-def _succeeded(future: Future[bool]) -> bool:
-    return not future.cancelled() and future.exception() is None and bool(future.result())
 
 
 class Demoter:
@@ -77,7 +73,7 @@ class Demoter:
                     continue
                 kept.add(key)
                 if future.done():   # answered at once (held already): no callback, no wake-up
-                    (held if _succeeded(future) else lost).append(tier_key)
+                    (held if succeeded(future) else lost).append(tier_key)
                 else:
                     future.add_done_callback(lambda f, _k=tier_key: self._written(f, _k))
         if held:
@@ -88,7 +84,7 @@ class Demoter:
 
     def _written(self, future: Future[bool], key: TierKey) -> None:
         """On an I/O thread: a demotion ended; a failed one loses the block."""
-        if not _succeeded(future):
+        if not succeeded(future):
             self._dropped_async([key])
         else:
             self._held.put(key)

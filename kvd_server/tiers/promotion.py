@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd_server.errors import NotFound
-from kvd_server.tiers.base import Tier, TierKey
+from kvd_server.tiers.base import Tier, TierKey, succeeded
 from kvd_server.tiers.below_table import BelowTables
 from kvd_server.tiers.loop_inbox import LoopInbox
 
@@ -113,8 +113,9 @@ class Promoter:
             # Room for all of them at once (slots waiting for readers count: they come back
             # at the engines' next steps, when it asks again), none evicted among them.
             mgr.make_room(len(wanted), [k.key for k in wanted])
-        started.update(self._start_all(ns, wanted))
-        waiting = len(wanted) - sum(1 for k in wanted if k.key in started)
+        begun = self._start_all(ns, wanted)
+        started.update(begun)
+        waiting = len(wanted) - len(begun)
         # The slots evicted for the ones that got none come free at the engines' next steps:
         # kept for them (not handed to reserves) while the engine asks again.
         ns.promotions_waiting = waiting
@@ -163,8 +164,7 @@ class Promoter:
         return [p.key for p in started]
 
     def _done_async(self, p: Promotion, future: Future[bool]) -> None:
-        ok = not future.cancelled() and future.exception() is None and bool(future.result())
-        self._finished.put((p, ok))
+        self._finished.put((p, succeeded(future)))
 
     def _done_all(self, finished: list[tuple[Promotion, bool]]) -> None:
         """The reads that ended since the last call (on the event loop): each namespace told

@@ -44,22 +44,28 @@ def _wait_written(daemon, blocks: int) -> None:
                20, f"{blocks} blocks to be written to the disk tier")
 
 
-def _read_back(session: OffloadSession, keys: Sequence[bytes]) -> tuple[dict, list[bytes]]:
-    """Look `keys` up step after step as a scheduler does until every one is a HIT, then load
-    them: (the first answer of each key, the keys whose bytes were wrong)."""
+def _until_hit(session: OffloadSession, keys: Sequence[bytes], after: str = ""
+               ) -> dict[bytes, Lookup]:
+    """Look `keys` up step after step as a scheduler does until every one is a HIT (none
+    ever a MISS); the first answer of each key."""
     first: dict[bytes, Lookup] = {}
     for _ in range(STEPS):
         states = [session.lookup(k) for k in keys]
         for k, s in zip(keys, states, strict=True):
             first.setdefault(k, s)
         assert Lookup.MISS not in states, \
-            f"{states.count(Lookup.MISS)} keys held on disk read MISS"
+            f"{states.count(Lookup.MISS)} keys held on disk read MISS{after}"
         if all(s is Lookup.HIT for s in states):
-            break
+            return first
         session.end_step()
         time.sleep(0.002)
-    else:
-        raise AssertionError(f"promotions did not finish in {STEPS} steps")
+    raise AssertionError(f"promotions did not finish in {STEPS} steps")
+
+
+def _read_back(session: OffloadSession, keys: Sequence[bytes]) -> tuple[dict, list[bytes]]:
+    """`_until_hit`, then load them: (the first answer of each key, the keys whose bytes were
+    wrong)."""
+    first = _until_hit(session, keys)
     offsets = session.start_loads(keys)
     pool = session.client.pool
     bad = [k for k, o in zip(keys, offsets, strict=True)
@@ -249,17 +255,7 @@ def test_promotions_go_on_past_the_asks_a_session_remembers(start_daemon, tmp_pa
         promoted = 0
         for i in range(0, below, BATCH):          # as vLLM: never has_pending_work
             batch = keys[i:i + BATCH]
-            for _ in range(STEPS):
-                states = [session.lookup(k) for k in batch]
-                assert Lookup.MISS not in states, \
-                    f"{states.count(Lookup.MISS)} keys held on disk read MISS after " \
-                    f"{promoted} promotions"
-                if all(s is Lookup.HIT for s in states):
-                    break
-                session.end_step()
-                time.sleep(0.002)
-            else:
-                raise AssertionError(f"promotions did not finish in {STEPS} steps")
+            _until_hit(session, batch, f" after {promoted} promotions")
             session.start_loads(batch)
             session.finish_loads(batch)
             session.end_step()
