@@ -62,6 +62,8 @@ class _Side(asyncio.Protocol):
         self.conn.last_active = time.monotonic()
         if self is self.conn.client:
             self.conn.spoke = True
+            if self.conn.finishing:        # gRPC reads no more: what the client says goes
+                return
         if self.partner is not None:
             self.partner.deliver(data)
 
@@ -74,6 +76,8 @@ class _Side(asyncio.Protocol):
             self.partner.transport.resume_reading()  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self is self.conn.server and self.conn.finishing and self.conn.let_client_end():
+            return
         self.conn.close()
 
 
@@ -89,6 +93,7 @@ class _Connection:
         self.server = _Side(self)
         self.client.partner, self.server.partner = self.server, self.client
         self.closed = False
+        self.finishing = False     # the door is closing: gRPC is told no more is coming
 
     def close(self) -> None:
         if self.closed:
@@ -100,16 +105,27 @@ class _Connection:
         self.door.forget(self)
 
     def finish(self) -> None:
-        """Close gracefully: stop reading the client and half-close towards gRPC, which then
-        closes its end after what it has written; that reaches the client before its end
-        closes (connection_lost)."""
-        client, server = self.client.transport, self.server.transport
+        """Close gracefully: half-close towards gRPC, which then closes its end after what it
+        has written; that reaches the client, then end of file (let_client_end)."""
+        server = self.server.transport
         if self.closed or server is None or server.is_closing() or not server.can_write_eof():
             self.close()
             return
-        if client is not None:
-            client.pause_reading()  # type: ignore[attr-defined]
+        self.finishing = True
         server.write_eof()
+
+    def let_client_end(self) -> bool:
+        """gRPC's end closed while finishing: half-close towards the client and leave the
+        client's end open until the client closes it (the door's linger bounds the wait).
+        Closed outright, the client's next write (a settings or ping ack after the answer)
+        fails with EPIPE, and gRPC then fails the call whose answer it had not yet read
+        ("Stream removed (sendmsg: Broken pipe)"). False if the client's end cannot be
+        half-closed."""
+        client = self.client.transport
+        if self.closed or client is None or client.is_closing() or not client.can_write_eof():
+            return False
+        client.write_eof()
+        return True
 
 
 class FrontDoor:
