@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,14 @@ STEPS = 2000                  # a bound on the steps one batch may wait for its 
 def _tier(daemon) -> dict:
     (tier,) = daemon.stats()["tiers"]
     return tier
+
+
+def _daemon_with_a_disk(start_daemon, tmp_path: Path):  # noqa: ANN202
+    """A daemon over a disk tier in `tmp_path`, once the tier is open."""
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+                          env=_env(tmp_path / "disk"))
+    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    return daemon
 
 
 def _wait_written(daemon, blocks: int) -> None:
@@ -88,9 +97,7 @@ def _fill(daemon, session: OffloadSession, keys: Sequence[bytes]) -> int:
 
 def test_what_only_the_disk_holds_reads_pending_then_hit_and_loads_byte_exact(start_daemon,
                                                                                 tmp_path):
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
-                          env=_env(tmp_path / "disk"))
-    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    daemon = _daemon_with_a_disk(start_daemon, tmp_path)
     keys = keys_for("promote", STORED)
     session = open_session(daemon.socket, MODEL, reserve=64)
     calls = count_blocking_calls(session.client)
@@ -191,9 +198,7 @@ def test_the_disk_tier_is_found_again_after_a_restart_and_a_corrupt_block_is_nev
 def test_another_namespace_never_sees_the_disks_blocks(start_daemon, tmp_path):
     """The held-below table is the namespace's own: an engine of another model (another
     namespace, as another tenant's would be) reads MISS for every key the disk holds."""
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
-                          env=_env(tmp_path / "disk"))
-    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    daemon = _daemon_with_a_disk(start_daemon, tmp_path)
     keys = keys_for("apart", STORED)
     a = open_session(daemon.socket, MODEL, reserve=64)
     b = open_session(daemon.socket, "another-model", reserve=16)
@@ -212,9 +217,7 @@ def test_a_reset_while_promotions_run_serves_nothing_old_and_leaks_no_slot(start
                                                                            tmp_path):
     """A reset drops the namespace's blocks on the disk too; promotions in flight at the
     reset finish harmlessly (their slots come back), and nothing from before it is served."""
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
-                          env=_env(tmp_path / "disk"))
-    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    daemon = _daemon_with_a_disk(start_daemon, tmp_path)
     keys = keys_for("reset-promote", STORED)
     session = open_session(daemon.socket, MODEL, reserve=64)
     try:
@@ -244,9 +247,7 @@ def test_promotions_go_on_past_the_asks_a_session_remembers(start_daemon, tmp_pa
     import kvd_client.promotions
 
     monkeypatch.setattr(kvd_client.promotions, "MAX_ASKED", BATCH + 8)
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
-                          env=_env(tmp_path / "disk"))
-    wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
+    daemon = _daemon_with_a_disk(start_daemon, tmp_path)
     keys = keys_for("many-asks", STORED)
     session = open_session(daemon.socket, MODEL, reserve=64)
     try:
