@@ -298,6 +298,9 @@ class ClusterTier:
             except Exception as exc:  # noqa: BLE001 - not installed, master unreachable
                 self._degrade(str(exc))
                 return
+            if self._closed.is_set():           # the daemon stopped while it connected
+                self._close_store(store, CLOSE_WAIT_S)
+                return
             with self._lock:
                 self._store = store
             log.info("cluster tier: connected to the store (node %s)", self.directory.node)

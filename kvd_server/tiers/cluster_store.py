@@ -5,9 +5,10 @@ store (its master places them in the segments the nodes contribute, replicates a
 them, and leases them while they are read). The daemon joins it as a client that may also
 contribute a segment of its own memory (`segment_bytes`; 0: a pure client).
 
-Every call here blocks (Mooncake's client waits for its master: ~4 s before it gives up on a
-master that is down), so the cluster tier makes them on its own threads only, never on the
-daemon's event loop. Mooncake answers errors as negative codes; they come back here as
+Every call here blocks (Mooncake's client waits for its master: 30 s before it gives up on a
+master that hangs), and some hold the GIL while they do (`setup` against a master that is
+down: 90 s; `close`: ~3 s), so the daemon runs this client in a child process of its own, the
+store agent (kvd_server/tiers/store_agent.py), and calls it from the tier's threads only. Mooncake answers errors as negative codes; they come back here as
 `StoreError` with the code and a message.
 
 Mooncake is optional: `pip install 'kvd[cluster]'` (x86-64 Linux; its client also needs the
@@ -18,6 +19,7 @@ itself degraded with the reason, and the daemon serves without it.
 from __future__ import annotations
 
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -68,11 +70,25 @@ def _load_client() -> Any:
     return MooncakeDistributedStore
 
 
+def _reachable(address: str, timeout_s: float = 2.0) -> None:
+    """Fail at once, with the reason, when the master refuses connections (Mooncake's own
+    set-up retries a master that is down for ~90 s)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)),
+                                      timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise StoreUnavailable(f"the Mooncake master at {address} cannot be reached: "
+                               f"{exc}") from exc
+
+
 class MooncakeStore:
     """A Mooncake store client (see the module doc)."""
 
     def __init__(self, cfg: StoreConfig) -> None:
         client_type = _load_client()
+        _reachable(cfg.master)
         self._client = client_type()
         rc = self._client.setup(cfg.local_hostname, cfg.metadata_url, cfg.segment_bytes,
                                 cfg.buffer_bytes, cfg.protocol, cfg.device, cfg.master)
@@ -117,3 +133,9 @@ class MooncakeStore:
                 return
             self._closed = True
         self._client.close()
+
+
+def open_mooncake(config: dict) -> MooncakeStore:
+    """The store agent's factory (kvd_server/tiers/store_agent.py): a Mooncake client set up
+    from StoreConfig's fields."""
+    return MooncakeStore(StoreConfig(**config))

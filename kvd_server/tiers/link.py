@@ -147,14 +147,17 @@ def node_name(cfg: Config) -> str:
 
 def _cluster_tier(cfg: Config) -> Tier:
     from kvd_server.tiers.cluster import ClusterTier
-    from kvd_server.tiers.cluster_store import MooncakeStore, StoreConfig
+    from kvd_server.tiers.cluster_store import StoreConfig
+    from kvd_server.tiers.store_agent import AgentStore
 
     c = cfg.tiers_cluster
     store = StoreConfig(master=c.master, metadata_url=c.metadata_url, protocol=c.protocol,
                         device=c.device, local_hostname=c.local_hostname
                         or socket.gethostname(), segment_bytes=c.segment_size,
                         buffer_bytes=c.buffer_size)
-    return ClusterTier(lambda: MooncakeStore(store), node=node_name(cfg),
+    factory, threads = "kvd_server.tiers.cluster_store:open_mooncake", 2 * c.io_threads + 2
+    return ClusterTier(lambda: AgentStore(factory, dataclasses.asdict(store), threads=threads),
+                       node=node_name(cfg),
                        capacity_bytes=c.size, queue_bytes=c.queue_size,
                        io_threads=c.io_threads, sync_s=c.sync_interval,
                        retry_s=c.retry_interval, publish_stored=c.publish == "stored",

@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(bool(mooncake.unavailable()), reason=mooncake.unavailable())]
 MODEL = "cluster-model"
 SHARED = 48                 # blocks A stores and B reads back
+PUT_OUTCOMES = ("demotions_total", "demotions_refused_total", "failures_total")
 
 
 def _env(master: mooncake.Master, node: str, **extra: str) -> dict[str, str]:
@@ -91,9 +92,31 @@ def _two_nodes(start_daemon, workdir: Path, master: mooncake.Master
         close_session(reader)
 
 
-def _published(daemon, n: int) -> None:
-    wait_until(lambda: _tier(daemon)["demotions_total"] >= n and
+def _published(daemon, n: int, since: int = 0) -> None:
+    """Wait until the daemon has published n blocks more than `since` (its demotions then)."""
+    wait_until(lambda: _tier(daemon)["demotions_total"] >= since + n and
                _tier(daemon)["queue_depth"] == 0, 30, f"{n} blocks published")
+
+
+def _agent_pid(daemon: Daemon) -> int:
+    """The pid of the daemon's store agent (its child running the store's client)."""
+    def find() -> int:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    cmd = (entry / "cmdline").read_bytes()
+                    if int(stat[1]) == daemon.proc.pid and b"store_agent_main" in cmd \
+                            and stat[0] != "Z":
+                        return int(entry.name)
+        return 0
+    return wait_until(find, 30, "the daemon's store agent")
+
+
+def _never_unreachable(caplog) -> None:
+    """No engine lost its daemon: the daemons answered their heartbeats all along."""
+    lost = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert lost == [], f"an engine lost its daemon: {lost}"
 
 
 def _shared(session: OffloadSession, daemon, keys: Sequence[bytes]) -> None:
@@ -149,7 +172,11 @@ def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon,
         close_session(other)
 
 
-def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, master):
+def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, master,
+                                                         caplog):
+    """...and never stalls a daemon: Mooncake's client holds the GIL while it sets up
+    against a master that is down, so it runs in each daemon's store agent, and the engines'
+    heartbeats are answered throughout."""
     with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
         before = keys_for("before", 16)
         store(writer, before)
@@ -175,9 +202,52 @@ def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, 
                        "the tier to recover by itself")
         _never_wrong(reader, before)
         after = keys_for("after", 16)
+        published = _tier(a)["demotions_total"]
         store(writer, after)
-        _published(a, 16)
+        _published(a, 16, since=published)
         _shared(reader, b, after)
+    _never_unreachable(caplog)
+
+
+def test_a_store_agent_killed_costs_misses_only(start_daemon, workdir, master, caplog):
+    """The store's client crashing (its agent SIGKILLed, as a fault in native code would end
+    it): the daemon serves on, its tier degrades, starts a new agent by itself and shares
+    again; nothing wrong is served meanwhile."""
+    with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
+        before = keys_for("before", 16)
+        store(writer, before)
+        _published(a, 16)
+        wait_until(lambda: _tier(b)["below_keys"] >= 16, 30, "b to name a's blocks")
+        old = _agent_pid(b)
+        os.kill(old, signal.SIGKILL)
+        seen = set()
+        for _ in range(200):                    # b's engine reads on: right bytes or MISS
+            seen.update(_never_wrong(reader, before))
+            if _tier(b)["health"] == "degraded":
+                break
+            time.sleep(0.01)
+        assert seen <= {Lookup.HIT, Lookup.HIT_PENDING, Lookup.MISS}
+        wait_until(lambda: _tier(b)["health"] == "ok" and _agent_pid(b) != old, 60,
+                   "b's tier to start a new agent")
+        # A may degrade too for a while (its reads of what B's old segment held fail until
+        # the master drops that segment) and refuse publications meanwhile: publish until a
+        # batch goes out whole, then B finds it.
+        for attempt in range(20):
+            after = keys_for(f"after-{attempt}", 16)
+            was = _tier(a)
+            store(writer, after)
+            wait_until(lambda w=was: _tier(a)["queue_depth"] == 0 and
+                       sum(_tier(a)[k] - w[k] for k in PUT_OUTCOMES) >= 16, 30,
+                       "a's publications to be made, refused or failed",
+                       detail=lambda w=was: (w, _tier(a)))
+            if _tier(a)["demotions_total"] >= was["demotions_total"] + 16:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("a never published a whole batch again")
+        _shared(reader, b, after)
+        assert b.kvd("health").returncode == 0
+    _never_unreachable(caplog)
 
 
 def test_a_node_leaving_costs_only_misses(start_daemon, workdir, master):
