@@ -90,7 +90,7 @@ def _decode_list(value: bytes, magic: bytes, bound: int, what: str) -> list[byte
         n = value[at]
         if n == 0 or at + 1 + n > len(value):
             raise StoreFormatError(f"{what}: an entry past its end")
-        out.append(value[at + 1:at + 1 + n])
+        out.append(bytes(value[at + 1:at + 1 + n]))     # keys: hashable, whatever value is
         at += 1 + n
     if at != len(value):
         raise StoreFormatError(f"{what}: {len(value) - at} bytes after its entries")

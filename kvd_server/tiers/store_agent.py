@@ -43,6 +43,7 @@ READY_ID = 0                           # the agent's first answer: its store is 
 CONNECT_WAIT_S = 30.0                  # set-up (Mooncake's against a live master: ~0.05 s)
 CALL_WAIT_S = 45.0                     # Mooncake gives up on a hung master after 30 s
 CLOSE_WAIT_S = 5.0                     # then the agent is killed
+SOCKET_BUFFER = 4 << 20
 
 
 class Op(IntEnum):
@@ -69,9 +70,10 @@ def encode(ident: int, op: int, aux: int = 0, name: bytes = b"", value: bytes = 
 
 
 def send_frame(sock: socket.socket, parts: list[bytes]) -> None:
-    for part in parts:
-        if part:
-            sock.sendall(part)
+    head, name, value = parts
+    sock.sendall(head + name)
+    if value:
+        sock.sendall(value)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray | None:
@@ -125,6 +127,9 @@ class AgentStore:
         it is set up. StoreUnavailable when it fails to or does not within connect_wait_s."""
         self.call_wait_s = call_wait_s
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (ours, theirs):          # a 2 MiB block in few wake-ups of either side
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         args = [sys.executable, "-m", "kvd_server.tiers.store_agent_main", "--fd",
                 str(theirs.fileno()), "--factory", factory, "--threads", str(threads),
                 "--config", json.dumps(config)]
@@ -210,9 +215,9 @@ class AgentStore:
     def put(self, name: str, value: bytes) -> None:
         self._call(Op.PUT, name, value)
 
-    def get(self, name: str) -> bytes | None:
+    def get(self, name: str) -> bytearray | None:
         status, _, value = self._call(Op.GET, name)
-        return None if status == Status.NONE else bytes(value)
+        return None if status == Status.NONE else value
 
     def remove_prefix(self, prefix: str) -> None:
         self._call(Op.REMOVE_PREFIX, prefix)

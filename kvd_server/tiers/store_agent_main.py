@@ -63,7 +63,7 @@ class Agent:
         status, aux, out = Status.OK, 0, b""
         try:
             if op == Op.PUT:
-                self.store.put(name, bytes(value))
+                self.store.put(name, value)     # a Buffer: Mooncake's upsert takes one
             elif op == Op.GET:
                 got = self.store.get(name)
                 status, out = (Status.NONE, b"") if got is None else (Status.OK, got)
