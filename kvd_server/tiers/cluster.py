@@ -38,7 +38,7 @@ from kvd_server.tiers.cluster_names import (
     manifest_name,
     namespace_prefix,
 )
-from kvd_server.tiers.cluster_store import Store, StoreError
+from kvd_server.tiers.cluster_store import Store, StoreError, replica_lost
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,11 @@ class ClusterTier:
                 st.demotions_total += 1
                 st.demoted_bytes_total += len(value) - BLOCK_HEADER.size
         if error is not None:
-            self._failed(error)
+            if replica_lost(error):          # this block's place, not the store: no degrading
+                with self._lock:
+                    st.failures_total += 1
+            else:
+                self._failed(error)
             return False
         self.directory.published(key.namespace, key.key)
         return True

@@ -25,7 +25,7 @@ from kvd_server.tiers.cluster_names import (
     encode_nodes,
     manifest_name,
 )
-from kvd_server.tiers.cluster_store import Store
+from kvd_server.tiers.cluster_store import Store, StoreError, replica_lost
 
 log = logging.getLogger(__name__)
 
@@ -119,19 +119,22 @@ class Directory:
     # --------------------------------------------------------------- syncing
     def sync(self, store: Store) -> SyncResult:
         """Register this node, write its changed manifests, read the others' (raises the
-        store's errors: the caller degrades the tier)."""
+        store's errors: the caller degrades the tier; a write that failed for its object
+        alone, `replica_lost`, is made again at the next sync)."""
         self._register(store)
         with self._lock:
             dirty, self._dirty = self._dirty, set()
             writes = {ns: list(self._own.get(ns, {})) for ns in dirty}
             watched = set(self._watched)
-        try:
-            for ns, keys in writes.items():
+        for ns, keys in writes.items():
+            try:
                 store.put(manifest_name(ns, self.node), encode_manifest(keys))
-        except Exception:
-            with self._lock:
-                self._dirty |= dirty
-            raise
+            except Exception as exc:
+                lost = replica_lost(exc)        # this manifest's place only: the rest go on
+                with self._lock:
+                    self._dirty |= {ns} if lost else dirty      # written at a later sync
+                if not lost:
+                    raise
         nodes = [n for n in self._nodes(store) if n != self.node]
         result = SyncResult()
         for ns in watched:
@@ -177,4 +180,8 @@ class Directory:
         once may drop one of them, which names itself again at its next sync)."""
         nodes = self._nodes(store)
         if self.node not in nodes:
-            store.put(NODES, encode_nodes([*nodes, self.node]))
+            try:
+                store.put(NODES, encode_nodes([*nodes, self.node]))
+            except StoreError as exc:
+                if not replica_lost(exc):
+                    raise                   # else: named at the next sync

@@ -36,6 +36,17 @@ class StoreError(Exception):
         self.code = code
 
 
+# Mooncake's TRANSFER_FAIL: the bytes could not move to or from the node holding a replica
+# (that node died without leaving its segment, until the master drops it). One object's
+# failure, not the store's.
+TRANSFER_FAIL = -800
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether a store call failed for its object alone (see TRANSFER_FAIL)."""
+    return isinstance(exc, StoreError) and exc.code == TRANSFER_FAIL
+
+
 class StoreUnavailable(StoreError):
     """The store's client cannot be loaded or set up (not installed, master unreachable)."""
 

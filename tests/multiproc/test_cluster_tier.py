@@ -113,6 +113,17 @@ def _agent_pid(daemon: Daemon) -> int:
     return wait_until(find, 30, "the daemon's store agent")
 
 
+def _all_hit_within(session: OffloadSession, keys: Sequence[bytes], seconds: float) -> bool:
+    """Look `keys` up step after step (every HIT the writer's bytes) until all are HITs
+    (True) or `seconds` pass (False: some never named here, or lost)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if set(_never_wrong(session, keys)) == {Lookup.HIT}:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _never_unreachable(caplog) -> None:
     """No engine lost its daemon: the daemons answered their heartbeats all along."""
     lost = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
@@ -229,9 +240,8 @@ def test_a_store_agent_killed_costs_misses_only(start_daemon, workdir, master, c
         assert seen <= {Lookup.HIT, Lookup.HIT_PENDING, Lookup.MISS}
         wait_until(lambda: _tier(b)["health"] == "ok" and _agent_pid(b) != old, 60,
                    "b's tier to start a new agent")
-        # A may degrade too for a while (its reads of what B's old segment held fail until
-        # the master drops that segment) and refuse publications meanwhile: publish until a
-        # batch goes out whole, then B finds it.
+        # Until the master drops B's old segment, blocks placed on it are lost (A's puts
+        # may fail, B's reads MISS): publish batches until one is read back whole.
         for attempt in range(20):
             after = keys_for(f"after-{attempt}", 16)
             was = _tier(a)
@@ -240,12 +250,12 @@ def test_a_store_agent_killed_costs_misses_only(start_daemon, workdir, master, c
                        sum(_tier(a)[k] - w[k] for k in PUT_OUTCOMES) >= 16, 30,
                        "a's publications to be made, refused or failed",
                        detail=lambda w=was: (w, _tier(a)))
-            if _tier(a)["demotions_total"] >= was["demotions_total"] + 16:
+            if _tier(a)["demotions_total"] >= was["demotions_total"] + 16 and \
+                    _all_hit_within(reader, after, 15):
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError("a never published a whole batch again")
-        _shared(reader, b, after)
+            raise AssertionError("b never read a whole batch of a's blocks again")
         assert b.kvd("health").returncode == 0
     _never_unreachable(caplog)
 

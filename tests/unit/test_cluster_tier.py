@@ -24,7 +24,7 @@ from kvd_server.tiers.cluster_names import (
     encode_nodes,
     manifest_name,
 )
-from kvd_server.tiers.cluster_store import StoreError
+from kvd_server.tiers.cluster_store import TRANSFER_FAIL, StoreError
 
 BLOCK = 4096
 
@@ -37,7 +37,8 @@ class MemoryStore:
         self.values: dict[str, bytes] = {}
         self.down = False
         self.put_delay = 0.0
-        self.lock = threading.Lock()
+        self.lost_puts = 0           # the next puts fail as Mooncake's do when a replica's
+        self.lock = threading.Lock()  # node died (TRANSFER_FAIL)
 
     def client(self) -> MemoryStore:
         if self.down:
@@ -52,6 +53,9 @@ class MemoryStore:
         self._check()
         time.sleep(self.put_delay)
         with self.lock:
+            if self.lost_puts:
+                self.lost_puts -= 1
+                raise StoreError(f"put {name}: code {TRANSFER_FAIL}", TRANSFER_FAIL)
             self.values[name] = bytes(value)
 
     def get(self, name: str) -> bytes | None:
@@ -190,6 +194,25 @@ def test_a_master_down_degrades_the_tier_which_recovers_and_forgets_what_was_los
     publish(a, after, block(9))
     wait(lambda: b.contains(after), "b to find a block published after the restart")
     assert promote(b, after) == block(9)
+
+
+def test_a_put_failing_for_its_replica_alone_never_degrades_the_tier(make_tier, store):
+    """A node that died without leaving: puts placed on its segment fail (TRANSFER_FAIL)
+    until the master drops it. That block is not published (counted as a failure), the
+    tier serves on, and a manifest that failed so is written at the next sync."""
+    a, b = make_tier("node-a"), make_tier("node-b")
+    b.join_namespace("ns", "")
+    store.lost_puts = 1
+    lost = a.demote(TierKey("ns", b"lost"), memoryview(block(1)))
+    assert lost is not None and lost.result(timeout=5) is False
+    assert a.stats().health == TierHealth.OK and a.stats().failures_total == 1
+    key = TierKey("ns", b"kept")
+    publish(a, key, block(2))
+    store.lost_puts = 3                    # the manifest's writes fail for a while too
+    wait(lambda: b.contains(key), "b to find the block once a's manifest is written")
+    assert a.stats().health == TierHealth.OK and b.stats().health == TierHealth.OK
+    assert promote(b, key) == block(2)
+    assert not b.contains(TierKey("ns", b"lost"))
 
 
 def test_publications_are_bounded_and_a_reset_drops_the_namespace_everywhere(make_tier,
