@@ -64,26 +64,24 @@ class WireError(Exception):
     """A frame that is not one (the other side is broken)."""
 
 
-def encode(ident: int, op: int, aux: int = 0, name: bytes = b"", value: bytes = b""
-           ) -> list[bytes]:
-    return [FRAME.pack(ident, op, aux if not name else len(name), len(value)), name, value]
-
-
-def send_frame(sock: socket.socket, parts: list[bytes]) -> None:
-    head, name, value = parts
+def send_frame(sock: socket.socket, ident: int, op: int, aux: int = 0, name: bytes = b"",
+               value: bytes = b"") -> None:
+    """One frame (a request names its object: aux is then the name's length)."""
+    head = FRAME.pack(ident, op, len(name) if name else aux, len(value))
     sock.sendall(head + name)
     if value:
         sock.sendall(value)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray | None:
-    """n bytes, or None at end of file before the first byte."""
+def recv_exact(sock: socket.socket, n: int, *, first: bool = False) -> bytearray | None:
+    """n bytes; None at end of file before the first byte of a frame (`first`), else an end
+    of file is a WireError."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            if got == 0:
+            if got == 0 and first:
                 return None
             raise WireError(f"end of file inside a frame ({got} of {n} bytes)")
         got += k
@@ -93,7 +91,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray | None:
 def recv_frame(sock: socket.socket, *, request: bool) -> tuple[int, int, int, bytes, bytearray
                                                                ] | None:
     """(id, op/status, aux, name, value), or None at end of file; bounds checked."""
-    head = recv_exact(sock, FRAME.size)
+    head = recv_exact(sock, FRAME.size, first=True)
     if head is None:
         return None
     ident, op, aux, length = FRAME.unpack(head)
@@ -103,9 +101,8 @@ def recv_frame(sock: socket.socket, *, request: bool) -> tuple[int, int, int, by
     if request:
         if not 0 <= aux <= MAX_NAME:
             raise WireError(f"a name of {aux} bytes (at most {MAX_NAME})")
-        name = bytes(recv_exact(sock, aux) or b"") if aux else b""
-    value = recv_exact(sock, length) if length else bytearray()
-    return ident, op, aux, name, value if value is not None else bytearray()
+        name = bytes(recv_exact(sock, aux) or b"")
+    return ident, op, aux, name, recv_exact(sock, length) or bytearray()
 
 
 @dataclass(slots=True)
@@ -199,7 +196,7 @@ class AgentStore:
             self._calls[ident] = call
         try:
             with self._send_lock:
-                send_frame(self._sock, encode(ident, op, name=name.encode(), value=value))
+                send_frame(self._sock, ident, op, name=name.encode(), value=value)
         except OSError as exc:
             self._fail(f"the store agent is gone ({exc})")
         if not call.done.wait(wait_s):

@@ -29,7 +29,6 @@ from kvd_server.tiers.store_agent import (
     Op,
     Status,
     WireError,
-    encode,
     recv_frame,
     send_frame,
 )
@@ -57,7 +56,7 @@ class Agent:
 
     def answer(self, ident: int, status: Status, aux: int = 0, value: bytes = b"") -> None:
         with self._send_lock:
-            send_frame(self.sock, encode(ident, status, aux, value=value))
+            send_frame(self.sock, ident, status, aux, value=value)
 
     def _run(self, ident: int, op: int, name: str, value: bytearray) -> None:
         status, aux, out = Status.OK, 0, b""
@@ -129,10 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         store: Any = load_factory(args.factory)(json.loads(args.config))
     except Exception as exc:  # noqa: BLE001 - told to the daemon, which degrades the tier
         code = exc.code if isinstance(exc, StoreError) else 0
-        send_frame(sock, encode(READY_ID, Status.ERROR, code,
-                                value=str(exc).encode()[:4096]))
+        send_frame(sock, READY_ID, Status.ERROR, code, value=str(exc).encode()[:4096])
         return 2
-    send_frame(sock, encode(READY_ID, Status.OK))
+    send_frame(sock, READY_ID, Status.OK)
     agent = Agent(sock, store, args.threads)
     code = agent.serve()
     if code:                               # the daemon is gone: leave the store if it is quick
