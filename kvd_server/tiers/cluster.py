@@ -99,9 +99,12 @@ class ClusterTier:
             self._retry_at = self._clock() + self.retry_s
 
     def _failed(self, exc: Exception) -> None:
+        """A call failed: counted; the tier degrades unless it failed for its object alone
+        (`replica_lost`: a node died holding that object's place)."""
         with self._lock:
             self._stats.failures_total += 1
-        self._degrade(f"store: {exc}")
+        if not replica_lost(exc):
+            self._degrade(f"store: {exc}")
 
     @property
     def readable(self) -> bool:
@@ -169,11 +172,7 @@ class ClusterTier:
                 st.demotions_total += 1
                 st.demoted_bytes_total += len(value) - BLOCK_HEADER.size
         if error is not None:
-            if replica_lost(error):          # this block's place, not the store: no degrading
-                with self._lock:
-                    st.failures_total += 1
-            else:
-                self._failed(error)
+            self._failed(error)
             return False
         self.directory.published(key.namespace, key.key)
         return True
