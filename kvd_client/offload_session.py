@@ -17,7 +17,8 @@ of that from local state, on the scheduler thread itself:
 - everything the daemon must hear (pins for its eviction order, stores, completions, request
   ends, grant requests, lookup counts, event pulls) is written as records into the session's
   channel at the step's end (kvd_client/channel.py: shared-memory rings, no system call in
-  the common case), and the daemon's answers are read from it at the next step's start.
+  the common case), and the daemon's answers are read from it at the next step's start
+  (kvd_client/daemon_link.py).
 
 A dead, stopped or slow daemon costs a step nothing: lookups answer MISS and stores are
 declined until the client is back. The vLLM plug-in (kvd_client/vllm/manager.py) only
@@ -27,7 +28,6 @@ translates vLLM's calls to these; another engine can drive it the same way (docs
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +38,7 @@ from . import messages
 from .channel import Messenger
 from .client import KvdClient
 from .connection import Handoff, connect
+from .daemon_link import DaemonLink
 from .event_inbox import Event, EventInbox
 from .index_reader import STATE_READY, BelowMap, IndexReader, Marks
 from .loads import LoadTracker
@@ -46,8 +47,6 @@ from .promotions import Promotions
 from .reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, StoreReserve
 from .resets import Resets
 from .stores import StoreTracker
-
-log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE = 0             # 0: sized from the store rate; N > 0: never below N slots
 MAX_EVENTS_PER_ASK = 65536
@@ -94,13 +93,15 @@ class OffloadSession:
         self._promotions = Promotions()
         self._resets = Resets(self._stores, self._loads)      # a reset asked for, its epoch
         self._old = OldCopies()       # copies of ended sessions, until the daemon may release
+        self._link = DaemonLink(client, self._msgs, self._reserve, self._events, self._resets,
+                                self._stores)
+        self._put = self._link.put    # records for the daemon, sent at the step's end
         # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
         # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
         # there, and the daemon hears the counts.
         self._lookups = Lookups(self._hits, self._stores.stores, self._miss, self._hit,
                                 self._lookup_slow)
         self.lookup = self._lookups.lookup        # vLLM calls it once per chunk
-        self._reported = (0, 0, 0)
         self._handoff = Handoff()                 # what the connecting thread set up
         self._closed = False
         client.on_reconnect = self._on_connect
@@ -284,7 +285,8 @@ class OffloadSession:
     def finish_loads(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Loads of `keys` finished (every worker copied)."""
         by_reset, unknown = self._loads.finish(keys, req_id)
-        self._put(self._old.finished_records(unknown))
+        if unknown:
+            self._put(self._old.finished_records(unknown))
         if not self._loads.holding:
             self._publish_idle()
         for reset, group in by_reset.items():
@@ -352,7 +354,8 @@ class OffloadSession:
         """Stores of `keys` finished (every worker wrote its share). A failed one is gone for
         this engine at once: its lookups answer MISS and an offer stores it again."""
         by_reset, unknown = self._stores.complete(keys, req_id, success, self._msgs.seq)
-        self._put(self._old.finished_records(unknown))
+        if unknown:
+            self._put(self._old.finished_records(unknown))
         for reset, group in by_reset.items():
             self._put(messages.complete_store(group, success, req_id, reset, self._per_record))
 
@@ -408,10 +411,10 @@ class OffloadSession:
         promote = self._promotions.take()
         if promote:
             self._put(messages.promote(promote, self._per_record))
-        self._report_counts()
+        self._link.report_counts(self._counts())
         if self.enable_events and self._msgs.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
-        self._flush()
+        self._link.flush()
         self._msgs.next_step()
 
     def has_pending_work(self) -> bool:
@@ -421,38 +424,14 @@ class OffloadSession:
         return bool(self._resets.pending) or self._msgs.unread() or \
             self._promotions.waiting(self._msgs.acked, self._lookups.find)
 
-    def _report_counts(self) -> None:
-        """The lookups answered since the last report, for the daemon's stats."""
-        counts = (self.lookups_total, self.hits_total, self.misses_total)
-        if counts != self._reported:
-            delta = [now - then for now, then in zip(counts, self._reported, strict=True)]
-            self._reported = counts
-            self._put([rec.encode_counters(*delta)], essential=False)
+    def _counts(self) -> tuple[int, int, int]:
+        """The lookups answered so far (every session of this engine), for the daemon's stats."""
+        return (self.lookups_total, self.hits_total, self.misses_total)
 
-    def _put(self, records: list[bytes], essential: bool = True) -> None:
-        if records and self.client.available:
-            self._msgs.put(records, essential)
-
-    def _flush(self) -> None:
-        if not self._msgs.flush():
-            log.error("kvd daemon reads none of this engine's messages (%d waiting); "
-                      "restarting the session", self._msgs.outbox.waiting())
-            self._msgs.attach(self._msgs.channel)
-            self.client.drop_session("the daemon does not keep up with this engine's messages")
-
-    # ---------------------------------------------------------- answers
     def _receive(self) -> None:
-        """Apply what the daemon answered since the last call."""
-        if self._generation != self.client.generation:
-            return
-        for answer in self._msgs.receive():
-            if isinstance(answer, rec.Granted):
-                self._reserve.granted(answer.offsets)
-            elif isinstance(answer, rec.Events):
-                self._events.add(answer)
-            elif isinstance(answer, rec.ResetDone) or answer.kind == rec.RESET:
-                self._resets.answered(answer, self._put, self._per_record)
-        self._stores.settle(self._msgs.acked)
+        """Apply what the daemon answered since the last call (of this client generation)."""
+        if self._generation == self.client.generation:
+            self._link.receive(self._per_record)
 
     def _publish_idle(self) -> None:
         """Between steps with no load in flight this session acts on no index entry: publish
@@ -468,7 +447,7 @@ class OffloadSession:
         if not self._closed:
             self._closed = True
             if self._msgs.channel is not None and self.client.available:
-                self._report_counts()
+                self._link.report_counts(self._counts())
                 self._msgs.flush()                    # its last completions and counts
             self._close_connection()
             self._handoff.close()

@@ -1,0 +1,71 @@
+"""What an offload session tells its daemon and what it hears back, on the scheduler thread.
+
+`OffloadSession` (kvd_client/offload_session.py) decides; this puts its records into the
+channel's outbox (dropped while the client is degraded: a new session starts from scratch),
+flushes them at a step's end, applies the daemon's answers (grants, events, reset answers;
+completed stores it has read) and reports the lookup counts the daemon's stats show. Nothing
+here waits for the daemon either: a daemon that stops reading is noticed by the outbox
+overflowing, and the session is restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvd_proto import records as rec
+
+from .channel import Messenger
+from .client import KvdClient
+from .event_inbox import EventInbox
+from .reserve import StoreReserve
+from .resets import Resets
+from .stores import StoreTracker
+
+log = logging.getLogger(__name__)
+
+
+class DaemonLink:
+    """One session's records and answers (see the module doc). `msgs` is the session's
+    Messenger: its step (`seq`), what the daemon has read (`acked`) and the channel."""
+
+    def __init__(self, client: KvdClient, msgs: Messenger, reserve: StoreReserve,
+                 events: EventInbox, resets: Resets, stores: StoreTracker) -> None:
+        self.client = client
+        self.msgs = msgs
+        self._reserve = reserve
+        self._events = events
+        self._resets = resets
+        self._stores = stores
+        self._reported = (0, 0, 0)        # lookups, hits, misses the daemon has heard of
+
+    def put(self, records: list[bytes], essential: bool = True) -> None:
+        """Queue records for the step being made (essential: ones the engine waits for)."""
+        if records and self.client.available:
+            self.msgs.put(records, essential)
+
+    def flush(self) -> None:
+        """Into the ring what fits; a daemon that reads none of it restarts the session."""
+        if not self.msgs.flush():
+            log.error("kvd daemon reads none of this engine's messages (%d waiting); "
+                      "restarting the session", self.msgs.outbox.waiting())
+            self.msgs.attach(self.msgs.channel)
+            self.client.drop_session("the daemon does not keep up with this engine's messages")
+
+    def receive(self, per_record: int) -> None:
+        """Apply what the daemon answered since the last call."""
+        for answer in self.msgs.receive():
+            if isinstance(answer, rec.Granted):
+                self._reserve.granted(answer.offsets)
+            elif isinstance(answer, rec.Events):
+                self._events.add(answer)
+            elif isinstance(answer, rec.ResetDone) or answer.kind == rec.RESET:
+                self._resets.answered(answer, self.put, per_record)
+        self._stores.settle(self.msgs.acked)
+
+    def report_counts(self, counts: tuple[int, int, int]) -> None:
+        """The lookups, hits and misses answered so far: what the daemon has not heard of
+        goes as one COUNTERS record (nothing when they did not move)."""
+        if counts != self._reported:
+            delta = [now - then for now, then in zip(counts, self._reported, strict=True)]
+            self._reported = counts
+            self.put([rec.encode_counters(*delta)], essential=False)
