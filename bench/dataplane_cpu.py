@@ -52,5 +52,30 @@ def run(total_mib: int = 256, blocks_per_chunk: int = 4, repeats: int = 7) -> di
             "memcpy_gbps": nbytes / base / 1e9, "fraction_of_memcpy": base / kvd}
 
 
+def plan_layers(layers: int = 64, blocks: tuple[int, ...] = (16, 128, 1024),
+                page: int = 16 << 10, repeats: int = 31) -> list[dict]:
+    """The planner alone on an engine's per-layer layout (one tensor per layer, as vLLM's
+    canonical KV caches are): microseconds per transfer of `blocks` scattered blocks. A
+    worker plans every job it is handed, on the engine's thread, before its copies start."""
+    tensors = [EngineTensor((1 << 40) + i * (1 << 34), page, page, 1 << 16)
+               for i in range(layers)]
+    layout = make_layout(tensors, [tuple(GroupRef(i, page) for i in range(layers))], 1)
+    rng = np.random.default_rng(2)
+    out = []
+    for n in blocks:
+        ids = rng.permutation(1 << 16)[:n]
+        slots = rng.permutation(1 << 16)[:n] * layout.slot_bytes
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            plan = plan_transfer(layout, tensors, pool_base=1 << 30, rank=0, slot_offsets=slots,
+                                 block_ids=ids, group_sizes=[n], block_indices=[0],
+                                 to_pool=True)
+            times.append(time.perf_counter() - t0)
+        out.append({"layers": layers, "blocks": n, "runs": len(plan),
+                    "plan_us": statistics.median(times) * 1e6})
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(), indent=2))
+    print(json.dumps({**run(), "plan_layers": plan_layers()}, indent=2))

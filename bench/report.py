@@ -90,6 +90,11 @@ def table(d: dict) -> str:
                      f"{cp['baseline_whole_step_seconds'] * 1e3:.2f} ms (added "
                      f"{cp['added_whole_step_seconds'] * 1e3:.2f} ms; kvd's CPU worker really "
                      "copies, the baseline's cannot on CPU).")
+    layers = d["dataplane"].get("cpu", {}).get("plan_layers")
+    if layers:
+        extra.append(f"- Planner alone, one transfer on a {layers[0]['layers']}-layer layout "
+                     "(a worker plans every job on the engine's thread): " + ", ".join(
+                         f"{x['blocks']} blocks {x['plan_us']:.0f} us" for x in layers) + ".")
     unary = d["daemon"].get("throughput_unary")
     if unary:
         extra.append(f"- 8 clients with unary `Step` calls instead of `StepStream`: "

@@ -64,6 +64,7 @@ def main() -> int:
     d = daemon.run(quick=quick)
     print("data plane (cpu) ...", flush=True)
     dp = dataplane_cpu.run()
+    dp["plan_layers"] = dataplane_cpu.plan_layers()
     print("hit rate: LRU and ARC vs Belady ...", flush=True)
     hr = hitrate.measure("smoke" if quick else "small")
     print("replay through vLLM's scheduler: kvd vs in-process baseline ...", flush=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .slot_layout import EngineTensor, SlotLayout
+from .slot_layout import EngineTensor, GroupRef, SlotLayout
 
 SKIP = -1  # a slot offset that says "this chunk is not transferred" (e.g. a declined store)
 
@@ -76,14 +76,17 @@ def plan_transfer(layout: SlotLayout, tensors: Sequence[EngineTensor], *, pool_b
         keep = slot != SKIP
         if not keep.all():
             ids, within, slot = ids[keep], within[keep], slot[keep]
-        for ref, ref_offset in zip(layout.refs_per_group[g], goff[g], strict=True):
-            t = tensors[ref.tensor_idx]
-            if ids.size and (ids.min() < 0 or ids.max() >= t.num_blocks):
-                raise ValueError(f"block id out of range 0..{t.num_blocks - 1}")
-            engine_parts.append(t.base + ids * t.row_stride)
-            host_parts.append(rank_base + slot + ref_offset
-                              + within * layout.page_bytes[ref.tensor_idx])
-            len_parts.append(np.full(ids.size, ref.copy_bytes, dtype=np.int64))
+        refs = layout.refs_per_group[g]
+        if ids.size and refs:
+            _check_ids(ids, [tensors[ref.tensor_idx] for ref in refs])
+            # Every reference of the group at once, reference-major (the order the runs
+            # coalesce in): one row of `ids.size` runs per reference.
+            base, stride, page, copy = _ref_columns(layout, tensors, refs)
+            ref_offset = np.array(goff[g], dtype=np.int64)
+            engine_parts.append((base[:, None] + ids * stride[:, None]).ravel())
+            host_parts.append((ref_offset[:, None] + (rank_base + slot)
+                               + within * page[:, None]).ravel())
+            len_parts.append(np.repeat(copy, ids.size))
         b_start += n
         c_start += n_chunks
     if c_start != offs_all.size:
@@ -96,6 +99,23 @@ def plan_transfer(layout: SlotLayout, tensors: Sequence[EngineTensor], *, pool_b
     lengths = np.concatenate(len_parts)
     src, dst = (engine, host) if to_pool else (host, engine)
     return coalesce(src, dst, lengths)
+
+
+def _ref_columns(layout: SlotLayout, tensors: Sequence[EngineTensor],
+                 refs: Sequence[GroupRef]) -> tuple[np.ndarray, ...]:
+    """Per reference of a group: its tensor's base, row stride and padded page, and the
+    bytes it copies per block (int64 columns)."""
+    rows = [(tensors[r.tensor_idx].base, tensors[r.tensor_idx].row_stride,
+             layout.page_bytes[r.tensor_idx], r.copy_bytes) for r in refs]
+    return tuple(np.array(column, dtype=np.int64) for column in zip(*rows, strict=True))
+
+
+def _check_ids(ids: np.ndarray, tensors: Sequence[EngineTensor]) -> None:
+    """Every block id inside every tensor a group references."""
+    lo, hi = int(ids.min()), int(ids.max())
+    for t in tensors:
+        if lo < 0 or hi >= t.num_blocks:
+            raise ValueError(f"block id out of range 0..{t.num_blocks - 1}")
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> CopyPlan:
