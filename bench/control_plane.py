@@ -6,7 +6,8 @@ CPUOffloadingManager, and with KvdOffloadingSpec against a real `kvd serve`, at 
 pool bytes and eviction policy, each with its defaults (kvd's reserve is sized by the session
 itself from the store rate it sees; nothing is tuned for the bench). Every OffloadingManager
 method the scheduler calls is timed; a step's manager time is the sum over the calls it made.
-Per-step figures are over the steps that scheduled tokens; steps with nothing to schedule (an
+Each engine's heap is frozen once it is built, as vLLM's EngineCore does
+(vllm.utils.gc_utils.freeze_gc_heap). Per-step figures are over the steps that scheduled tokens; steps with nothing to schedule (an
 engine waiting for transfers or messages) are counted apart, and the total over all steps is
 reported too.
 
@@ -117,11 +118,23 @@ class ManagerClock:
 
 
 def _engine(socket_path: str, extra: dict, max_num_seqs: int):
+    """One side's engine, its heap frozen as vLLM's EngineCore freezes it once built
+    (vllm.utils.gc_utils.freeze_gc_heap): the harness builds the scheduler without EngineCore.
+    Without it, where the cyclic collector's pauses land (inside a manager call or between)
+    follows the process's allocation count, and a change anywhere moved one cell's kvd mean by
+    half (0.42x <-> 0.61x, the same code started two ways)."""
+    import gc
+
+    from vllm.utils.gc_utils import freeze_gc_heap
+
     from tests.vllm.harness import Engine
 
-    return Engine(socket_path, num_gpu_blocks=max(4096, 128 * max_num_seqs), extra=extra,
-                  compute=False, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    engine = Engine(socket_path, num_gpu_blocks=max(4096, 128 * max_num_seqs), extra=extra,
+                    compute=False, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    gc.unfreeze()           # the engines of earlier cells are gone: collect them first
+    freeze_gc_heap()
+    return engine
 
 
 def _replay(engine, requests: list[Request], model_step_s: float, in_flight: int) -> dict:
