@@ -46,7 +46,7 @@ from kvd_server.attach import AttachServer
 from kvd_server.attach_roles import AttachRoles
 from kvd_server.channel_service import ChannelService
 from kvd_server.channels import ChannelHub
-from kvd_server.config import DEFAULT_TENANT, Config
+from kvd_server.config import DEFAULT_TENANT, Config, PoolConfig
 from kvd_server.core import KvdCore
 from kvd_server.extents import ExtentAllocator
 from kvd_server.front_door import FrontDoor
@@ -304,7 +304,8 @@ class Daemon:
             self._lock = _prepare_socket_path(cfg.server.socket)
             await self._start()
             if not self._stop.is_set():
-                await self._prepare_pool()
+                assert self.pool is not None
+                await prepare_pool(self.pool, cfg.pool, self._stop_prefault)
             if not self._stop.is_set() and self.core is not None:
                 self.core.set_serving()
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -492,38 +493,6 @@ class Daemon:
             if self._channel_service is not None:
                 self._channel_service.forget(session.id)
 
-    async def _prepare_pool(self) -> None:
-        cfg = self.config.pool
-        pool = self.pool
-        assert pool is not None
-        if cfg.prefault and pool.adopted:
-            log.info("pool adopted from the previous daemon: its pages are there already, "
-                     "no pre-fault")
-        elif cfg.prefault:
-            started = time.monotonic()
-            loop = asyncio.get_running_loop()
-            last = [-1]
-
-            def progress(done: int, total: int) -> None:
-                tenth = done * 10 // max(total, 1)
-                if tenth != last[0]:
-                    last[0] = tenth
-                    # Each tenth also buys systemd's start timeout some more time: a large
-                    # pool may take minutes, and the unit must not be killed while it works.
-                    loop.call_soon_threadsafe(notify.extend_timeout, PREFAULT_EXTEND_S,
-                                              f"pre-faulting the pool: {tenth * 10}%")
-                    log.info("pre-faulting the pool: %d%% (%s of %s)", tenth * 10,
-                             format_size(done), format_size(total))
-
-            finished = await asyncio.to_thread(pool.prefault, progress, self._stop_prefault)
-            if not finished:
-                log.info("pre-fault stopped at %s of %s", format_size(pool.prefaulted_bytes),
-                         format_size(pool.size))
-                return
-            log.info("pool pre-faulted in %.1fs", time.monotonic() - started)
-        if cfg.mlock:
-            pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked
-
     def _log_activity(self) -> None:
         """At debug, one line about what changed since the last one (see Activity)."""
         if self.core is not None and log.isEnabledFor(logging.DEBUG):
@@ -615,6 +584,39 @@ class Daemon:
             _unlock_socket_path(self.config.server.socket, self._lock)
             self._lock = None
         log.info("kvd stopped")
+
+
+async def prepare_pool(pool: HostPool, cfg: PoolConfig, stop: threading.Event) -> None:
+    """Pre-fault the pool (off the event loop, with progress in the log and for systemd: a
+    large pool may take minutes) unless it was adopted from the previous daemon, then lock
+    it in memory where configured. `stop` ends the pre-fault early (the daemon is stopping)."""
+    if cfg.prefault and pool.adopted:
+        log.info("pool adopted from the previous daemon: its pages are there already, "
+                 "no pre-fault")
+    elif cfg.prefault:
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        last = [-1]
+
+        def progress(done: int, total: int) -> None:
+            tenth = done * 10 // max(total, 1)
+            if tenth != last[0]:
+                last[0] = tenth
+                # Each tenth also buys systemd's start timeout some more time: the unit must
+                # not be killed while it works.
+                loop.call_soon_threadsafe(notify.extend_timeout, PREFAULT_EXTEND_S,
+                                          f"pre-faulting the pool: {tenth * 10}%")
+                log.info("pre-faulting the pool: %d%% (%s of %s)", tenth * 10,
+                         format_size(done), format_size(total))
+
+        finished = await asyncio.to_thread(pool.prefault, progress, stop)
+        if not finished:
+            log.info("pre-fault stopped at %s of %s", format_size(pool.prefaulted_bytes),
+                     format_size(pool.size))
+            return
+        log.info("pool pre-faulted in %.1fs", time.monotonic() - started)
+    if cfg.mlock:
+        pool.mlock()  # a failure is logged by the pool; the daemon runs unlocked
 
 
 class Activity:
