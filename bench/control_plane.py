@@ -7,9 +7,9 @@ pool bytes and eviction policy, each with its defaults (kvd's reserve is sized b
 itself from the store rate it sees; nothing is tuned for the bench). Every OffloadingManager
 method the scheduler calls is timed; a step's manager time is the sum over the calls it made.
 Each engine's heap is frozen once it is built, as vLLM's EngineCore does
-(vllm.utils.gc_utils.freeze_gc_heap). Per-step figures are over the steps that scheduled tokens; steps with nothing to schedule (an
-engine waiting for transfers or messages) are counted apart, and the total over all steps is
-reported too.
+(vllm.utils.gc_utils.freeze_gc_heap). Per-step figures are over the steps that scheduled
+tokens; steps with nothing to schedule (an engine waiting for transfers or messages) are
+counted apart, and the total over all steps is reported too.
 
 The grid (`grid`): a model step of 0 (the scheduler thread runs flat out, as with a small
 model, a big batch or speculative decoding: nothing ever leaves the GIL to another thread) and
@@ -26,6 +26,7 @@ Run: `python bench/control_plane.py [--sessions N] [--capacity CHUNKS] [--policy
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -123,8 +124,6 @@ def _engine(socket_path: str, extra: dict, max_num_seqs: int):
     Without it, where the cyclic collector's pauses land (inside a manager call or between)
     follows the process's allocation count, and a change anywhere moved one cell's kvd mean by
     half (0.42x <-> 0.61x, the same code started two ways)."""
-    import gc
-
     from vllm.utils.gc_utils import freeze_gc_heap
 
     from tests.vllm.harness import Engine
