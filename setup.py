@@ -9,8 +9,8 @@ FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers
          "-Wno-unused-parameter", "-Wno-cast-function-type"]
 
 setup(ext_modules=[
-    Extension("kvd_proto._native", sources=["kvd_proto/_native.c", "kvd_proto/_records.c"],
-              depends=["kvd_proto/_records.h"], extra_compile_args=FLAGS, optional=True),
+    Extension("kvd_proto._native", sources=["kvd_proto/_native.c", "kvd_proto/_records.c", "kvd_proto/_steps.c"],
+              depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h"], extra_compile_args=FLAGS, optional=True),
     # The disk tier's batched block I/O (twin: kvd_server/tiers/block_io.py).
     Extension("kvd_server._blockio", sources=["kvd_server/_blockio.c"], libraries=["dl"],
               extra_compile_args=["-D_GNU_SOURCE", *FLAGS], optional=True),

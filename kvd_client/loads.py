@@ -72,13 +72,17 @@ class LoadTracker:
         """Loads of `loaded` started under `epochs` (a key named twice loads once); whether
         the keys were distinct."""
         keys = frozenset(loaded)
+        self.start_distinct(keys, epochs)
+        return len(keys) == len(loaded)
+
+    def start_distinct(self, keys: frozenset[bytes], epochs: Load) -> None:
+        """`start` of keys known distinct, as one set (the compiled pin path makes it)."""
         pins = self._pins.get(epochs[2])
         if pins is None:
             self._pins[epochs[2]] = [_Pin(epochs, keys)]
         else:
             pins.append(_Pin(epochs, keys))
         self._epochs[epochs[0]] += len(keys)
-        return len(keys) == len(loaded)
 
     def _release(self, reclaim: int, n: int) -> None:
         epochs = self._epochs

@@ -28,6 +28,7 @@ translates vLLM's calls to these; another engine can drive it the same way (docs
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +47,9 @@ from .old_copies import OldCopies
 from .promotions import Promotions
 from .reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, StoreReserve
 from .resets import Resets
-from .stores import StoreTracker
+from .stores import MAX_LOCAL_STORES, StoreTracker
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE = 0             # 0: sized from the store rate; N > 0: never below N slots
 MAX_EVENTS_PER_ASK = 65536
@@ -102,6 +105,7 @@ class OffloadSession:
         self._lookups = Lookups(self._hits, self._stores.stores, self._miss, self._hit,
                                 self._lookup_slow)
         self.lookup = self._lookups.lookup        # vLLM calls it once per chunk
+        self._stores.forget = self._lookups.settle
         self._handoff = Handoff()                 # what the connecting thread set up
         self._closed = False
         client.on_reconnect = self._on_connect
@@ -256,30 +260,37 @@ class OffloadSession:
 
     # ------------------------------------------------------------------ loads
     def start_loads(self, keys: Sequence[bytes], req_id: str = "",
-                    positions: Sequence[int] | None = None) -> list[int | None]:
-        """Start loads of keys this step's lookups found HIT: their offsets (None for a key
-        that was not). The slots stay readable until `finish_loads`. (The daemon hears of
-        them as a PIN record: to its eviction order they are pinned while they load.)"""
+                    positions: Sequence[int] | None = None, missing: Any = None
+                    ) -> list[Any]:
+        """Start loads of keys this step's lookups found HIT: their offsets (`missing` for a
+        key that was not: the engine asked for a load it may not make, logged as an error).
+        The slots stay readable until `finish_loads`. (The daemon hears of them as a PIN
+        record: to its eviction order they are pinned while they load.)"""
         if not self._in_step:
             self._begin()
         if not keys:
             return []
-        found = self._lookups.offsets_of(keys)
-        if found is not None:                    # the common case: every key was a HIT
-            offsets: list[int | None] = found
-            loaded, loaded_offsets = keys, found
-        else:
-            offsets = list(map(self._hits.get, keys))
-            loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
-            loaded_offsets = [o for o in offsets if o is not None]
+        pinned = self._lookups.pin(keys, positions, req_id, self._per_record)
+        if pinned is not None:      # the common case, compiled (kvd_proto/_steps.c)
+            offsets, keyset, record = pinned
+            self._loads.start_distinct(keyset, (self._step_epoch, self._resets.epoch, req_id))
+            self._put([record])
+            return offsets
+        offsets: list[Any] = list(map(self._hits.get, keys))
+        loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
+        loaded_offsets = [o for o in offsets if o is not None]
+        pos = positions if positions and len(positions) == len(keys) else None
+        if len(loaded) < len(keys):
+            log.error("a load of %d keys kvd did not answer HIT this step (of %d); they are "
+                      "not loaded", len(keys) - len(loaded), len(keys))
+            if pos:
+                pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
+            if missing is not None:
+                offsets = [missing if o is None else o for o in offsets]
             if not loaded:
                 return offsets
         distinct = self._loads.start(loaded, (self._step_epoch, self._resets.epoch, req_id))
-        pos = positions if positions and len(positions) == len(keys) else None
-        if pos and len(loaded) != len(keys):
-            pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
-        self._put(messages.pin(loaded, req_id, pos, loaded_offsets,  # type: ignore[arg-type]
-                               self._per_record, distinct))
+        self._put(messages.pin(loaded, req_id, pos, loaded_offsets, self._per_record, distinct))
         return offsets
 
     def finish_loads(self, keys: Sequence[bytes], req_id: str = "") -> None:
@@ -307,6 +318,18 @@ class OffloadSession:
         """`reserve` as two lists: the new keys and their slots' offsets (what an engine's
         store spec wants), or None when the reserve cannot hold them all now."""
         self._begin()
+        if self._lookups.enabled and not self._stores.failed:
+            # The common case in one compiled pass (kvd_proto/_steps.c); None: this path.
+            stores = self._stores
+            done = self._lookups.store(keys, positions, req_id, self._reserve.slots,
+                                       stores.shared(self._resets.store_epoch, self._msgs.seq),
+                                       self._per_record, MAX_LOCAL_STORES - len(stores.stores))
+            if done is not None:
+                new, slots, record = done
+                self._reserve.took(len(new))
+                if record is not None:
+                    self._put([record])
+                return new, slots
         if self._index is None or not self.client.available:
             return [], []
         new = self.new_keys(keys)
@@ -353,6 +376,14 @@ class OffloadSession:
                        success: bool = True) -> None:
         """Stores of `keys` finished (every worker wrote its share). A failed one is gone for
         this engine at once: its lookups answer MISS and an offer stores it again."""
+        if success:                 # the common case, compiled (kvd_proto/_steps.c)
+            done = self._lookups.complete(keys, self._stores.completed, req_id,
+                                          self._per_record)
+            if done is not None:
+                entry, record = done
+                self._stores.completing(entry)
+                self._put([record])
+                return
         by_reset, unknown = self._stores.complete(keys, req_id, success, self._msgs.seq)
         if unknown:
             self._put(self._old.finished_records(unknown))

@@ -70,17 +70,23 @@ class StoreReserve:
     def take(self, n: int) -> list[int] | None:
         """`n` slots, or None (nothing taken) when fewer are held; the demand counts either
         way, so the target covers it from the next step on."""
-        self._step_demand += n
         if n > len(self.slots):
+            self._step_demand += n
             self.declined += 1
             self.urgent = True
             return None
-        self._unreplaced += n
+        self.took(n)
         if not n:
             return []
         taken = self.slots[-n:]
         del self.slots[-n:]
         return taken
+
+    def took(self, n: int) -> None:
+        """`n` slots were taken from the end of `slots` (`take`, or the compiled store path
+        of kvd_proto/_steps.c, which takes them itself)."""
+        self._step_demand += n
+        self._unreplaced += n
 
     def begin_step(self) -> None:
         """The step starts (after the daemon's grants were applied): the slots taken and not

@@ -2,8 +2,8 @@
 
 Until then the engine alone knows them: a lookup of such a key must not answer MISS (the
 block is on its way) and a completed one is a HIT before the daemon marks it READY in the
-index. Each store remembers its slot and what its `reserve` call shares: the reset epoch it
-belongs to (UNKNOWN_EPOCH while a reset this engine asked for is on its way: completions wait
+index. Each store remembers its slot and what the stores of its step share: the reset epoch
+they belong to (UNKNOWN_EPOCH while a reset this engine asked for is on its way: completions wait
 for the reset's answer) and the step whose records told the daemon of it. A completed store
 is forgotten once the daemon has read that step's records (the index answers from then on).
 A reset turns every store in flight stale: its completion is sent, failed, once the engine
@@ -12,6 +12,9 @@ says the copies in flight at the reset have finished.
 A store that failed is gone for the engine at once: until the daemon has read the failure, the
 index still shows the key being stored into that slot, and `failed` says that this state is
 the engine's own dead store (its lookups answer MISS, a new offer of the key stores it again).
+
+The common store, completion and settling run compiled (kvd_proto/_steps.c, through the
+session's `Lookups`) on these same containers; the methods here decide every other case.
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import is_, itemgetter
 
 from .index_reader import STATE_READY
 
@@ -30,20 +31,13 @@ UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to th
 
 @dataclass(slots=True)
 class Shared:
-    """What the stores of one `reserve` call share."""
+    """What the stores made in one step (under one reset epoch) share."""
 
     reset_epoch: int
     seq: int                    # the step whose records told the daemon about them
 
 
-Store = tuple[int, Shared]      # a store in flight: (slot offset, its call's record)
-_SHARED = itemgetter(1)
-
-
-def _values(keys: Sequence[bytes], table: dict[bytes, Store]) -> tuple[Store, ...]:
-    """`table[k]` for every key, in one C-level call (KeyError if one is missing)."""
-    got = itemgetter(*keys)(table)
-    return got if len(keys) > 1 else (got,)
+Store = tuple[int, Shared]      # a store in flight: (slot offset, its step's record)
 
 
 class StoreTracker:
@@ -59,15 +53,35 @@ class StoreTracker:
         # key -> the slot of its store that failed, until the daemon has read the failure
         self.failed: dict[bytes, int] = {}
         self._failing: collections.deque[tuple[int, bytes, int]] = collections.deque()
+        self._shared: Shared | None = None
+        self.forget: Callable[[list, set[bytes]], None] = self._forget
+
+    def _forget(self, entries: list[tuple[int, tuple[bytes, ...], tuple[Store, ...]]],
+                completed: set[bytes]) -> None:
+        """`settle`'s forgetting, where no compiled one was given (the same effects)."""
+        stores = self.stores
+        for _, keys, got in entries:
+            for key, store in zip(keys, got, strict=True):
+                if stores.get(key) is store:
+                    del stores[key]
+                    completed.discard(key)
 
     def __len__(self) -> int:
         return len(self.stores)
+
+    def shared(self, reset_epoch: int, seq: int) -> Shared:
+        """The record the stores made now share: one per step and reset epoch (a completion
+        of stores made by several calls of one step is as common as of one call's)."""
+        shared = self._shared
+        if shared is None or shared.seq != seq or shared.reset_epoch != reset_epoch:
+            shared = self._shared = Shared(reset_epoch, seq)
+        return shared
 
     def add(self, new: Sequence[bytes], slots: Sequence[int], reset_epoch: int,
             seq: int) -> None:
         """Stores of `new` into `slots`, told to the daemon with step `seq`'s records."""
         stores = self.stores
-        shared = Shared(reset_epoch, seq)
+        shared = self.shared(reset_epoch, seq)
         if len(new) <= MAX_LOCAL_STORES - len(stores):
             stores.update(zip(new, zip(slots, [shared] * len(new), strict=True), strict=True))
         else:
@@ -118,10 +132,6 @@ class StoreTracker:
         that were no store of this session). Those of an unknown epoch wait (`reset_done`).
         `seq`: the step whose records tell the daemon (a failure is the engine's own until
         then, see the module doc)."""
-        if success and keys:
-            done = self._complete_call(keys)
-            if done is not None:
-                return done, 0
         by_reset: dict[int, list[bytes]] = {}
         stores, completed, settling = self.stores, self.completed, self._settling
         unknown = 0
@@ -146,41 +156,22 @@ class StoreTracker:
             by_reset.setdefault(shared.reset_epoch, []).append(key)
         return by_reset, unknown
 
-    def _complete_call(self, keys: Sequence[bytes]) -> dict[int, list[bytes]] | None:
-        """The common completion, without per-key Python: every key a store of this session
-        made by one call (one `Shared`) of a known epoch, completing at once. None: not so
-        (the caller takes the key-by-key path)."""
-        try:
-            got = _values(keys, self.stores)
-        except KeyError:
-            return None
-        shared = got[0][1]
-        if shared.reset_epoch == UNKNOWN_EPOCH or \
-                not all(map(is_, map(_SHARED, got), repeat(shared, len(got)))):
-            return None
-        keys = tuple(keys)
-        self.completed.update(keys)               # lookups answer HIT from now on
-        self._settling.append((shared.seq, keys, got))
-        return {shared.reset_epoch: list(keys)}
+    def completing(self, entry: tuple[int, tuple[bytes, ...], tuple[Store, ...]]) -> None:
+        """Stores completed by the compiled path (kvd_proto/_steps.c `complete`, which put
+        their keys in `completed`): (the step that told the daemon of them, keys, stores)."""
+        self._settling.append(entry)
 
     def settle(self, acked: int) -> None:
         """Completed stores the daemon has read are answered by the index from now on (in
         completion order: one not read yet keeps the later ones a little longer, which only
-        sends their lookups down the slow path)."""
-        settling, stores, completed = self._settling, self.stores, self.completed
-        while settling and settling[0][0] <= acked:
-            _, keys, got = settling.popleft()
-            try:                                  # one call's stores, all still ours
-                if all(map(is_, _values(keys, stores), got)):
-                    collections.deque(map(stores.__delitem__, keys), 0)
-                    completed.difference_update(keys)
-                    continue
-            except KeyError:
-                pass
-            for key, store in zip(keys, got, strict=True):
-                if stores.get(key) is store:
-                    del stores[key]
-                    completed.discard(key)
+        sends their lookups down the slow path). Each key is forgotten if its store is still
+        the completed one (`forget`: kvd_proto/native.py's Lookups.settle, compiled)."""
+        settling = self._settling
+        if settling and settling[0][0] <= acked:
+            read = []
+            while settling and settling[0][0] <= acked:
+                read.append(settling.popleft())
+            self.forget(read, self.completed)
         failing, failed = self._failing, self.failed
         while failing and failing[0][0] <= acked:
             _, key, offset = failing.popleft()
@@ -221,6 +212,7 @@ class StoreTracker:
             self._stale.setdefault(epoch, []).extend(unknown)
 
     def _clear(self) -> None:
+        self._shared = None
         self.stores.clear()
         self.completed.clear()
         self._settling.clear()

@@ -26,11 +26,8 @@
 #include <unistd.h>
 
 #include "_records.h"
+#include "_lookups.h"
 
-#define MAX_PROBE 64
-#define STATE_FREE 0
-#define STATE_STORING 1
-#define STATE_READY 2
 
 /* ---------------------------------------------------------------- CRC-32 (zlib's) */
 
@@ -98,12 +95,6 @@ static PyObject *native_fingerprint(PyObject *self, PyObject *arg) {
 #define BELOW_HEADER_BYTES 4096
 #define BELOW_MAX_BUCKETS (1ull << 24)
 
-typedef struct {
-    Py_buffer buf;
-    int bound;
-    uint64_t *buckets;
-    uint64_t mask;
-} Below;
 
 static int below_bind(Below *t, PyObject *obj) {
     if (PyObject_GetBuffer(obj, &t->buf, PyBUF_SIMPLE) < 0) return -1;
@@ -151,17 +142,6 @@ static int below_has(const Below *t, const unsigned char *key, Py_ssize_t n) {
 
 /* ---------------------------------------------------------------- index geometry */
 
-typedef struct {
-    Py_buffer buf;
-    int bound;
-    uint32_t *buckets;
-    uint64_t mask;
-    uint64_t *meta;
-    uint64_t capacity;
-    unsigned char *keys;
-    Py_ssize_t width;
-    uint64_t per_extent, extent_bytes, stride;
-} Geometry;
 
 /* Map the regions of an index inside `obj` (a buffer: the mmap). */
 static int geometry_bind(Geometry *g, PyObject *obj, int writable, unsigned long long buckets_off,
@@ -206,10 +186,10 @@ static void geometry_release(Geometry *g) {
 static inline uint64_t load_acquire64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline uint32_t load_acquire32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
-/* The slot holding `key` (storing or ready), its meta word in *word; -1 if none. */
-static int64_t probe(const Geometry *g, const unsigned char *key, Py_ssize_t n, uint64_t *word) {
+/* probe() from the key's bucket `b` (its hash & mask). */
+static int64_t probe_at(const Geometry *g, uint64_t b, const unsigned char *key, Py_ssize_t n,
+                        uint64_t *word) {
     if (n <= 0 || n > g->width) return -1;
-    uint64_t b = crc32_of(key, n) & g->mask;
     for (int i = 0; i < MAX_PROBE; i++) {
         uint32_t v = load_acquire32(&g->buckets[b]);
         if (v == 0) return -1;
@@ -230,8 +210,32 @@ static int64_t probe(const Geometry *g, const unsigned char *key, Py_ssize_t n, 
     return -1;
 }
 
+/* The slot holding `key` (storing or ready), its meta word in *word; -1 if none. */
+static int64_t probe(const Geometry *g, const unsigned char *key, Py_ssize_t n, uint64_t *word) {
+    if (n <= 0 || n > g->width) return -1;
+    return probe_at(g, crc32_of(key, n) & g->mask, key, n, word);
+}
+
 static inline uint64_t offset_of(const Geometry *g, uint64_t slot) {
     return slot / g->per_extent * g->extent_bytes + slot % g->per_extent * g->stride;
+}
+
+int64_t lookups_probe(const Lookups *self, PyObject *key, uint64_t *word) {
+    return probe(&self->g, (unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), word);
+}
+
+uint64_t lookups_offset(const Lookups *self, uint64_t slot) { return offset_of(&self->g, slot); }
+
+uint64_t lookups_prefetch(const Lookups *self, PyObject *key) {
+    const Geometry *g = &self->g;
+    uint64_t b = crc32_of((unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) & g->mask;
+    __builtin_prefetch(&g->buckets[b]);
+    return b;
+}
+
+int64_t lookups_probe_at(const Lookups *self, uint64_t bucket, PyObject *key, uint64_t *word) {
+    return probe_at(&self->g, bucket, (unsigned char *)PyBytes_AS_STRING(key),
+                    PyBytes_GET_SIZE(key), word);
 }
 
 static int parse_geometry(PyObject *args, PyObject **obj, unsigned long long v[9]) {
@@ -241,17 +245,6 @@ static int parse_geometry(PyObject *args, PyObject **obj, unsigned long long v[9
 
 /* ---------------------------------------------------------------- Lookups (engine) */
 
-typedef struct {
-    PyObject_HEAD
-    Geometry g;
-    PyObject *hits;      /* dict: key -> offset of this step's HITs */
-    PyObject *stores;    /* dict: key -> the engine's own stores in flight */
-    PyObject *miss, *hit;
-    PyObject *fallback;  /* callable(key): every other case */
-    Below below;         /* the namespace's "held below" table, when bound */
-    int enabled;
-    unsigned long long lookups, hit_count, miss_count;
-} Lookups;
 
 static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
     PyObject *hits, *stores, *miss, *hit, *fallback;
@@ -450,6 +443,11 @@ static PyMethodDef Lookups_methods[] = {
      "lookup(key, context=None) -> the hit or miss answer, or the fallback's"},
     {"find_new", (PyCFunction)Lookups_find_new, METH_VARARGS,
      "find_new(keys, use_index) -> keys neither stored here nor (use_index) in the index"},
+    {"store", (PyCFunction)(void (*)(void))Lookups_store, METH_FASTCALL, LOOKUPS_STORE_DOC},
+    {"pin", (PyCFunction)(void (*)(void))Lookups_pin, METH_FASTCALL, LOOKUPS_PIN_DOC},
+    {"complete", (PyCFunction)(void (*)(void))Lookups_complete, METH_FASTCALL,
+     LOOKUPS_COMPLETE_DOC},
+    {"settle", (PyCFunction)(void (*)(void))Lookups_settle, METH_FASTCALL, LOOKUPS_SETTLE_DOC},
     {NULL}};
 
 static PyMemberDef Lookups_members[] = {

@@ -143,6 +143,16 @@ class _Regions:
             view.release()
 
 
+STORE_KIND = 1         # kvd_proto/records.py STORE (records imports this module)
+COMPLETE_STORE_KIND = 2  # kvd_proto/records.py COMPLETE_STORE
+PIN_KIND = 3           # kvd_proto/records.py PIN
+
+
+def _positions_for(positions: Sequence[int] | None, n: int) -> Sequence[int] | None:
+    """`positions` when it has one entry per key, else None (the record then carries none)."""
+    return positions if positions is not None and n and len(positions) == n else None
+
+
 class PyLookups:
     """The Python twin of `_native.Lookups` (see the module doc)."""
 
@@ -223,6 +233,86 @@ class PyLookups:
         stores, regions = self._stores, self._regions
         find = regions.find if use_index and regions is not None else None
         return [k for k in keys if k not in stores and (find is None or find(k) is None)]
+
+    def store(self, keys: Sequence[bytes], positions: Sequence[int] | None, req_id: str,
+              slots: list[int], shared: Any, per_record: int, room: int
+              ) -> tuple[list[bytes], list[int], bytes | None] | None:
+        """A store call's common case (kvd_proto/_steps.c says what it does and when it
+        answers None instead)."""
+        if type(slots) is not list:
+            raise TypeError("slots must be a list")
+        n = len(keys)
+        regions = self._regions
+        if not self.enabled or regions is None or not 0 < n <= per_record or \
+                any(type(k) is not bytes for k in keys) or len(set(keys)) != n:
+            return None
+        stores = self._stores
+        index = [i for i, k in enumerate(keys) if k not in stores and regions.find(k) is None]
+        m = len(index)
+        if m > room or m > len(slots):
+            return None
+        new = [keys[i] for i in index]
+        taken = slots[len(slots) - m:]
+        if not m:
+            return new, taken, None
+        record = keys_record(STORE_KIND, b"", req_id, keys, True,
+                             _positions_for(positions, n), index, taken)
+        stores.update(zip(new, ((offset, shared) for offset in taken), strict=True))
+        del slots[len(slots) - m:]
+        return new, taken, record
+
+    def pin(self, keys: Sequence[bytes], positions: Sequence[int] | None, req_id: str,
+            per_record: int) -> tuple[list[int], frozenset[bytes], bytes] | None:
+        """A load call's common case (kvd_proto/_steps.c)."""
+        n = len(keys)
+        if not 0 < n <= per_record:
+            return None
+        offsets = self.offsets_of(keys)
+        if offsets is None:
+            return None
+        keyset = frozenset(keys)
+        if len(keyset) != n:
+            return None
+        record = keys_record(PIN_KIND, b"", req_id, keys, True, _positions_for(positions, n),
+                             None, offsets)
+        return offsets, keyset, record
+
+    def complete(self, keys: Sequence[bytes], completed: set[bytes], req_id: str,
+                 per_record: int) -> tuple[tuple[Any, tuple[bytes, ...], tuple[Any, ...]],
+                                           bytes] | None:
+        """A successful completion's common case (kvd_proto/_steps.c)."""
+        if not isinstance(completed, (set, frozenset)):
+            raise TypeError("completed must be a set")
+        keys = tuple(keys)
+        n = len(keys)
+        if not 0 < n <= per_record:
+            return None
+        stores = self._stores
+        got = tuple(stores.get(k) for k in keys)
+        if any(type(g) is not tuple or len(g) != 2 for g in got):
+            return None
+        shared = got[0][1]
+        if any(g[1] is not shared for g in got) or len(set(keys)) != n:
+            return None
+        epoch, seq = shared.reset_epoch, shared.seq
+        if epoch < 0:
+            return None
+        record = keys_record(COMPLETE_STORE_KIND, struct.pack("<QB", epoch, True), req_id, keys,
+                             False, None, None, None)
+        completed.update(keys)
+        return (seq, keys, got), record
+
+    def settle(self, entries: Sequence[tuple[Any, tuple[bytes, ...], tuple[Any, ...]]],
+               completed: set[bytes]) -> None:
+        """Forget the completed stores the daemon has read (kvd_proto/_steps.c)."""
+        stores = self._stores
+        for _, keys, got in entries:
+            if len(keys) != len(got):
+                raise TypeError("an entry is (seq, keys, stores), one store per key")
+            for key, store in zip(keys, got, strict=True):
+                if stores.get(key) is store:
+                    del stores[key]
+                    completed.discard(key)
 
 
 class PyIndexTable:

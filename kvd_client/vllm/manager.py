@@ -86,11 +86,10 @@ class KvdOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
                      ) -> LoadStoreSpec:
         keys = list(keys)
-        offsets = self.session.start_loads(keys, req_context.req_id, self._positions(keys, req_context))
-        if None in offsets:
-            # vLLM loads only keys answered HIT in this step; keep going safely.
-            log.error("prepare_load of a key kvd did not answer HIT this step; it is skipped")
-            offsets = [SKIP if o is None else o for o in offsets]
+        # vLLM loads only keys answered HIT in this step; one that was not is skipped (SKIP:
+        # not transferred) and the session logs it.
+        offsets = self.session.start_loads(keys, req_context.req_id,
+                                           self._positions(keys, req_context), missing=SKIP)
         return KvdSlotsSpec(offsets, self.session.pool_id)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -98,7 +97,8 @@ class KvdOffloadingManager(OffloadingManager):
             self.session.touch(list(keys), req_context.req_id)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.session.finish_loads(list(keys), req_context.req_id)
+        # vLLM passes the job's keys as a set: taken as it is (no copy, known distinct).
+        self.session.finish_loads(keys, req_context.req_id)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- stores
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -120,7 +120,7 @@ class KvdOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        self.session.complete_store(list(keys), req_context.req_id, success)
+        self.session.complete_store(keys, req_context.req_id, success)  # type: ignore[arg-type]
 
     # --------------------------------------------------------- request scope
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

@@ -1,6 +1,6 @@
 """The shared index's geometry has one definition, kvd_proto/index_layout.py: the Python twins
 (kvd_proto/native.py) take every meta-word bit and the slot -> offset rule from it, and the
-compiled loops (kvd_proto/_native.c), which keep inline copies for speed, hold the same values.
+compiled loops (kvd_proto/_native.c, _lookups.h, _steps.c), which keep inline copies for speed, hold the same values.
 A change to the layout that misses the C file fails here, not as an engine reading the wrong
 key length out of a daemon's index."""
 
@@ -15,7 +15,9 @@ import pytest
 from kvd_proto import index_layout as layout
 
 ROOT = Path(__file__).resolve().parents[2]
-C_SOURCE = (ROOT / "kvd_proto" / "_native.c").read_text()
+# The compiled index code: its defines and struct in _lookups.h, the loops in the .c files.
+C_SOURCE = "".join((ROOT / "kvd_proto" / name).read_text()
+                   for name in ("_lookups.h", "_native.c", "_steps.c"))
 NATIVE_PY = ROOT / "kvd_proto" / "native.py"
 
 # A meta word in the C file: a local read of one (`w`, `word`) or the array itself.
@@ -96,3 +98,11 @@ def test_the_python_twins_spell_no_meta_word_bit_of_their_own() -> None:
                  if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert)
                  and integer(node.operand)]
     assert not literals, "native.py spells index geometry inline: " + "; ".join(literals)
+
+
+@pytest.mark.parametrize("name", ["STORE", "COMPLETE_STORE", "PIN"])
+def test_the_c_record_kinds_are_the_protocols(name: str) -> None:
+    """The compiled store / pin paths encode records of kvd_proto/records.py's kinds."""
+    from kvd_proto import native, records
+    assert _ints(rf"#define KIND_{name} (\w+)") == [(getattr(records, name),)]
+    assert getattr(native, f"{name}_KIND") == getattr(records, name)

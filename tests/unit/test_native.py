@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import struct
 import zlib
 
 import pytest
@@ -130,6 +131,148 @@ def test_lookups_answer_hits_and_misses_and_leave_the_rest_to_the_fallback(kind)
     meta.release()
     writer.release()
     m.close()                              # unbound: the mapping is free to close
+
+
+def _store_pin_world(kind: str):
+    """An index with a READY, a STORING key; a Lookups of `kind` over it, enabled."""
+    h = layout()
+    m = fresh(h)
+    writer = PyIndexTable(m, *h.geometry)
+    writer.insert(3, b"r" * 36)
+    writer.insert(17, b"s" * 36)
+    meta = memoryview(m)[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
+    meta[3] = meta[3] & ~3 | STATE_READY
+    meta.release()
+    writer.release()
+    hits: dict[bytes, int] = {}
+    stores: dict[bytes, object] = {b"o" * 36: (0, "old")}
+    lookups_type = PyLookups if kind == "python" else _native.Lookups
+    lk = lookups_type(hits, stores, "MISS", "HIT", lambda k: "SLOW")
+    lk.bind(m, *h.geometry)
+    lk.enabled = 1
+    return lk, hits, stores, m
+
+
+STORE_CASES = [
+    # (keys, positions, slots, per_record, room): what both must answer alike
+    ([b"a" * 36, b"r" * 36, b"b" * 36, b"o" * 36, b"s" * 36], range(10, 15), [7, 8, 9], 8, 99),
+    ([b"a" * 36, b"b" * 36], [1, 2, 3], [7, 8], 8, 99),          # positions not one per key
+    ([b"a" * 36, b"b" * 36], None, [7], 8, 99),                  # the reserve is short
+    ([b"a" * 36, b"b" * 36], None, [7, 8], 8, 1),                # the tracker's bound
+    ([b"a" * 36, b"a" * 36], None, [7, 8], 8, 99),               # a key named twice
+    ([b"a" * 36, b"b" * 36, b"c" * 36], None, [7, 8, 9], 2, 99),  # more than a record
+    ([b"r" * 36, b"o" * 36], range(2), [7], 8, 99),              # nothing new
+    ([], None, [7], 8, 99),
+    ([b"a" * 36, "text"], None, [7, 8], 8, 99),                  # not bytes
+]
+
+
+@needs_native
+@pytest.mark.parametrize("case", range(len(STORE_CASES)))
+def test_the_compiled_store_and_its_twin_answer_and_change_alike(case):
+    """The scheduler's store fast path (kvd_proto/_steps.c) against its Python twin: the same
+    answer (new keys, slots, record bytes, or None for the caller's own path) and the same
+    stores and slot list afterwards."""
+    keys, positions, slots, per_record, room = STORE_CASES[case]
+    outcomes = []
+    for kind in ("python", "compiled"):
+        lk, _, stores, m = _store_pin_world(kind)
+        left = list(slots)
+        got = lk.store(keys, positions, "req-1", left, "shared", per_record, room)
+        outcomes.append((got, dict(stores), left))
+        lk.unbind()
+        m.close()
+    assert outcomes[0] == outcomes[1]
+    if case == 0:
+        got, stores, left = outcomes[0]
+        assert got[0] == [b"a" * 36, b"b" * 36] and got[1] == [8, 9] and left == [7]
+        assert stores[b"a" * 36] == (8, "shared") and stores[b"b" * 36] == (9, "shared")
+        assert got[2] == native.keys_record(1, b"", "req-1", keys, True, range(10, 15),
+                                            [0, 2], [8, 9])
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["python", "compiled"])
+def test_the_store_fast_path_changes_nothing_when_it_fails_or_is_off(kind):
+    lk, _, stores, m = _store_pin_world(kind)
+    before = dict(stores)
+    slots = [7, 8]
+    with pytest.raises(ValueError):                       # a request id too long to encode
+        lk.store([b"a" * 36], None, "x" * 70000, slots, "shared", 8, 99)
+    assert stores == before and slots == [7, 8]
+    lk.enabled = 0
+    assert lk.store([b"a" * 36], None, "r", slots, "shared", 8, 99) is None
+    assert stores == before and slots == [7, 8]
+    with pytest.raises(TypeError):
+        lk.store([b"a" * 36], None, "r", (7, 8), "shared", 8, 99)
+    lk.unbind()
+    m.close()
+
+
+@needs_native
+def test_the_compiled_pin_and_its_twin_answer_alike():
+    a, b, c = b"a" * 36, b"b" * 36, b"c" * 36
+    for keys, positions, per_record in (([a, b], range(2), 8), ([a, b], None, 8),
+                                        ([a, c], None, 8), ([a, a], None, 8),
+                                        ([a, b], None, 1), ([], None, 8)):
+        outcomes = []
+        for kind in ("python", "compiled"):
+            lk, hits, _, m = _store_pin_world(kind)
+            hits.update({a: 4096, b: 8192})
+            outcomes.append(lk.pin(keys, positions, "req-2", per_record))
+            lk.unbind()
+            m.close()
+        assert outcomes[0] == outcomes[1]
+    lk, hits, _, m = _store_pin_world("compiled")
+    hits.update({a: 4096, b: 8192})
+    offsets, keyset, record = lk.pin([a, b], range(5, 7), "req-2", 8)
+    assert offsets == [4096, 8192] and keyset == frozenset((a, b))
+    assert record == native.keys_record(3, b"", "req-2", [a, b], True, range(5, 7), None,
+                                        [4096, 8192])
+    lk.unbind()
+    m.close()
+
+
+class _Shared:
+    """A stand-in for kvd_client.stores.Shared (the attributes the fast path reads)."""
+
+    def __init__(self, reset_epoch: int, seq: int) -> None:
+        self.reset_epoch, self.seq = reset_epoch, seq
+
+
+@needs_native
+def test_the_compiled_completion_and_settling_and_their_twins_change_alike():
+    """complete (a successful completion's common case) and settle (forgetting what the
+    daemon read) against their Python twins: the same answers, stores and completed sets."""
+    a, b, c, d = (bytes([x]) * 36 for x in b"abcd")
+    one, two, unknown = _Shared(5, 9), _Shared(5, 10), _Shared(-1, 11)
+    cases = [([a, b], 8), ([a, c], 8), ([a, a], 8), ([a, b], 1), ([d], 8), ([], 8), ([c], 8)]
+    for keys, per_record in cases:
+        outcomes = []
+        for kind in ("python", "compiled"):
+            lk, _, stores, m = _store_pin_world(kind)
+            stores.update({a: (4096, one), b: (8192, one), c: (0, two), d: (12288, unknown)})
+            completed: set[bytes] = set()
+            got = lk.complete(keys, completed, "req-3", per_record)
+            outcomes.append((got, dict(stores), set(completed)))
+            lk.unbind()
+            m.close()
+        assert outcomes[0] == outcomes[1], keys
+    got, _, completed = outcomes[0]                  # [c]: the last case, completed
+    assert got[0] == (10, (c,), ((0, two),)) and completed == {c}
+    assert got[1] == native.keys_record(2, struct.pack("<QB", 5, True), "req-3", [c], False,
+                                        None, None, None)
+    for kind in ("python", "compiled"):
+        lk, _, stores, m = _store_pin_world(kind)
+        newer, sa, sb = (16384, two), (4096, one), (8192, one)
+        stores.update({a: sa, b: newer})        # b was stored again since: left alone
+        completed = {a, b}
+        lk.settle([(9, (a, b), (sa, sb))], completed)
+        assert stores == {b"o" * 36: (0, "old"), b: newer} and completed == {b}
+        with pytest.raises(TypeError):
+            lk.settle([(9, (a, b), (sa,))], completed)
+        lk.unbind()
+        m.close()
 
 
 @needs_native

@@ -1,0 +1,64 @@
+/* The engine's Lookups object (kvd_proto/_native.c), shared with the step's compiled fast
+ * paths (kvd_proto/_steps.c). */
+#ifndef KVD_LOOKUPS_H
+#define KVD_LOOKUPS_H
+#include <Python.h>
+#include <stdint.h>
+
+#define MAX_PROBE 64
+#define STATE_FREE 0
+#define STATE_STORING 1
+#define STATE_READY 2
+
+typedef struct {
+    Py_buffer buf;
+    int bound;
+    uint64_t *buckets;
+    uint64_t mask;
+} Below;
+
+typedef struct {
+    Py_buffer buf;
+    int bound;
+    uint32_t *buckets;
+    uint64_t mask;
+    uint64_t *meta;
+    uint64_t capacity;
+    unsigned char *keys;
+    Py_ssize_t width;
+    uint64_t per_extent, extent_bytes, stride;
+} Geometry;
+
+typedef struct {
+    PyObject_HEAD
+    Geometry g;
+    PyObject *hits;      /* dict: key -> offset of this step's HITs */
+    PyObject *stores;    /* dict: key -> the engine's own stores in flight */
+    PyObject *miss, *hit;
+    PyObject *fallback;  /* callable(key): every other case */
+    Below below;         /* the namespace's "held below" table, when bound */
+    int enabled;
+    unsigned long long lookups, hit_count, miss_count;
+} Lookups;
+
+/* The slot holding `key` (bytes; storing or ready), its meta word in *word; -1 if none. */
+int64_t lookups_probe(const Lookups *self, PyObject *key, uint64_t *word);
+/* `key`'s home bucket in the index, its cache line asked for (a probe of many keys asks for
+ * every line first, so that their misses overlap instead of following one another). */
+uint64_t lookups_prefetch(const Lookups *self, PyObject *key);
+/* lookups_probe from the home bucket lookups_prefetch gave. */
+int64_t lookups_probe_at(const Lookups *self, uint64_t bucket, PyObject *key, uint64_t *word);
+/* The pool offset of `slot`. */
+uint64_t lookups_offset(const Lookups *self, uint64_t slot);
+
+/* kvd_proto/_steps.c */
+PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *Lookups_settle(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
+extern const char LOOKUPS_STORE_DOC[];
+extern const char LOOKUPS_COMPLETE_DOC[];
+extern const char LOOKUPS_SETTLE_DOC[];
+extern const char LOOKUPS_PIN_DOC[];
+
+#endif
