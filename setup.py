@@ -1,4 +1,5 @@
-"""Builds the C extensions: kvd_proto._native, the shared index's per-key loops, and
+"""Builds the C extensions: kvd_proto._native, the shared index's per-key loops, the
+scheduler's common store and load calls and the channel rings' appends and reads, and
 kvd_server._blockio, the disk tier's batched block I/O (everything else is in
 pyproject.toml). Optional: without a C compiler and Python's headers the build goes on and kvd
 runs on the pure-Python twins (kvd_proto/native.py, kvd_server/tiers/block_io.py)."""
@@ -9,8 +10,11 @@ FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers
          "-Wno-unused-parameter", "-Wno-cast-function-type"]
 
 setup(ext_modules=[
-    Extension("kvd_proto._native", sources=["kvd_proto/_native.c", "kvd_proto/_records.c", "kvd_proto/_steps.c"],
-              depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h"], extra_compile_args=FLAGS, optional=True),
+    Extension("kvd_proto._native",
+              sources=["kvd_proto/_native.c", "kvd_proto/_records.c", "kvd_proto/_steps.c",
+                       "kvd_proto/_rings.c"],
+              depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h", "kvd_proto/_rings.h"],
+              extra_compile_args=FLAGS, optional=True),
     # The disk tier's batched block I/O (twin: kvd_server/tiers/block_io.py).
     Extension("kvd_server._blockio", sources=["kvd_server/_blockio.c"], libraries=["dl"],
               extra_compile_args=["-D_GNU_SOURCE", *FLAGS], optional=True),

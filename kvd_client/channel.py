@@ -64,10 +64,7 @@ class SessionChannel:
         """Every answer the daemon has published since the last call."""
         out: list[DownRecord] = []
         reader = self.reader
-        while True:
-            item = reader.read()
-            if item is None:
-                break
+        for item in reader.read_all():
             try:
                 out.append(decode_down(*item))
             except RecordError as exc:     # a newer daemon's answer: skip it
@@ -146,10 +143,9 @@ class Outbox:
         waiting, written, writer = self._waiting, self._written, channel.writer
         while waiting:
             step = waiting[0]
-            ends = writer.write_many(step.records)
-            n = len(ends)
+            n = writer.append(step.records)
             if n:
-                written.append((step.seq, ends[-1], step.essential))
+                written.append((step.seq, writer.tail, step.essential))
                 self.sent += n
             if n < len(step.records):
                 if n and step.size >= 0:

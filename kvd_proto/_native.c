@@ -27,6 +27,7 @@
 
 #include "_records.h"
 #include "_lookups.h"
+#include "_rings.h"
 
 
 /* ---------------------------------------------------------------- CRC-32 (zlib's) */
@@ -729,6 +730,12 @@ static PyMethodDef module_methods[] = {
     {"keys_record", (PyCFunction)(void (*)(void))native_keys_record, METH_FASTCALL,
      "keys_record(kind, prefix, req_id, keys, with_positions, positions, index, offsets) -> "
      "one encoded record (kvd_proto/_records.c)"},
+    {"ring_write", (PyCFunction)(void (*)(void))native_ring_write, METH_FASTCALL,
+     "ring_write(data, tail, free, max_record, records) -> (count, new_tail) or None "
+     "(kvd_proto/_rings.c)"},
+    {"ring_read", (PyCFunction)(void (*)(void))native_ring_read, METH_FASTCALL,
+     "ring_read(data, head, tail, max_record, strict) -> (records, new_head, error or None) "
+     "(kvd_proto/_rings.c)"},
     {NULL}};
 
 static struct PyModuleDef module = {

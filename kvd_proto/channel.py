@@ -39,6 +39,7 @@ from operator import mod
 from typing import Any
 
 from kvd_proto.barrier import fence  # publishing a tail, then reading DAEMON_IDLE, needs one
+from kvd_proto.native import ring_read, ring_write
 
 VERSION = 1
 MAGIC = b"KVDCHAN1"
@@ -229,6 +230,16 @@ class RingWriter(_RingEnd):
         self.tail = tail + total + wrap
         return [tail + e for e in ends[:before]] + [tail + wrap + e for e in ends[before:]]
 
+    def append(self, records: list[bytes]) -> int:
+        """`write_many` without the positions: how many records went in (in one compiled
+        pass where kvd_proto._native was built; `tail` is where the last one ends)."""
+        if ring_write is not None and records:
+            done = ring_write(self._data, self.tail, self.free(), self.max_record, records)
+            if done is not None:
+                count, self.tail = done
+                return count
+        return len(self.write_many(records))        # and a record that breaks a rule raises
+
     def _write_runs(self, records: list[bytes]) -> list[int]:
         """`write_many` record by record: runs up to the ring's end, a filler, and on."""
         free = self.free()
@@ -326,6 +337,29 @@ class RingReader(_RingEnd):
             payload = bytes(self._data[at + RECORD_HEADER.size:at + length])
             self.head += size
             return kind, payload
+
+    def read_all(self) -> list[tuple[int, bytes]]:
+        """Every record published now, in order (`read` until None; one compiled pass where
+        kvd_proto._native was built). A strict reader that meets a record that cannot be
+        returns the ones before it, and raises RingError on the next call."""
+        if ring_read is None:
+            out: list[tuple[int, bytes]] = []
+            while True:
+                try:
+                    item = self.read()
+                except RingError:
+                    if out:
+                        return out
+                    raise
+                if item is None:
+                    return out
+                out.append(item)
+        records, self.head, error = ring_read(self._data, self.head,
+                                              self._words.get(self._tail_word),
+                                              self.max_record, self._strict)
+        if error is not None and self._strict and not records:
+            raise RingError(error)
+        return records
 
     def commit(self) -> None:
         if self.head != self.committed:

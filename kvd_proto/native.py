@@ -493,6 +493,12 @@ keys_block: Callable[[Sequence[bytes]], bytes] = \
     _native.keys_block if _native is not None else py_keys_block
 keys_record: Callable[..., bytes] = \
     _native.keys_record if _native is not None else py_keys_record
+# A ring's appends and reads in one pass (kvd_proto/_rings.c); None: kvd_proto/channel.py's
+# Python loops (its RingWriter._write_runs and RingReader.read are the twins).
+ring_write: Callable[..., tuple[int, int] | None] | None = \
+    _native.ring_write if _native is not None else None
+ring_read: Callable[..., tuple[list[tuple[int, bytes]], int, str | None]] | None = \
+    _native.ring_read if _native is not None else None
 eventfd_signal: Callable[[int], bool] = \
     _native.eventfd_signal if _native is not None else py_eventfd_signal
 STATES = (STATE_FREE, STATE_STORING, STATE_READY)

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd_proto import native
 from kvd_proto.channel import (
     DAEMON_IDLE,
     DOWN_HEAD,
@@ -149,6 +150,59 @@ def test_write_many_is_the_same_stream_as_one_record_at_a_time(sizes, batch):
     assert i == len(records) and got == sent
 
 
+needs_native = pytest.mark.skipif(native.ring_write is None, reason="kvd_proto._native was "
+                                  "not built (no C compiler or Python headers at install)")
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 700)), min_size=1, max_size=40),
+       st.integers(1, 9), st.integers(0, 500).map(lambda x: 8 * x))
+def test_the_compiled_append_and_read_all_are_the_python_loops(sizes, batch, start):
+    """ring_write / ring_read (kvd_proto/_rings.c) against RingWriter._write_runs and
+    RingReader.read: the same bytes in the ring, the same tails, heads and records, from any
+    starting position (fillers included) and batching."""
+    records = [record(kind, bytes([n % 251]) * n) for kind, n in sizes]
+    rings, reads, tails = [], [], []
+    for compiled in (True, False):
+        engine, daemon, m = views()
+        for writer, reader in ((engine.writer, daemon.reader),):
+            writer.tail = writer.published = start          # as if `start` bytes went before
+            struct.pack_into("<Q", m, UP_TAIL, start)
+            struct.pack_into("<Q", m, UP_HEAD, start)
+            reader.head = reader.committed = start
+        got: list[tuple[int, bytes]] = []
+        trail = []
+        i = 0
+        for _ in range(10 * len(records) + 10):
+            if i == len(records):
+                break
+            part = records[i:i + batch]
+            n = engine.writer.append(part) if compiled else len(engine.writer.write_many(part))
+            trail.append((n, engine.writer.tail))
+            i += n
+            engine.writer.publish()
+            if compiled:
+                got += daemon.reader.read_all()
+            else:
+                while (item := daemon.reader.read()) is not None:
+                    got.append(item)
+            daemon.reader.commit()
+        rings.append(bytes(m))
+        reads.append(got)
+        tails.append(trail)
+    assert rings[0] == rings[1] and tails[0] == tails[1] and reads[0] == reads[1]
+    assert [item for item in reads[0]] == [(k, bytes([n % 251]) * n) for k, n in sizes]
+
+
+@needs_native
+def test_the_compiled_append_leaves_a_record_that_breaks_a_rule_to_the_python_path():
+    engine, _, _ = views()
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.writer.append([record(1, b"ok"), b"\0" * 12])
+    assert engine.writer.tail == 0                          # the Python path raised first
+
+
 def _publish_raw(m: mmap.mmap, tail: int, at: int, data: bytes) -> None:
     m[HEADER_BYTES + at:HEADER_BYTES + at + len(data)] = data
     struct.pack_into("<Q", m, UP_TAIL, tail)
@@ -176,6 +230,20 @@ def test_a_strict_reader_refuses_every_impossible_ring(garbage):
         _publish_raw(m, 64, 0, RECORD_HEADER.pack(64, PAD, 0))
     with pytest.raises(RingError):
         daemon.reader.read()
+    with pytest.raises(RingError):
+        daemon.reader.read_all()
+
+
+def test_a_strict_reader_returns_the_records_before_a_bad_one_then_refuses_it():
+    engine, daemon, m = views()
+    good = record(7, b"fine")
+    assert engine.writer.write(good)
+    at = len(good)
+    m[HEADER_BYTES + at:HEADER_BYTES + at + 8] = RECORD_HEADER.pack(0, 1, 0)   # length zero
+    struct.pack_into("<Q", m, UP_TAIL, at + 8)
+    assert daemon.reader.read_all() == [(7, b"fine")]
+    with pytest.raises(RingError):
+        daemon.reader.read_all()
 
 
 def test_a_lenient_reader_reads_nothing_from_garbage_and_a_strict_writer_refuses_it():
