@@ -89,6 +89,7 @@ class OffloadSession:
         self._in_step = False
         self._step_epoch = 0
         self._hits: dict[bytes, int] = {}                       # this step's HITs -> offset
+        self._finished: list[str] = []            # requests that ended this step
         self._msgs = Messenger()      # this step's records, what the daemon read, answers
         self._loads = LoadTracker()
         self._stores = StoreTracker()
@@ -151,6 +152,7 @@ class OffloadSession:
         self._generation = generation
         self._close_connection()
         self._hits.clear()
+        self._finished.clear()                    # the old session's requests went with it
         self._loads.clear()
         self._stores.clear()
         self._promotions.clear()
@@ -396,7 +398,10 @@ class OffloadSession:
             self._put(messages.touch(keys, req_id, self._per_record))
 
     def request_finished(self, req_id: str) -> None:
-        self._put([rec.encode_request_finished(req_id)])
+        """The request is over: the daemon hears it with the step's records (after every
+        other record of the step, so after the request's own)."""
+        if self.client.available:
+            self._finished.append(req_id)
 
     # ------------------------------------------------------------------ resets
     def reset(self) -> None:
@@ -438,6 +443,9 @@ class OffloadSession:
         if not self.available:
             self._msgs.attach(self._msgs.channel)     # drops what waits: none will be read
             return
+        if self._finished:
+            self._put(list(map(rec.encode_request_finished, self._finished)))
+            self._finished.clear()
         self._put(self._reserve.step_records(), essential=False)
         promote = self._promotions.take()
         if promote:
@@ -452,7 +460,7 @@ class OffloadSession:
         """Records not yet read by the daemon, a reset not yet answered, or a promotion not
         finished (keep the engine stepping until they are)."""
         self._receive()
-        return bool(self._resets.pending) or self._msgs.unread() or \
+        return bool(self._resets.pending or self._finished) or self._msgs.unread() or \
             self._promotions.waiting(self._msgs.acked, self._lookups.find)
 
     def _counts(self) -> tuple[int, int, int]:
@@ -478,6 +486,7 @@ class OffloadSession:
         if not self._closed:
             self._closed = True
             if self._msgs.channel is not None and self.client.available:
+                self._put(list(map(rec.encode_request_finished, self._finished)))
                 self._link.report_counts(self._counts())
                 self._msgs.flush()                    # its last completions and counts
             self._close_connection()

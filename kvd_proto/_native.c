@@ -730,6 +730,9 @@ static PyMethodDef module_methods[] = {
     {"keys_record", (PyCFunction)(void (*)(void))native_keys_record, METH_FASTCALL,
      "keys_record(kind, prefix, req_id, keys, with_positions, positions, index, offsets) -> "
      "one encoded record (kvd_proto/_records.c)"},
+    {"key_positions", (PyCFunction)(void (*)(void))native_key_positions, METH_FASTCALL,
+     "key_positions(position, keys) -> range, list or None: the keys' token positions "
+     "(kvd_proto/_steps.c)"},
     {"ring_write", (PyCFunction)(void (*)(void))native_ring_write, METH_FASTCALL,
      "ring_write(data, tail, free, max_record, records) -> (count, new_tail) or None "
      "(kvd_proto/_rings.c)"},

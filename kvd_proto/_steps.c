@@ -326,3 +326,71 @@ fail:
     Py_DECREF(entries);
     return NULL;
 }
+
+/* key_positions(position, keys) -> range, list or None
+ *
+ * The token positions of `keys` (`position(key)`: vLLM's ReqContext.get_offload_key_position)
+ * for the daemon's eviction order. The keys of one call are almost always consecutive chunks:
+ * when the first, middle and last positions say so, a range (three calls); otherwise every
+ * key's position. None when a key has none. */
+static PyObject *call_position(PyObject *position, PyObject *key, long long *out) {
+    PyObject *value = PyObject_CallOneArg(position, key);
+    if (value == NULL || value == Py_None) return value;
+    *out = PyLong_AsLongLong(value);
+    if (*out == -1 && PyErr_Occurred()) {
+        Py_DECREF(value);
+        return NULL;
+    }
+    return value;
+}
+
+PyObject *native_key_positions(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "key_positions(position, keys)");
+        return NULL;
+    }
+    PyObject *position = args[0];
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = NULL;
+    if (n >= 3) {
+        long long v[3];
+        Py_ssize_t at[3] = {0, n / 2, n - 1};
+        int whole = 1;
+        for (int i = 0; i < 3 && whole; i++) {
+            PyObject *value = call_position(position, items[at[i]], &v[i]);
+            if (value == NULL) goto done;
+            whole = value != Py_None;
+            Py_DECREF(value);
+        }
+        if (whole) {
+            long long span = v[2] - v[0], step = span / (n - 1);
+            if (step > 0 && span % (n - 1) == 0 && v[1] == v[0] + step * (n / 2)) {
+                out = PyObject_CallFunction((PyObject *)&PyRange_Type, "LLL", v[0], v[2] + 1,
+                                            step);
+                goto done;
+            }
+        }
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long unused;
+        PyObject *value = call_position(position, items[i], &unused);
+        if (value == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (value == Py_None) {
+            Py_DECREF(value);
+            Py_SETREF(out, Py_NewRef(Py_None));
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, value);
+    }
+done:
+    Py_DECREF(seq);
+    return out;
+}

@@ -460,6 +460,23 @@ def py_keys_record(kind: int, prefix: bytes, req_id: str | None, keys: Sequence[
     return struct.pack("<IHH", n, kind, 0) + payload + bytes(-n % 8)
 
 
+def py_key_positions(position: Callable[[bytes], int | None], keys: Sequence[bytes]
+                     ) -> Sequence[int] | None:
+    """The Python twin of `_native.key_positions`: the keys' token positions (`position(key)`,
+    vLLM's ReqContext.get_offload_key_position), for the daemon's eviction order. The keys of
+    one call are almost always consecutive chunks: then three reads (first, middle, last) give
+    them all, as a range; otherwise every key is read. None when a key has none."""
+    n = len(keys)
+    if n >= 3:
+        first, middle, last = position(keys[0]), position(keys[n // 2]), position(keys[-1])
+        if first is not None and last is not None and middle is not None:
+            step, rest = divmod(last - first, n - 1)
+            if step > 0 and not rest and middle == first + step * (n // 2):
+                return range(first, last + 1, step)
+    positions = list(map(position, keys))
+    return None if None in positions else positions  # type: ignore[return-value]
+
+
 def py_eventfd_signal(fd: int) -> bool:
     """The Python twin of `_native.eventfd_signal` (this one releases the GIL around the
     write: another thread of the engine may run first)."""
@@ -499,6 +516,8 @@ ring_write: Callable[..., tuple[int, int] | None] | None = \
     _native.ring_write if _native is not None else None
 ring_read: Callable[..., tuple[list[tuple[int, bytes]], int, str | None]] | None = \
     _native.ring_read if _native is not None else None
+key_positions: Callable[..., Sequence[int] | None] = \
+    _native.key_positions if _native is not None else py_key_positions
 eventfd_signal: Callable[[int], bool] = \
     _native.eventfd_signal if _native is not None else py_eventfd_signal
 STATES = (STATE_FREE, STATE_STORING, STATE_READY)

@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.base import (
 from kvd_client.admission import DEFAULT_MAX_KEYS, OfferCounter
 from kvd_client.dataplane.planner import SKIP
 from kvd_client.offload_session import OffloadSession
+from kvd_proto.native import key_positions
 
 from .offload_stats import OffloadStats
 from .transfer_spec import KvdSlotsSpec
@@ -62,21 +63,10 @@ class KvdOffloadingManager(OffloadingManager):
     @staticmethod
     def _positions(keys: Sequence[bytes], ctx: ReqContext) -> Sequence[int] | None:
         """The keys' token positions (vLLM's public ReqContext.get_offload_key_position),
-        which the daemon uses only to order a request's blocks for eviction. The keys of one
-        call are almost always consecutive chunks: then three reads (first, middle, last)
-        give them all; otherwise every key is read."""
-        position = ctx.get_offload_key_position
-        n = len(keys)
-        if n < 3:
-            positions = [position(k) for k in keys]
-            return None if None in positions else positions  # type: ignore[return-value]
-        first, middle, last = position(keys[0]), position(keys[n // 2]), position(keys[-1])
-        if first is not None and last is not None and middle is not None:
-            step, rest = divmod(last - first, n - 1)
-            if step > 0 and not rest and middle == first + step * (n // 2):
-                return range(first, last + 1, step)      # type: ignore[return-value]
-        positions = list(map(position, keys))
-        return None if None in positions else positions  # type: ignore[return-value]
+        which the daemon uses only to order a request's blocks for eviction: a range from
+        three reads when the keys are consecutive chunks, as they almost always are
+        (kvd_proto/native.py key_positions, compiled where built)."""
+        return key_positions(ctx.get_offload_key_position, keys)
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -85,7 +75,8 @@ class KvdOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
                      ) -> LoadStoreSpec:
-        keys = list(keys)
+        if type(keys) is not list:          # vLLM passes a list: used as it is (not changed)
+            keys = list(keys)
         # vLLM loads only keys answered HIT in this step; one that was not is skipped (SKIP:
         # not transferred) and the session logs it.
         offsets = self.session.start_loads(keys, req_context.req_id,
@@ -103,7 +94,8 @@ class KvdOffloadingManager(OffloadingManager):
     # ----------------------------------------------------------------- stores
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
-        keys = list(keys)
+        if type(keys) is not list:          # vLLM passes a list: used as it is (not changed)
+            keys = list(keys)
         if self._admission is not None:      # store_threshold: new keys offered too seldom
             keys = self._admission.admit(keys, self._stats.view.new_keys)
         stored = self.session.store_slots(keys, req_context.req_id,

@@ -357,3 +357,29 @@ def test_an_eventfd_is_signalled_and_a_full_one_says_so(kind):
         os.close(fd)
     with pytest.raises(OSError):
         signal(fd)                                   # closed
+
+
+@needs_native
+def test_the_compiled_key_positions_are_the_twins():
+    """key_positions (the keys' token positions for the daemon's eviction order) against its
+    Python twin: consecutive chunks as a range, anything else key by key, None when one has
+    none (and an error from the engine's callable goes through)."""
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(0, 12)
+        keys = [rng.randbytes(8) for _ in range(n)]
+        start, step = rng.randint(0, 100), rng.choice([16, 16, 16, 0, -16, 7])
+        table = {k: start + step * i for i, k in enumerate(keys)}
+        for k in keys:
+            roll = rng.random()
+            if roll < 0.05:
+                table[k] = None
+            elif roll < 0.1:
+                table[k] = rng.randint(0, 200)
+        assert _native.key_positions(table.get, keys) == native.py_key_positions(table.get, keys)
+
+    def broken(key: bytes) -> int:
+        raise KeyError(key)
+
+    with pytest.raises(KeyError):
+        _native.key_positions(broken, [b"k"])
