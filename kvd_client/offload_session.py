@@ -8,6 +8,8 @@ of that from local state, on the scheduler thread itself:
 - lookups read the namespace's shared index (kvd_client/index_reader.py) directly; a key
   only a tier below the pool holds answers HIT_PENDING and is promoted by the daemon
   (kvd_client/promotions.py), then reads HIT from the index;
+- loads and stores (kvd_client/session_transfers.py, this class's base) run their common
+  case compiled in one pass over the keys;
 - a HIT stays loadable without a pin round trip: the session publishes, before each step's
   lookups, the oldest reclaim epoch it may still act on (its loads in flight,
   kvd_client/loads.py), and the daemon reuses a freed slot only after every reader has moved
@@ -28,7 +30,6 @@ translates vLLM's calls to these; another engine can drive it the same way (docs
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,9 +48,8 @@ from .old_copies import OldCopies
 from .promotions import Promotions
 from .reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, StoreReserve
 from .resets import Resets
-from .stores import MAX_LOCAL_STORES, StoreTracker
-
-log = logging.getLogger(__name__)
+from .session_transfers import SessionTransfers
+from .stores import StoreTracker
 
 DEFAULT_RESERVE = 0             # 0: sized from the store rate; N > 0: never below N slots
 MAX_EVENTS_PER_ASK = 65536
@@ -61,7 +61,7 @@ class Lookup(enum.Enum):
     HIT_PENDING = "hit_pending"  # being stored or promoted: not readable yet (vLLM's name)
 
 
-class OffloadSession:
+class OffloadSession(SessionTransfers):
     """One engine's offload session over a `KvdClient` (see the module doc)."""
 
     def __init__(self, client: KvdClient, *, reserve: int = DEFAULT_RESERVE,
@@ -259,138 +259,6 @@ class OffloadSession:
     def hit_offset(self, key: bytes) -> int | None:
         """The pool offset a HIT of this step found (None: `key` was no HIT this step)."""
         return self._hits.get(key)
-
-    # ------------------------------------------------------------------ loads
-    def start_loads(self, keys: Sequence[bytes], req_id: str = "",
-                    positions: Sequence[int] | None = None, missing: Any = None
-                    ) -> list[Any]:
-        """Start loads of keys this step's lookups found HIT: their offsets (`missing` for a
-        key that was not: the engine asked for a load it may not make, logged as an error).
-        The slots stay readable until `finish_loads`. (The daemon hears of them as a PIN
-        record: to its eviction order they are pinned while they load.)"""
-        if not self._in_step:
-            self._begin()
-        if not keys:
-            return []
-        pinned = self._lookups.pin(keys, positions, req_id, self._per_record)
-        if pinned is not None:      # the common case, compiled (kvd_proto/_steps.c)
-            offsets, keyset, record = pinned
-            self._loads.start_distinct(keyset, (self._step_epoch, self._resets.epoch, req_id))
-            self._put([record])
-            return offsets
-        offsets: list[Any] = list(map(self._hits.get, keys))
-        loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
-        loaded_offsets = [o for o in offsets if o is not None]
-        pos = positions if positions and len(positions) == len(keys) else None
-        if len(loaded) < len(keys):
-            log.error("a load of %d keys kvd did not answer HIT this step (of %d); they are "
-                      "not loaded", len(keys) - len(loaded), len(keys))
-            if pos:
-                pos = [p for p, o in zip(pos, offsets, strict=True) if o is not None]
-            if missing is not None:
-                offsets = [missing if o is None else o for o in offsets]
-            if not loaded:
-                return offsets
-        distinct = self._loads.start(loaded, (self._step_epoch, self._resets.epoch, req_id))
-        self._put(messages.pin(loaded, req_id, pos, loaded_offsets, self._per_record, distinct))
-        return offsets
-
-    def finish_loads(self, keys: Sequence[bytes], req_id: str = "") -> None:
-        """Loads of `keys` finished (every worker copied)."""
-        by_reset, unknown = self._loads.finish(keys, req_id)
-        if unknown:
-            self._put(self._old.finished_records(unknown))
-        if not self._loads.holding:
-            self._publish_idle()
-        for reset, group in by_reset.items():
-            self._put(messages.complete_load(group, req_id, reset, self._per_record,
-                                             distinct=True))
-
-    # ----------------------------------------------------------------- stores
-    def reserve(self, keys: Sequence[bytes], req_id: str = "",
-                positions: Sequence[int] | None = None) -> list[tuple[bytes, int]] | None:
-        """Slots for the offered keys that are new: [(key, offset)] (keys stored or being
-        stored already are left out), or None when the reserve cannot hold them all now."""
-        stored = self.store_slots(keys, req_id, positions)
-        return None if stored is None else list(zip(*stored, strict=True))
-
-    def store_slots(self, keys: Sequence[bytes], req_id: str = "",
-                    positions: Sequence[int] | None = None
-                    ) -> tuple[list[bytes], list[int]] | None:
-        """`reserve` as two lists: the new keys and their slots' offsets (what an engine's
-        store spec wants), or None when the reserve cannot hold them all now."""
-        self._begin()
-        if self._lookups.enabled and not self._stores.failed:
-            # The common case in one compiled pass (kvd_proto/_steps.c); None: this path.
-            stores = self._stores
-            done = self._lookups.store(keys, positions, req_id, self._reserve.slots,
-                                       stores.shared(self._resets.store_epoch, self._msgs.seq),
-                                       self._per_record, MAX_LOCAL_STORES - len(stores.stores))
-            if done is not None:
-                new, slots, record = done
-                self._reserve.took(len(new))
-                if record is not None:
-                    self._put([record])
-                return new, slots
-        if self._index is None or not self.client.available:
-            return [], []
-        new = self.new_keys(keys)
-        slots = self._reserve.take(len(new))
-        if slots is None:
-            return None
-        if not new:
-            return new, slots
-        # During a reset this session asked for, the stores' epoch is the reset's answer:
-        # UNKNOWN_EPOCH until it arrives.
-        self._stores.add(new, slots, self._resets.store_epoch, self._msgs.seq)
-        pos = positions if positions and len(positions) == len(keys) else None
-        self._put(messages.store(keys, req_id, pos, new, slots, self._per_record))
-        return new, slots
-
-    def new_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The keys neither stored nor being stored, as `store_slots` decides (it starts the
-        step the same way: the daemon's answers applied); none without a daemon. Until the
-        daemon has done a reset this session asked for, the index still shows what the reset
-        drops: only this session's own later stores count as present."""
-        self._begin()
-        if self._index is None or not self.client.available:
-            return []
-        use_index = not self._resets.pending
-        return self._stores.new_keys(keys, self._lookups.find_new(keys, use_index),
-                                     self._lookups.find if use_index else None)
-
-    @property
-    def capacity(self) -> int:
-        """The namespace's slots (0 before the session has its index)."""
-        return 0 if self._index is None else self._index.header.capacity
-
-    @property
-    def stores_in_flight(self) -> int:
-        """This engine's stores not completed yet."""
-        return len(self._stores.stores) - len(self._stores.completed)
-
-    @property
-    def loads_in_flight(self) -> int:
-        """Blocks this engine is loading (started, not finished yet)."""
-        return self._loads.in_flight
-
-    def complete_store(self, keys: Sequence[bytes], req_id: str = "",
-                       success: bool = True) -> None:
-        """Stores of `keys` finished (every worker wrote its share). A failed one is gone for
-        this engine at once: its lookups answer MISS and an offer stores it again."""
-        if success:                 # the common case, compiled (kvd_proto/_steps.c)
-            done = self._lookups.complete(keys, self._stores.completed, req_id,
-                                          self._per_record)
-            if done is not None:
-                entry, record = done
-                self._stores.completing(entry)
-                self._put([record])
-                return
-        by_reset, unknown = self._stores.complete(keys, req_id, success, self._msgs.seq)
-        if unknown:
-            self._put(self._old.finished_records(unknown))
-        for reset, group in by_reset.items():
-            self._put(messages.complete_store(group, success, req_id, reset, self._per_record))
 
     # ---------------------------------------------------------- request scope
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:

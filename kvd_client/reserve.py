@@ -37,6 +37,29 @@ CAP_SHARE = 4                # demand takes the reserve to at most 1/CAP_SHARE o
 YOUNG_SHARE = 16             # a young session's floor is at most 1/YOUNG_SHARE of the pool
 
 
+class _WindowMax:
+    """The largest of the last DEMAND_WINDOW values (0 before any), kept as they come: the
+    window is scanned again only when its largest value leaves it."""
+
+    __slots__ = ("_values", "max", "seen")
+
+    def __init__(self) -> None:
+        self._values: deque[int] = deque(maxlen=DEMAND_WINDOW)
+        self.max = 0
+        self.seen = 0                        # values added, up to DEMAND_WINDOW
+
+    def add(self, value: int) -> None:
+        values = self._values
+        leaving = values[0] if len(values) == DEMAND_WINDOW else -1
+        values.append(value)
+        if value >= self.max:
+            self.max = value
+        elif leaving == self.max:
+            self.max = max(values)
+        if self.seen < DEMAND_WINDOW:
+            self.seen += 1
+
+
 class StoreReserve:
     """Granted slot offsets and the target the daemon keeps them at (see the module doc)."""
 
@@ -48,8 +71,8 @@ class StoreReserve:
         self.target = self.initial
         self.sent = -1                            # the target the daemon last heard
         self.slots: list[int] = []                # taken from the end (a slice)
-        self._demand: deque[int] = deque(maxlen=DEMAND_WINDOW)
-        self._deficit: deque[int] = deque(maxlen=DEMAND_WINDOW)
+        self._demand = _WindowMax()
+        self._deficit = _WindowMax()
         self._step_demand = 0
         self._unreplaced = 0                      # slots taken since the daemon caught up
         self.declined = 0                         # stores it could not hold
@@ -91,16 +114,17 @@ class StoreReserve:
     def begin_step(self) -> None:
         """The step starts (after the daemon's grants were applied): the slots taken and not
         replaced yet are what the last steps consumed before the refill came."""
-        self._deficit.append(self._unreplaced)
+        self._deficit.add(self._unreplaced)
 
     def end_step(self) -> None:
         """Close a step's demand into the window and size the target from it."""
-        self._demand.append(self._step_demand)
+        demand = self._demand
+        demand.add(self._step_demand)
         self._step_demand = 0
-        if max(self._demand) == 0 and len(self._demand) < DEMAND_WINDOW:
+        if demand.max == 0 and demand.seen < DEMAND_WINDOW:
             return                               # nothing seen yet: keep the initial size
-        wanted = math.ceil(HEADROOM * (max(self._demand) + max(self._deficit, default=0)))
-        if len(self._demand) < DEMAND_WINDOW:
+        wanted = math.ceil(HEADROOM * (demand.max + self._deficit.max))
+        if demand.seen < DEMAND_WINDOW:
             # A young session has seen too few steps to know its bursts (an engine's first
             # steps admit many requests at once): the initial size stays the least it holds.
             wanted = max(wanted, self.young)

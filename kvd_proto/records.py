@@ -450,6 +450,10 @@ DownRecord = Granted | ResetDone | Events | Rejected
 
 def decode_down(kind: int, payload: bytes) -> DownRecord:
     """A daemon's answer (RecordError for one this version does not know)."""
+    if kind == GRANTED:             # the common answer (a reserve's top-up), read at once
+        n = len(payload) - 4
+        if n >= 0 and not n % 8 and _U32.unpack_from(payload)[0] == n >> 3:
+            return Granted(memoryview(payload)[4:].cast("Q").tolist())
     name = DOWN_KINDS.get(kind)
     if name is None:
         raise RecordError(f"unknown answer kind {kind}")

@@ -121,3 +121,18 @@ def test_random_bytes_are_a_record_or_a_record_error(kind, payload):
        st.text(max_size=40))
 def test_any_keys_and_request_round_trip(keys, req_id):
     assert roundtrip_up(rec.encode_touch(keys, req_id)) == rec.Touch(keys, req_id)
+
+
+def test_a_grant_reads_back_and_a_torn_one_is_refused():
+    """GRANTED, the common answer, has its own short path in decode_down: the same offsets,
+    and a count that does not match the payload is still a RecordError."""
+    from kvd_proto import records as rec
+
+    data = rec.encode_granted([0, 4096, 2**63 + 8])
+    length = int.from_bytes(data[:4], "little")
+    payload = data[8:length]
+    assert rec.decode_down(rec.GRANTED, payload) == rec.Granted([0, 4096, 2**63 + 8])
+    assert rec.decode_down(rec.GRANTED, rec.encode_granted([])[8:12]) == rec.Granted([])
+    for torn in (payload[:-8], payload + bytes(8), payload[:3], (7).to_bytes(4, "little")):
+        with pytest.raises(rec.RecordError):
+            rec.decode_down(rec.GRANTED, torn)

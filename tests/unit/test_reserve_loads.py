@@ -198,3 +198,22 @@ def test_completions_settle_whole_calls_or_key_by_key_with_the_same_answers():
     assert set(t.stores) == {a[3], *b} and t.completed == set(b)
     t.settle(6)
     assert set(t.stores) == {a[3]} and not t.completed
+
+
+def test_the_window_max_is_the_max_of_the_last_window_of_values():
+    """The reserve's peak demand and deficit (kvd_client/reserve.py _WindowMax) against
+    max() over the same window, through values that rise, fall and leave the window."""
+    import random
+    from collections import deque
+
+    from kvd_client.reserve import DEMAND_WINDOW, _WindowMax
+
+    rng = random.Random(11)
+    window = _WindowMax()
+    last: deque[int] = deque(maxlen=DEMAND_WINDOW)
+    assert window.max == 0 and window.seen == 0
+    for i in range(2000):
+        value = rng.choice([0, 0, rng.randint(0, 50), rng.randint(0, 5000)])
+        window.add(value)
+        last.append(value)
+        assert window.max == max(last) and window.seen == min(i + 1, DEMAND_WINDOW)
