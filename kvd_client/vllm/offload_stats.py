@@ -76,6 +76,7 @@ class OffloadStats:
 
     def __init__(self, session: OffloadSession, admission: OfferCounter | None) -> None:
         self.view = SessionView(session)
+        self._session = session
         self._admission = admission
         self._sizes: list[int] = []
         self._skipped_reported = 0
@@ -98,18 +99,21 @@ class OffloadStats:
     def take(self) -> OffloadingConnectorStats:
         """The stats since the last call: gauges now, the samples and counts taken since."""
         stats = OffloadingConnectorStats()
-        view = self.view
-        capacity = view.capacity
+        session = self._session            # read directly: vLLM asks every step
+        capacity = session.capacity
         write = read = 0.0
         if capacity > 0:
-            write = min(1.0, view.stores_in_flight() / capacity)
-            read = min(1.0 - write, view.loads_in_flight() / capacity)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, write + read)
+            write = min(1.0, session.stores_in_flight / capacity)
+            read = min(1.0 - write, session.loads_in_flight / capacity)
+        gauge = stats.set_gauge
+        gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, write + read)
         sizes, self._sizes = self._sizes, []
-        for n in sizes:
-            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, n)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read)
+        if sizes:
+            observe = stats.observe_histogram
+            for n in sizes:
+                observe(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, n)
+        gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write)
+        gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read)
         if self._admission is not None:
             skipped = self._admission.skipped
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED,
