@@ -230,6 +230,7 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "completed must be a set");
         return NULL;
     }
+    int distinct = PyAnySet_Check(args[0]);       /* vLLM passes its job's keys as a set */
     PyObject *keys = PySequence_Tuple(args[0]);
     if (keys == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
@@ -237,8 +238,8 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
     PyObject *prefix = NULL, *kind = NULL, *record = NULL, *shared = NULL;
     if (n == 0 || n > per_record) goto fallback;
     got = PyTuple_New(n);
-    seen = PySet_New(NULL);
-    if (got == NULL || seen == NULL) goto done;
+    seen = distinct ? NULL : PySet_New(NULL);
+    if (got == NULL || (!distinct && seen == NULL)) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyTuple_GET_ITEM(keys, i);
         PyObject *store = PyDict_GetItemWithError(self->stores, key);
@@ -250,9 +251,9 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
         if (shared == NULL) shared = PyTuple_GET_ITEM(store, 1);
         else if (PyTuple_GET_ITEM(store, 1) != shared) goto fallback;
         PyTuple_SET_ITEM(got, i, Py_NewRef(store));
-        if (PySet_Add(seen, key) < 0) goto done;
+        if (seen != NULL && PySet_Add(seen, key) < 0) goto done;
     }
-    if (PySet_GET_SIZE(seen) != n) goto fallback;
+    if (seen != NULL && PySet_GET_SIZE(seen) != n) goto fallback;
     epoch_obj = PyObject_GetAttrString(shared, "reset_epoch");
     seq_obj = PyObject_GetAttrString(shared, "seq");
     if (epoch_obj == NULL || seq_obj == NULL) goto done;

@@ -248,13 +248,16 @@ def _tail(stderr: Any) -> str:
 class EngineProcess:
     """An engine process driven by commands: `lookup`, `pin`, `read`, `unpin`, `end_step`,
     `settle`, `reserve` (and write), `complete`, `store`, `load`, `counts` (the lookups it
-    answered), `close` (see `_serve`)."""
+    answered), `native` (whether its loops are compiled), `close` (see `_serve`)."""
 
-    def __init__(self, socket: str, model: str, reserve: int = 4) -> None:
+    def __init__(self, socket: str, model: str, reserve: int = 4, native: bool = True) -> None:
+        """`native` False: the process runs the Python twins of kvd's compiled loops
+        (KVD_NATIVE=0); True: whatever this test run uses."""
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in kill()
+        env = clean_env() if native else clean_env(KVD_NATIVE="0")
         self.proc = subprocess.Popen(
             [PY, "-m", "tests.multiproc.offload_engine", socket, model, str(reserve)],
-            env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True, cwd=ROOT)
         try:
             self.hello = json.loads(readline_within(self.proc, 30, self._stderr))
@@ -382,6 +385,9 @@ def _serve(socket: str, model: str, reserve: int) -> int:
             elif op == "load":
                 states, bad = load(session, keys)
                 answer = {"states": [s.value for s in states], "bad": [k.hex() for k in bad]}
+            elif op == "native":
+                from kvd_proto.native import NATIVE
+                answer = {"native": NATIVE}
             elif op == "counts":
                 answer = {"lookups": session.lookups_total, "hits": session.hits_total,
                           "misses": session.misses_total}

@@ -75,6 +75,46 @@ def test_a_block_stored_here_is_a_hit_in_another_process_and_loads_byte_for_byte
     assert_no_slot_leaked(daemon, MODEL)
 
 
+@pytest.mark.parametrize("writer_native", [True, False], ids=["compiled-writes", "twins-write"])
+def test_the_compiled_calls_and_their_python_twins_work_together(daemon, writer_native):
+    """An engine on the scheduler's compiled store / pin / complete / settle paths
+    (kvd_proto/_steps.c, the rings' passes) and one on their Python twins (KVD_NATIVE=0 in its
+    process) share a daemon: each loads byte for byte what the other stored, a second offer of
+    stored keys takes no slot, and every store completes, settles and leaks nothing."""
+    ours, theirs = keys_for(f"twins-{writer_native}", 40), keys_for(f"back-{writer_native}", 24)
+    w = EngineProcess(daemon.socket, MODEL, reserve=64, native=writer_native)
+    r = EngineProcess(daemon.socket, MODEL, reserve=64, native=not writer_native)
+    try:
+        if _native_built():
+            assert w.ask("native")["native"] is writer_native
+            assert r.ask("native")["native"] is not writer_native
+        assert [bytes.fromhex(k) for k, _ in w.ask("store", ours)["granted"]] == ours
+        out = r.ask("load", ours)
+        assert out["states"] == ["hit"] * len(ours) and out["bad"] == []
+        assert len(r.ask("store", theirs)["granted"]) == len(theirs)
+        assert w.ask("store", ours)["granted"] == []          # stored already: nothing new
+        out = w.ask("load", theirs + ours)
+        assert out["states"] == ["hit"] * len(theirs + ours) and out["bad"] == []
+        w.ask("settle")
+        r.ask("settle")
+        assert w.ask("counts")["hits"] == len(theirs + ours)
+        assert r.ask("counts")["hits"] == len(ours)
+    finally:
+        w.close()
+        r.close()
+    doc = wait_idle(daemon)
+    assert doc["blocks"]["ready"] == len(ours) + len(theirs)
+    assert_no_slot_leaked(daemon, MODEL)
+
+
+def _native_built() -> bool:
+    try:
+        import kvd_proto._native  # noqa: F401
+    except ImportError:
+        return False
+    return os.environ.get("KVD_NATIVE") != "0"
+
+
 @pytest.mark.parametrize("order", ["first-offered-completes-first", "duplicate-completes-first"])
 def test_two_engines_storing_the_same_keys_settle_on_one_block_each(daemon, order):
     keys = keys_for(f"duplicate-{order}", 24)

@@ -246,7 +246,8 @@ def test_the_compiled_completion_and_settling_and_their_twins_change_alike():
     daemon read) against their Python twins: the same answers, stores and completed sets."""
     a, b, c, d = (bytes([x]) * 36 for x in b"abcd")
     one, two, unknown = _Shared(5, 9), _Shared(5, 10), _Shared(-1, 11)
-    cases = [([a, b], 8), ([a, c], 8), ([a, a], 8), ([a, b], 1), ([d], 8), ([], 8), ([c], 8)]
+    cases = [([a, b], 8), ({a, b}, 8), ([a, c], 8), ([a, a], 8), ([a, b], 1), ([d], 8), ([], 8),
+             ([c], 8)]
     for keys, per_record in cases:
         outcomes = []
         for kind in ("python", "compiled"):
