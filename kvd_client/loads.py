@@ -22,14 +22,16 @@ Load = tuple[int, int, str]                 # a load in flight: (reclaim, reset,
 
 
 class _Pin:
-    """One pin in flight: its epochs, its keys, and which are still loading (None: all)."""
+    """One pin in flight: its epochs, its keys, which are still loading (None: all), and the
+    record its whole completion sends, when the compiled pin made it (`done`)."""
 
-    __slots__ = ("epochs", "keys", "left")
+    __slots__ = ("epochs", "keys", "left", "done")
 
-    def __init__(self, epochs: Load, keys: frozenset[bytes]) -> None:
+    def __init__(self, epochs: Load, keys: frozenset[bytes], done: bytes | None = None) -> None:
         self.epochs = epochs
         self.keys = keys
         self.left: set[bytes] | None = None
+        self.done = done
 
     def loading(self) -> frozenset[bytes] | set[bytes]:
         return self.keys if self.left is None else self.left
@@ -75,13 +77,15 @@ class LoadTracker:
         self.start_distinct(keys, epochs)
         return len(keys) == len(loaded)
 
-    def start_distinct(self, keys: frozenset[bytes], epochs: Load) -> None:
-        """`start` of keys known distinct, as one set (the compiled pin path makes it)."""
+    def start_distinct(self, keys: frozenset[bytes], epochs: Load,
+                       done: bytes | None = None) -> None:
+        """`start` of keys known distinct, as one set (the compiled pin path makes it, and
+        `done`: the COMPLETE_LOAD record of the whole pin, for `finish_whole`)."""
         pins = self._pins.get(epochs[2])
         if pins is None:
-            self._pins[epochs[2]] = [_Pin(epochs, keys)]
+            self._pins[epochs[2]] = [_Pin(epochs, keys, done)]
         else:
-            pins.append(_Pin(epochs, keys))
+            pins.append(_Pin(epochs, keys, done))
         self._epochs[epochs[0]] += len(keys)
 
     def _release(self, reclaim: int, n: int) -> None:
@@ -91,6 +95,25 @@ class LoadTracker:
             epochs[reclaim] = left
         else:
             del epochs[reclaim]
+
+    def finish_whole(self, keys: Sequence[bytes], req_id: str) -> bytes | None:
+        """The common finish: `keys` are exactly a pin of `req_id` made with its completion
+        record (the compiled pin path): that pin ends, and its record is what to send (its
+        keys were read while they were in the cache). None: not so (`finish` decides)."""
+        pins = self._pins.get(req_id)
+        if not pins:
+            return None
+        pin = pins[-1]              # the newest: vLLM has one load of a request at a time
+        n = len(keys)
+        if pin.done is None or pin.left is not None or len(pin.keys) != n or \
+                not pin.keys.issuperset(keys) or \
+                (not isinstance(keys, (set, frozenset)) and len(set(keys)) != n):
+            return None
+        pins.pop()
+        if not pins:
+            del self._pins[req_id]
+        self._release(pin.epochs[0], n)
+        return pin.done
 
     def finish(self, keys: Sequence[bytes], req_id: str) -> tuple[dict[int, list[bytes]], int]:
         """Loads of `keys` finished: (keys per reset epoch, to complete at the daemon, each

@@ -62,10 +62,11 @@ class SessionTransfers:
             self._begin()
         if not keys:
             return []
-        pinned = self._lookups.pin(keys, positions, req_id, self._per_record)
+        reset = self._resets.epoch
+        pinned = self._lookups.pin(keys, positions, req_id, self._per_record, reset)
         if pinned is not None:      # the common case, compiled (kvd_proto/_steps.c)
-            offsets, keyset, record = pinned
-            self._loads.start_distinct(keyset, (self._step_epoch, self._resets.epoch, req_id))
+            offsets, keyset, record, done = pinned
+            self._loads.start_distinct(keyset, (self._step_epoch, reset, req_id), done)
             self._put([record])
             return offsets
         offsets: list[Any] = list(map(self._hits.get, keys))
@@ -87,6 +88,12 @@ class SessionTransfers:
 
     def finish_loads(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Loads of `keys` finished (every worker copied)."""
+        done = self._loads.finish_whole(keys, req_id)
+        if done is not None:        # a whole pin, its completion made with it
+            if not self._loads.holding:
+                self._publish_idle()
+            self._put([done])
+            return
         by_reset, unknown = self._loads.finish(keys, req_id)
         if unknown:
             self._put(self._old.finished_records(unknown))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .index_reader import STATE_READY
 
@@ -37,17 +38,20 @@ class Shared:
     seq: int                    # the step whose records told the daemon about them
 
 
-Store = tuple[int, Shared]      # a store in flight: (slot offset, its step's record)
+# A store in flight: (slot offset, its step's record), and, made by the compiled store path,
+# (its call's COMPLETE_STORE record, the call's key count) third.
+Store = tuple[Any, ...]
 
 
 class StoreTracker:
     def __init__(self) -> None:
         self.stores: dict[bytes, Store] = {}       # key -> store (kvd_proto.native reads it)
-        self.completed: set[bytes] = set()         # of those, the copies that finished
-        # completed stores in completion order, (seq, keys, their stores) per completion, to
-        # forget once the daemon has read them
-        self._settling: collections.deque[tuple[int, tuple[bytes, ...], tuple[Store, ...]]] = \
-            collections.deque()
+        # of those, the copies that finished (a dict used as a set: the compiled paths reach
+        # it by a key's hash without reading the key)
+        self.completed: dict[bytes, None] = {}
+        # completed stores in completion order, (seq, keys, their stores[, their hashes]) per
+        # completion, to forget once the daemon has read them
+        self._settling: collections.deque[tuple[Any, ...]] = collections.deque()
         self._stale: dict[int, list[bytes]] = {}   # reset epoch -> keys in flight at a reset
         self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
         # key -> the slot of its store that failed, until the daemon has read the failure
@@ -56,15 +60,14 @@ class StoreTracker:
         self._shared: Shared | None = None
         self.forget: Callable[[list, set[bytes]], None] = self._forget
 
-    def _forget(self, entries: list[tuple[int, tuple[bytes, ...], tuple[Store, ...]]],
-                completed: set[bytes]) -> None:
+    def _forget(self, entries: list[tuple], completed: dict[bytes, None]) -> None:
         """`settle`'s forgetting, where no compiled one was given (the same effects)."""
         stores = self.stores
-        for _, keys, got in entries:
-            for key, store in zip(keys, got, strict=True):
+        for entry in entries:
+            for key, store in zip(entry[1], entry[2], strict=True):
                 if stores.get(key) is store:
                     del stores[key]
-                    completed.discard(key)
+                    completed.pop(key, None)
 
     def __len__(self) -> int:
         return len(self.stores)
@@ -142,11 +145,11 @@ class StoreTracker:
                 continue
             shared = store[1]
             if success:
-                completed.add(key)           # lookups answer HIT from now on
+                completed[key] = None        # lookups answer HIT from now on
                 settling.append((shared.seq, (key,), (store,)))
             else:
                 del stores[key]
-                completed.discard(key)
+                completed.pop(key, None)
                 if len(self.failed) < MAX_LOCAL_STORES:
                     self.failed[key] = store[0]
                     self._failing.append((seq, key, store[0]))
@@ -156,9 +159,10 @@ class StoreTracker:
             by_reset.setdefault(shared.reset_epoch, []).append(key)
         return by_reset, unknown
 
-    def completing(self, entry: tuple[int, tuple[bytes, ...], tuple[Store, ...]]) -> None:
+    def completing(self, entry: tuple[Any, ...]) -> None:
         """Stores completed by the compiled path (kvd_proto/_steps.c `complete`, which put
-        their keys in `completed`): (the step that told the daemon of them, keys, stores)."""
+        their keys in `completed`): (the step that told the daemon of them, keys, stores, the
+        keys' hashes)."""
         self._settling.append(entry)
 
     def settle(self, acked: int) -> None:
@@ -180,16 +184,16 @@ class StoreTracker:
 
     def reset(self) -> None:
         """A reset: every store in flight is stale (its slot waits at the daemon)."""
-        for key, (_, shared) in self.stores.items():
-            self._stale.setdefault(shared.reset_epoch, []).append(key)
+        for key, store in self.stores.items():
+            self._stale.setdefault(store[1].reset_epoch, []).append(key)
         self._clear()
 
     def reset_done(self, epoch: int) -> list[tuple[bytes, str, bool]]:
         """The daemon did the reset: stores made meanwhile belong to `epoch`; the completions
         that waited for it, to send now."""
-        for _, shared in self.stores.values():
-            if shared.reset_epoch == UNKNOWN_EPOCH:
-                shared.reset_epoch = epoch
+        for store in self.stores.values():
+            if store[1].reset_epoch == UNKNOWN_EPOCH:
+                store[1].reset_epoch = epoch
         deferred, self._deferred = self._deferred, []
         return deferred
 

@@ -12,13 +12,16 @@
  *   store(keys, positions, req_id, slots, shared, per_record, room)
  *       The keys neither stored by this engine nor in the index are new: take as many slots
  *       from the end of `slots`, record each as the engine's store (stores[key] = (offset,
- *       shared)) and encode the STORE record. -> (new, offsets, record or None when nothing
+ *       shared, (the COMPLETE_STORE record of the call's whole success, its key count)), or
+ *       (offset, shared) while `shared.reset_epoch` is not known) and encode the STORE
+ *       record. -> (new, offsets, record or None when nothing
  *       is new), or None: lookups not enabled (no index, a reset on its way), no key, more
  *       keys than one record carries (`per_record`), a key named twice, a key not bytes, more
  *       new keys than `room` (the tracker's bound) or than `slots` holds (the reserve is
  *       short: the Python path declines and counts it).
- *   pin(keys, positions, req_id, per_record)
- *       Every key a HIT of this step: (offsets, frozenset(keys), the PIN record), or None
+ *   pin(keys, positions, req_id, per_record, epoch)
+ *       Every key a HIT of this step: (offsets, frozenset(keys), the PIN record, the
+ *       COMPLETE_LOAD record of reset epoch `epoch` its whole completion will send), or None
  *       (a key no HIT, named twice, or more than one record carries).
  *
  * `positions` is used when it has one entry per key (else the record carries none), as the
@@ -35,19 +38,20 @@
 #define KIND_STORE 1           /* kvd_proto/records.py STORE */
 #define KIND_COMPLETE_STORE 2  /* kvd_proto/records.py COMPLETE_STORE */
 #define KIND_PIN 3             /* kvd_proto/records.py PIN */
+#define KIND_COMPLETE_LOAD 4   /* kvd_proto/records.py COMPLETE_LOAD */
 
 const char LOOKUPS_STORE_DOC[] =
     "store(keys, positions, req_id, slots, shared, per_record, room) -> (new, offsets, record "
     "or None) or None: a store call's common case (kvd_proto/_steps.c)";
 const char LOOKUPS_COMPLETE_DOC[] =
-    "complete(keys, completed, req_id, per_record) -> ((seq, keys, stores), record) or None: "
-    "a successful completion's common case (kvd_proto/_steps.c)";
+    "complete(keys, completed, req_id, per_record) -> ((seq, keys, stores, hashes), record) "
+    "or None: a successful completion's common case (kvd_proto/_steps.c)";
 const char LOOKUPS_SETTLE_DOC[] =
     "settle(entries, completed) -> None: forget the completed stores the daemon has read "
     "(kvd_proto/_steps.c)";
 const char LOOKUPS_PIN_DOC[] =
-    "pin(keys, positions, req_id, per_record) -> (offsets, frozenset(keys), record) or None: a "
-    "load call's common case (kvd_proto/_steps.c)";
+    "pin(keys, positions, req_id, per_record, epoch) -> (offsets, frozenset(keys), record, "
+    "completion) or None: a load call's common case (kvd_proto/_steps.c)";
 
 /* `positions` when it has one entry per key (a new reference), else None. */
 static PyObject *positions_for(PyObject *positions, Py_ssize_t n) {
@@ -73,9 +77,55 @@ static PyObject *encode(int kind, PyObject *req_id, PyObject *keys, PyObject *po
     return record;
 }
 
+/* Ask for every key object's line (and the next: a key's bytes may cross into it) before the
+ * keys are read: vLLM's keys are cold by the time a call names them, and reading them one
+ * after the other costs one miss each in turn; asked for together, the misses overlap. */
+static inline void prefetch_keys(PyObject *const *items, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        __builtin_prefetch(items[i]);
+        __builtin_prefetch((const char *)items[i] + 64);
+    }
+}
+
 static int parse_size(PyObject *obj, Py_ssize_t *out) {
     *out = PyLong_AsSsize_t(obj);
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* (COMPLETE_STORE record, key count) for the stores of one call, made while their keys are
+ * in the cache: what their whole successful completion sends (`complete`). None where the
+ * stores' reset epoch is not known yet (`shared.reset_epoch` < 0, or no such attribute). */
+static PyObject *completion_of(PyObject *shared, PyObject *req_id, PyObject *new) {
+    PyObject *epoch_obj = PyObject_GetAttrString(shared, "reset_epoch");
+    long long epoch = -1;
+    if (epoch_obj != NULL) {
+        epoch = PyLong_Check(epoch_obj) ? PyLong_AsLongLong(epoch_obj) : -1;
+        Py_DECREF(epoch_obj);
+    }
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError) &&
+            !PyErr_ExceptionMatches(PyExc_OverflowError))
+            return NULL;
+        PyErr_Clear();
+        epoch = -1;
+    }
+    if (epoch < 0) return Py_NewRef(Py_None);
+    unsigned char head[9];
+    uint64_t epoch64 = (uint64_t)epoch;
+    memcpy(head, &epoch64, 8);
+    head[8] = 1;                                   /* success */
+    PyObject *prefix = PyBytes_FromStringAndSize((char *)head, 9);
+    PyObject *kind = PyLong_FromLong(KIND_COMPLETE_STORE);
+    PyObject *out = NULL;
+    if (prefix != NULL && kind != NULL) {
+        PyObject *rargs[8] = {kind, prefix, req_id, new, Py_False, Py_None, Py_None, Py_None};
+        PyObject *record = native_keys_record(NULL, rargs, 8);
+        if (record != NULL)
+            out = Py_BuildValue("(Nn)", record, PyList_GET_SIZE(new));
+    }
+    Py_XDECREF(prefix);
+    Py_XDECREF(kind);
+    return out;
 }
 
 PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -97,7 +147,7 @@ PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *result = NULL, *seen = NULL, *index = NULL, *new = NULL, *taken = NULL;
-    PyObject *positions = NULL, *record = NULL;
+    PyObject *positions = NULL, *record = NULL, *call = NULL;
     uint64_t *home = NULL;
     if (n == 0 || n > per_record) goto fallback;
     seen = PySet_New(NULL);
@@ -107,6 +157,7 @@ PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) 
         if (home == NULL) PyErr_NoMemory();
         goto done;
     }
+    prefetch_keys(items, n);
     for (Py_ssize_t i = 0; i < n; i++) {        /* every bucket's line asked for at once */
         if (!PyBytes_CheckExact(items[i])) goto fallback;
         home[i] = lookups_prefetch(self, items[i]);
@@ -140,9 +191,12 @@ PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) 
     if (positions == NULL) goto done;
     record = encode(KIND_STORE, req_id, seq, positions, index, taken);
     if (record == NULL) goto done;
-    /* The record is made: from here on the containers change. */
+    call = completion_of(shared, req_id, new);
+    if (call == NULL) goto done;
+    /* The records are made: from here on the containers change. */
     for (Py_ssize_t j = 0; j < m; j++) {
-        PyObject *store = PyTuple_Pack(2, PyList_GET_ITEM(taken, j), shared);
+        PyObject *store = call == Py_None ? PyTuple_Pack(2, PyList_GET_ITEM(taken, j), shared)
+                                          : PyTuple_Pack(3, PyList_GET_ITEM(taken, j), shared, call);
         if (store == NULL) goto done;
         int rc = PyDict_SetItem(self->stores, PyList_GET_ITEM(new, j), store);
         Py_DECREF(store);
@@ -160,16 +214,19 @@ done:
     Py_XDECREF(taken);
     Py_XDECREF(positions);
     Py_XDECREF(record);
+    Py_XDECREF(call);
     PyMem_Free(home);
     Py_DECREF(seq);
     return result;
 }
 
 PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "pin(keys, positions, req_id, per_record)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pin(keys, positions, req_id, per_record, epoch)");
         return NULL;
     }
+    unsigned long long epoch = PyLong_AsUnsignedLongLong(args[4]);
+    if (epoch == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     PyObject *keys = args[0], *req_id = args[2];
     Py_ssize_t per_record;
     if (parse_size(args[3], &per_record) < 0) return NULL;
@@ -178,10 +235,11 @@ PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *result = NULL, *offsets = NULL, *keyset = NULL, *positions = NULL;
-    PyObject *record = NULL;
+    PyObject *record = NULL, *done_record = NULL;
     if (n == 0 || n > per_record) goto fallback;
     offsets = PyList_New(n);
     if (offsets == NULL) goto done;
+    prefetch_keys(items, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *offset = PyDict_GetItemWithError(self->hits, items[i]);
         if (offset == NULL) {
@@ -197,7 +255,20 @@ PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     if (positions == NULL) goto done;
     record = encode(KIND_PIN, req_id, seq, positions, Py_None, offsets);
     if (record == NULL) goto done;
-    result = PyTuple_Pack(3, offsets, keyset, record);
+    /* The completion the whole pin will need, made while the keys are in the cache (at
+     * finish_loads they are cold again, and its keys come as vLLM's set). */
+    {
+        PyObject *prefix = PyBytes_FromStringAndSize((const char *)&epoch, 8);
+        PyObject *kind = PyLong_FromLong(KIND_COMPLETE_LOAD);
+        if (prefix != NULL && kind != NULL) {
+            PyObject *rargs[8] = {kind, prefix, req_id, seq, Py_False, Py_None, Py_None, Py_None};
+            done_record = native_keys_record(NULL, rargs, 8);
+        }
+        Py_XDECREF(prefix);
+        Py_XDECREF(kind);
+        if (done_record == NULL) goto done;
+    }
+    result = PyTuple_Pack(4, offsets, keyset, record, done_record);
     goto done;
 fallback:
     result = Py_NewRef(Py_None);
@@ -206,18 +277,103 @@ done:
     Py_XDECREF(keyset);
     Py_XDECREF(positions);
     Py_XDECREF(record);
+    Py_XDECREF(done_record);
     Py_DECREF(seq);
     return result;
 }
 
-/* complete(keys, completed, req_id, per_record) -> ((seq, keys, stores), record) or None
+/* A key's hash as its set entry holds it, used as it is: on CPython 3.11 the dict and set
+ * calls below take it, so a completion of vLLM's key set reads no key object (they are cold
+ * by then: one miss each). Elsewhere the public calls hash the key again (same results). */
+#if PY_VERSION_HEX < 0x030C0000
+#define KNOWN_HASH 1
+#endif
+
+static inline PyObject *dict_get(PyObject *d, PyObject *k, Py_hash_t h) {
+#ifdef KNOWN_HASH
+    return _PyDict_GetItem_KnownHash(d, k, h);
+#else
+    (void)h;
+    return PyDict_GetItemWithError(d, k);
+#endif
+}
+
+static inline int dict_set(PyObject *d, PyObject *k, PyObject *v, Py_hash_t h) {
+#ifdef KNOWN_HASH
+    return _PyDict_SetItem_KnownHash(d, k, v, h);
+#else
+    (void)h;
+    return PyDict_SetItem(d, k, v);
+#endif
+}
+
+/* Delete k from d if it is there. */
+static inline int dict_discard(PyObject *d, PyObject *k, Py_hash_t h) {
+#ifdef KNOWN_HASH
+    int has = _PyDict_Contains_KnownHash(d, k, h);
+    return has <= 0 ? has : _PyDict_DelItem_KnownHash(d, k, h);
+#else
+    (void)h;
+    int has = PyDict_Contains(d, k);
+    return has <= 0 ? has : PyDict_DelItem(d, k);
+#endif
+}
+
+/* The keys of `obj` as a tuple, their hashes into *hashes (PyMem_Malloc'd): read from a
+ * set's entries where KNOWN_HASH, else computed. */
+static PyObject *keys_and_hashes(PyObject *obj, Py_hash_t **hashes) {
+    *hashes = NULL;
+    PyObject *keys;
+#ifdef KNOWN_HASH
+    if (PyAnySet_Check(obj)) {
+        Py_ssize_t n = PySet_GET_SIZE(obj), pos = 0, i = 0;
+        keys = PyTuple_New(n);
+        *hashes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_hash_t));
+        if (keys == NULL || *hashes == NULL) goto nomem;
+        PyObject *key;
+        Py_hash_t hash;
+        while (i < n && _PySet_NextEntry(obj, &pos, &key, &hash)) {
+            PyTuple_SET_ITEM(keys, i, Py_NewRef(key));
+            (*hashes)[i++] = hash;
+        }
+        if (i != n) {                       /* the set changed under us: not ours to trust */
+            PyErr_SetString(PyExc_RuntimeError, "the key set changed during the call");
+            goto fail;
+        }
+        return keys;
+    }
+#endif
+    keys = PySequence_Tuple(obj);
+    if (keys == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    *hashes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_hash_t));
+    if (*hashes == NULL) goto nomem;
+    prefetch_keys(&PyTuple_GET_ITEM(keys, 0), n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_hash_t hash = PyObject_Hash(PyTuple_GET_ITEM(keys, i));
+        if (hash == -1) goto fail;
+        (*hashes)[i] = hash;
+    }
+    return keys;
+nomem:
+    PyErr_NoMemory();
+fail:
+    Py_XDECREF(keys);
+    PyMem_Free(*hashes);
+    *hashes = NULL;
+    return NULL;
+}
+
+/* complete(keys, completed, req_id, per_record) -> ((seq, keys, stores, hashes), record) or None
  *
  * Stores of `keys` finished, the common case: every key a store in flight of this engine
  * (stores[key]), all sharing one record (`shared`: made in one step, of a known reset epoch),
- * distinct, no more than one record carries. Each key goes into `completed` (its lookups answer
- * HIT from now on); the answer is the entry the session keeps until the daemon has read the
- * completion (the step its stores were told in, the keys, their stores) and the COMPLETE_STORE
- * record (successful) to send. None: anything else (the Python path decides it). */
+ * distinct, no more than one record carries. Each key goes into `completed` (a dict: key ->
+ * None; its lookups answer HIT from now on); the answer is the entry the session keeps until
+ * the daemon has read the completion (the step its stores were told in, the keys, their
+ * stores, the keys' hashes as bytes) and the COMPLETE_STORE record (successful) to send: the
+ * one `store` made with the keys when they are exactly its call's, else encoded here. None:
+ * anything else (the Python path decides it). */
 PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "complete(keys, completed, req_id, per_record)");
@@ -226,30 +382,39 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
     PyObject *completed = args[1], *req_id = args[2];
     Py_ssize_t per_record;
     if (parse_size(args[3], &per_record) < 0) return NULL;
-    if (!PySet_Check(completed)) {
-        PyErr_SetString(PyExc_TypeError, "completed must be a set");
+    if (!PyDict_Check(completed)) {
+        PyErr_SetString(PyExc_TypeError, "completed must be a dict");
         return NULL;
     }
     int distinct = PyAnySet_Check(args[0]);       /* vLLM passes its job's keys as a set */
-    PyObject *keys = PySequence_Tuple(args[0]);
+    Py_hash_t *hashes;
+    PyObject *keys = keys_and_hashes(args[0], &hashes);
     if (keys == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
     PyObject *result = NULL, *got = NULL, *seen = NULL, *epoch_obj = NULL, *seq_obj = NULL;
-    PyObject *prefix = NULL, *kind = NULL, *record = NULL, *shared = NULL;
+    PyObject *prefix = NULL, *kind = NULL, *record = NULL, *shared = NULL, *call = NULL;
+    PyObject *hash_bytes = NULL;
     if (n == 0 || n > per_record) goto fallback;
     got = PyTuple_New(n);
     seen = distinct ? NULL : PySet_New(NULL);
     if (got == NULL || (!distinct && seen == NULL)) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyTuple_GET_ITEM(keys, i);
-        PyObject *store = PyDict_GetItemWithError(self->stores, key);
+        PyObject *store = dict_get(self->stores, key, hashes[i]);
         if (store == NULL) {
             if (PyErr_Occurred()) goto done;
             goto fallback;
         }
-        if (!PyTuple_CheckExact(store) || PyTuple_GET_SIZE(store) != 2) goto fallback;
-        if (shared == NULL) shared = PyTuple_GET_ITEM(store, 1);
-        else if (PyTuple_GET_ITEM(store, 1) != shared) goto fallback;
+        if (!PyTuple_CheckExact(store) || PyTuple_GET_SIZE(store) < 2) goto fallback;
+        PyObject *its_call = PyTuple_GET_SIZE(store) > 2 ? PyTuple_GET_ITEM(store, 2) : Py_None;
+        if (shared == NULL) {
+            shared = PyTuple_GET_ITEM(store, 1);
+            call = its_call;
+        } else if (PyTuple_GET_ITEM(store, 1) != shared) {
+            goto fallback;
+        } else if (its_call != call) {
+            call = Py_None;                        /* keys of several calls: encoded here */
+        }
         PyTuple_SET_ITEM(got, i, Py_NewRef(store));
         if (seen != NULL && PySet_Add(seen, key) < 0) goto done;
     }
@@ -260,19 +425,27 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
     long long epoch = PyLong_AsLongLong(epoch_obj);
     if (epoch == -1 && PyErr_Occurred()) goto done;
     if (epoch < 0) goto fallback;                  /* a reset's answer still on its way */
-    unsigned char head[9];
-    uint64_t epoch64 = (uint64_t)epoch;
-    memcpy(head, &epoch64, 8);
-    head[8] = 1;                                   /* success */
-    prefix = PyBytes_FromStringAndSize((char *)head, 9);
-    kind = PyLong_FromLong(KIND_COMPLETE_STORE);
-    if (prefix == NULL || kind == NULL) goto done;
-    PyObject *rargs[8] = {kind, prefix, req_id, keys, Py_False, Py_None, Py_None, Py_None};
-    record = native_keys_record(NULL, rargs, 8);
-    if (record == NULL) goto done;
+    if (PyTuple_CheckExact(call) && PyTuple_GET_SIZE(call) == 2 &&
+        PyLong_AsSsize_t(PyTuple_GET_ITEM(call, 1)) == n) {
+        record = Py_NewRef(PyTuple_GET_ITEM(call, 0));   /* made by `store`: the same bytes */
+    } else {
+        if (PyErr_Occurred()) goto done;
+        unsigned char head[9];
+        uint64_t epoch64 = (uint64_t)epoch;
+        memcpy(head, &epoch64, 8);
+        head[8] = 1;                               /* success */
+        prefix = PyBytes_FromStringAndSize((char *)head, 9);
+        kind = PyLong_FromLong(KIND_COMPLETE_STORE);
+        if (prefix == NULL || kind == NULL) goto done;
+        PyObject *rargs[8] = {kind, prefix, req_id, keys, Py_False, Py_None, Py_None, Py_None};
+        record = native_keys_record(NULL, rargs, 8);
+        if (record == NULL) goto done;
+    }
+    hash_bytes = PyBytes_FromStringAndSize((const char *)hashes, n * (Py_ssize_t)sizeof(Py_hash_t));
+    if (hash_bytes == NULL) goto done;
     for (Py_ssize_t i = 0; i < n; i++)            /* lookups answer HIT from now on */
-        if (PySet_Add(completed, PyTuple_GET_ITEM(keys, i)) < 0) goto done;
-    result = Py_BuildValue("((OOO)O)", seq_obj, keys, got, record);
+        if (dict_set(completed, PyTuple_GET_ITEM(keys, i), Py_None, hashes[i]) < 0) goto done;
+    result = Py_BuildValue("((OOOO)O)", seq_obj, keys, got, hash_bytes, record);
     goto done;
 fallback:
     result = Py_NewRef(Py_None);
@@ -284,18 +457,21 @@ done:
     Py_XDECREF(prefix);
     Py_XDECREF(kind);
     Py_XDECREF(record);
+    Py_XDECREF(hash_bytes);
+    PyMem_Free(hashes);
     Py_DECREF(keys);
     return result;
 }
 
 /* settle(entries, completed) -> None
  *
- * Completed stores the daemon has read: for each (seq, keys, stores) entry, every key whose
- * store in flight is still that one is forgotten (stores and `completed`): the index answers
- * for it from now on. A key stored again since (a newer store) is left alone. */
+ * Completed stores the daemon has read: for each (seq, keys, stores[, hashes]) entry, every
+ * key whose store in flight is still that one is forgotten (stores and `completed`): the
+ * index answers for it from now on. A key stored again since (a newer store) is left alone.
+ * `hashes` (what `complete` kept) spares reading the keys again. */
 PyObject *Lookups_settle(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PySet_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "settle(entries, completed: set)");
+    if (nargs != 2 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "settle(entries, completed: dict)");
         return NULL;
     }
     PyObject *completed = args[1];
@@ -304,21 +480,37 @@ PyObject *Lookups_settle(Lookups *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count = PySequence_Fast_GET_SIZE(entries);
     for (Py_ssize_t e = 0; e < count; e++) {
         PyObject *entry = PySequence_Fast_GET_ITEM(entries, e);
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
-            !PyTuple_Check(PyTuple_GET_ITEM(entry, 1)) || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)) ||
-            PyTuple_GET_SIZE(PyTuple_GET_ITEM(entry, 1)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(entry, 2))) {
+        Py_ssize_t size = PyTuple_Check(entry) ? PyTuple_GET_SIZE(entry) : 0;
+        PyObject *keys = size >= 3 ? PyTuple_GET_ITEM(entry, 1) : NULL;
+        PyObject *got = size >= 3 ? PyTuple_GET_ITEM(entry, 2) : NULL;
+        PyObject *hashes = size == 4 ? PyTuple_GET_ITEM(entry, 3) : NULL;
+        if ((size != 3 && size != 4) || !PyTuple_Check(keys) || !PyTuple_Check(got) ||
+            PyTuple_GET_SIZE(keys) != PyTuple_GET_SIZE(got) ||
+            (hashes != NULL && (!PyBytes_Check(hashes) || PyBytes_GET_SIZE(hashes) !=
+                                PyTuple_GET_SIZE(keys) * (Py_ssize_t)sizeof(Py_hash_t)))) {
             Py_DECREF(entries);
-            PyErr_SetString(PyExc_TypeError, "an entry is (seq, keys, stores), one store per key");
+            PyErr_SetString(PyExc_TypeError, "an entry is (seq, keys, stores[, hashes]), one "
+                            "store per key");
             return NULL;
         }
-        PyObject *keys = PyTuple_GET_ITEM(entry, 1), *got = PyTuple_GET_ITEM(entry, 2);
+        const char *hash_at = hashes != NULL ? PyBytes_AS_STRING(hashes) : NULL;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
             PyObject *key = PyTuple_GET_ITEM(keys, i);
-            PyObject *store = PyDict_GetItemWithError(self->stores, key);
+            Py_hash_t hash;
+            if (hash_at != NULL) {
+                memcpy(&hash, hash_at + i * (Py_ssize_t)sizeof hash, sizeof hash);
+            } else if ((hash = PyObject_Hash(key)) == -1) {
+                goto fail;
+            }
+            PyObject *store = dict_get(self->stores, key, hash);
             if (store == NULL && PyErr_Occurred()) goto fail;
             if (store != PyTuple_GET_ITEM(got, i)) continue;
-            if (PyDict_DelItem(self->stores, key) < 0 || PySet_Discard(completed, key) < 0)
-                goto fail;
+#ifdef KNOWN_HASH
+            if (_PyDict_DelItem_KnownHash(self->stores, key, hash) < 0) goto fail;
+#else
+            if (PyDict_DelItem(self->stores, key) < 0) goto fail;
+#endif
+            if (dict_discard(completed, key, hash) < 0) goto fail;
         }
     }
     Py_DECREF(entries);

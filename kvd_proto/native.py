@@ -143,9 +143,11 @@ class _Regions:
             view.release()
 
 
+_MAX_EPOCH = 2**63 - 1  # a reset epoch the compiled path reads (a C long long)
 STORE_KIND = 1         # kvd_proto/records.py STORE (records imports this module)
 COMPLETE_STORE_KIND = 2  # kvd_proto/records.py COMPLETE_STORE
 PIN_KIND = 3           # kvd_proto/records.py PIN
+COMPLETE_LOAD_KIND = 4  # kvd_proto/records.py COMPLETE_LOAD
 
 
 def _positions_for(positions: Sequence[int] | None, n: int) -> Sequence[int] | None:
@@ -257,13 +259,21 @@ class PyLookups:
             return new, taken, None
         record = keys_record(STORE_KIND, b"", req_id, keys, True,
                              _positions_for(positions, n), index, taken)
-        stores.update(zip(new, ((offset, shared) for offset in taken), strict=True))
+        epoch = getattr(shared, "reset_epoch", -1)
+        if isinstance(epoch, int) and 0 <= epoch <= _MAX_EPOCH:
+            call = (keys_record(COMPLETE_STORE_KIND, struct.pack("<QB", epoch, True), req_id,
+                                new, False, None, None, None), m)
+            stores.update(zip(new, ((offset, shared, call) for offset in taken), strict=True))
+        else:
+            stores.update(zip(new, ((offset, shared) for offset in taken), strict=True))
         del slots[len(slots) - m:]
         return new, taken, record
 
     def pin(self, keys: Sequence[bytes], positions: Sequence[int] | None, req_id: str,
-            per_record: int) -> tuple[list[int], frozenset[bytes], bytes] | None:
-        """A load call's common case (kvd_proto/_steps.c)."""
+            per_record: int, epoch: int
+            ) -> tuple[list[int], frozenset[bytes], bytes, bytes] | None:
+        """A load call's common case, with the completion its whole pin will send
+        (kvd_proto/_steps.c)."""
         n = len(keys)
         if not 0 < n <= per_record:
             return None
@@ -275,21 +285,23 @@ class PyLookups:
             return None
         record = keys_record(PIN_KIND, b"", req_id, keys, True, _positions_for(positions, n),
                              None, offsets)
-        return offsets, keyset, record
+        done = keys_record(COMPLETE_LOAD_KIND, struct.pack("<Q", epoch), req_id, keys, False,
+                           None, None, None)
+        return offsets, keyset, record, done
 
-    def complete(self, keys: Sequence[bytes], completed: set[bytes], req_id: str,
-                 per_record: int) -> tuple[tuple[Any, tuple[bytes, ...], tuple[Any, ...]],
+    def complete(self, keys: Sequence[bytes], completed: dict[bytes, None], req_id: str,
+                 per_record: int) -> tuple[tuple[Any, tuple[bytes, ...], tuple[Any, ...], bytes],
                                            bytes] | None:
         """A successful completion's common case (kvd_proto/_steps.c)."""
-        if not isinstance(completed, (set, frozenset)):
-            raise TypeError("completed must be a set")
+        if not isinstance(completed, dict):
+            raise TypeError("completed must be a dict")
         keys = tuple(keys)
         n = len(keys)
         if not 0 < n <= per_record:
             return None
         stores = self._stores
         got = tuple(stores.get(k) for k in keys)
-        if any(type(g) is not tuple or len(g) != 2 for g in got):
+        if any(type(g) is not tuple or len(g) < 2 for g in got):
             return None
         shared = got[0][1]
         if any(g[1] is not shared for g in got) or len(set(keys)) != n:
@@ -297,22 +309,29 @@ class PyLookups:
         epoch, seq = shared.reset_epoch, shared.seq
         if epoch < 0:
             return None
-        record = keys_record(COMPLETE_STORE_KIND, struct.pack("<QB", epoch, True), req_id, keys,
-                             False, None, None, None)
-        completed.update(keys)
-        return (seq, keys, got), record
+        calls = {id(g[2]) if len(g) > 2 else None for g in got}
+        call = got[0][2] if len(got[0]) > 2 and len(calls) == 1 else None
+        if call is not None and call[1] == n:
+            record = call[0]
+        else:
+            record = keys_record(COMPLETE_STORE_KIND, struct.pack("<QB", epoch, True), req_id,
+                                 keys, False, None, None, None)
+        completed.update(dict.fromkeys(keys))
+        hashes = array("q", map(hash, keys)).tobytes()
+        return (seq, keys, got, hashes), record
 
-    def settle(self, entries: Sequence[tuple[Any, tuple[bytes, ...], tuple[Any, ...]]],
-               completed: set[bytes]) -> None:
+    def settle(self, entries: Sequence[tuple[Any, ...]], completed: dict[bytes, None]) -> None:
         """Forget the completed stores the daemon has read (kvd_proto/_steps.c)."""
+        if not isinstance(completed, dict):
+            raise TypeError("settle(entries, completed: dict)")
         stores = self._stores
-        for _, keys, got in entries:
-            if len(keys) != len(got):
-                raise TypeError("an entry is (seq, keys, stores), one store per key")
-            for key, store in zip(keys, got, strict=True):
+        for entry in entries:
+            if len(entry) not in (3, 4) or len(entry[1]) != len(entry[2]):
+                raise TypeError("an entry is (seq, keys, stores[, hashes]), one store per key")
+            for key, store in zip(entry[1], entry[2], strict=True):
                 if stores.get(key) is store:
                     del stores[key]
-                    completed.discard(key)
+                    completed.pop(key, None)
 
 
 class PyIndexTable:

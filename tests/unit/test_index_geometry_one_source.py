@@ -100,7 +100,7 @@ def test_the_python_twins_spell_no_meta_word_bit_of_their_own() -> None:
     assert not literals, "native.py spells index geometry inline: " + "; ".join(literals)
 
 
-@pytest.mark.parametrize("name", ["STORE", "COMPLETE_STORE", "PIN"])
+@pytest.mark.parametrize("name", ["STORE", "COMPLETE_STORE", "PIN", "COMPLETE_LOAD"])
 def test_the_c_record_kinds_are_the_protocols(name: str) -> None:
     """The compiled store / pin paths encode records of kvd_proto/records.py's kinds."""
     from kvd_proto import native, records

@@ -219,16 +219,18 @@ def test_the_compiled_pin_and_its_twin_answer_alike():
         for kind in ("python", "compiled"):
             lk, hits, _, m = _store_pin_world(kind)
             hits.update({a: 4096, b: 8192})
-            outcomes.append(lk.pin(keys, positions, "req-2", per_record))
+            outcomes.append(lk.pin(keys, positions, "req-2", per_record, 6))
             lk.unbind()
             m.close()
         assert outcomes[0] == outcomes[1]
     lk, hits, _, m = _store_pin_world("compiled")
     hits.update({a: 4096, b: 8192})
-    offsets, keyset, record = lk.pin([a, b], range(5, 7), "req-2", 8)
+    offsets, keyset, record, done = lk.pin([a, b], range(5, 7), "req-2", 8, 6)
     assert offsets == [4096, 8192] and keyset == frozenset((a, b))
     assert record == native.keys_record(3, b"", "req-2", [a, b], True, range(5, 7), None,
                                         [4096, 8192])
+    assert done == native.keys_record(4, struct.pack("<Q", 6), "req-2", [a, b], False, None,
+                                      None, None)            # its whole completion
     lk.unbind()
     m.close()
 
@@ -253,23 +255,27 @@ def test_the_compiled_completion_and_settling_and_their_twins_change_alike():
         for kind in ("python", "compiled"):
             lk, _, stores, m = _store_pin_world(kind)
             stores.update({a: (4096, one), b: (8192, one), c: (0, two), d: (12288, unknown)})
-            completed: set[bytes] = set()
+            completed: dict[bytes, None] = {}
             got = lk.complete(keys, completed, "req-3", per_record)
-            outcomes.append((got, dict(stores), set(completed)))
+            outcomes.append((got, dict(stores), dict(completed)))
             lk.unbind()
             m.close()
         assert outcomes[0] == outcomes[1], keys
     got, _, completed = outcomes[0]                  # [c]: the last case, completed
-    assert got[0] == (10, (c,), ((0, two),)) and completed == {c}
+    assert got[0][:3] == (10, (c,), ((0, two),)) and completed == {c: None}
+    assert got[0][3] == struct.pack("<q", hash(c))    # its hash, for settling
     assert got[1] == native.keys_record(2, struct.pack("<QB", 5, True), "req-3", [c], False,
                                         None, None, None)
     for kind in ("python", "compiled"):
         lk, _, stores, m = _store_pin_world(kind)
         newer, sa, sb = (16384, two), (4096, one), (8192, one)
         stores.update({a: sa, b: newer})        # b was stored again since: left alone
-        completed = {a, b}
+        completed = dict.fromkeys((a, b))
         lk.settle([(9, (a, b), (sa, sb))], completed)
-        assert stores == {b"o" * 36: (0, "old"), b: newer} and completed == {b}
+        assert stores == {b"o" * 36: (0, "old"), b: newer} and completed == {b: None}
+        stores[a], completed[a] = sa, None                 # again, with the keys' hashes
+        lk.settle([(9, (a,), (sa,), struct.pack("<q", hash(a)))], completed)
+        assert a not in stores and a not in completed
         with pytest.raises(TypeError):
             lk.settle([(9, (a, b), (sa,))], completed)
         lk.unbind()
@@ -384,3 +390,30 @@ def test_the_compiled_key_positions_are_the_twins():
 
     with pytest.raises(KeyError):
         _native.key_positions(broken, [b"k"])
+
+
+@needs_native
+def test_a_whole_call_completes_with_the_record_its_store_made():
+    """store makes, while the keys are at hand, the COMPLETE_STORE record their whole
+    successful completion sends; complete of exactly those keys (vLLM passes them as a set)
+    sends it, the same bytes as one encoded then; compiled and twin alike."""
+    a, b, c = b"a" * 36, b"b" * 36, b"c" * 36
+    for kind in ("python", "compiled"):
+        lk, _, stores, m = _store_pin_world(kind)
+        shared = _Shared(3, 12)
+        new, taken, _ = lk.store([a, b, b"r" * 36], None, "req-4", [7, 8, 9], shared, 8, 99)
+        assert new == [a, b] and taken == [8, 9]
+        call = stores[a][2]
+        assert stores[b][2] is call and call[1] == 2
+        expected = native.keys_record(2, struct.pack("<QB", 3, True), "req-4", [a, b], False,
+                                      None, None, None)
+        assert call[0] == expected
+        completed: dict[bytes, None] = {}
+        entry, record = lk.complete({b, a}, completed, "req-4", 8)
+        assert record == expected and completed.keys() == {a, b}
+        lk.store([c], None, "req-5", [10], shared, 8, 99)
+        entry, record = lk.complete([c, a], {}, "req-5", 8)    # two calls' keys: encoded
+        assert record == native.keys_record(2, struct.pack("<QB", 3, True), "req-5", [c, a],
+                                            False, None, None, None)
+        lk.unbind()
+        m.close()

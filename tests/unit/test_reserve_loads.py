@@ -192,10 +192,10 @@ def test_completions_settle_whole_calls_or_key_by_key_with_the_same_answers():
     assert t.complete(a[:2], "r", True) == ({1: a[:2]}, 0)            # one call's keys
     assert t.complete([a[2], b[0], a[2]], "r", True) == ({1: [a[2], b[0], a[2]]}, 0)
     assert t.complete([b[1], b"nope"], "r", True) == ({1: [b[1]]}, 1)
-    assert t.completed == set(a[:3] + b)
+    assert t.completed.keys() == set(a[:3] + b)
     assert all(t.answer(k, None, 4) == o for k, o in zip(a[:3] + b, [0, 1, 2, 4, 5]))
     t.settle(5)                                  # the daemon read step 5: a's, not b's
-    assert set(t.stores) == {a[3], *b} and t.completed == set(b)
+    assert set(t.stores) == {a[3], *b} and t.completed.keys() == set(b)
     t.settle(6)
     assert set(t.stores) == {a[3]} and not t.completed
 
@@ -217,3 +217,23 @@ def test_the_window_max_is_the_max_of_the_last_window_of_values():
         window.add(value)
         last.append(value)
         assert window.max == max(last) and window.seen == min(i + 1, DEMAND_WINDOW)
+
+
+def test_a_whole_pin_finishes_with_the_completion_it_was_made_with():
+    """finish_whole: keys that are exactly the request's newest pin, made with its completion
+    record (the compiled pin path), end it and give that record; anything else is left to
+    `finish` (the pin stays)."""
+    loads = LoadTracker()
+    a, b, c = b"a" * 8, b"b" * 8, b"c" * 8
+    loads.start_distinct(frozenset((a, b)), (7, 0, "r1"), b"DONE-r1")
+    loads.start(["x" * 8], (7, 0, "r2"))                  # no record: the Python path's pin
+    assert loads.floor(9) == 7
+    assert loads.finish_whole({a, c}, "r1") is None       # not its keys
+    assert loads.finish_whole([a, a], "r1") is None       # a key named twice
+    assert loads.finish_whole({a, b}, "r9") is None       # not its request
+    assert loads.finish_whole(["x" * 8], "r2") is None    # no record made
+    assert loads.finish_whole({b, a}, "r1") == b"DONE-r1"
+    assert loads.finish_whole({a, b}, "r1") is None       # ended
+    assert loads.in_flight == 1 and loads.floor(9) == 7
+    assert loads.finish(["x" * 8], "r2") == ({0: ["x" * 8]}, 0)
+    assert not loads.holding and loads.floor(9) == 9
