@@ -39,9 +39,13 @@ class DaemonLink:
         self._reported = (0, 0, 0)        # lookups, hits, misses the daemon has heard of
 
     def put(self, records: list[bytes], essential: bool = True) -> None:
-        """Queue records for the step being made (essential: ones the engine waits for)."""
-        if records and self.client.available:
-            self.msgs.put(records, essential)
+        """Queue records for the step being made (essential: ones the engine waits for);
+        dropped while the client is degraded or has no channel (Messenger.put, inline: the
+        scheduler's calls put ~20 times a step)."""
+        msgs = self.msgs
+        if records and self.client.available and msgs.channel is not None:
+            msgs.outbox.put_many(msgs.seq, records, essential)
+            msgs.essential |= essential
 
     def flush(self) -> None:
         """Into the ring what fits; a daemon that reads none of it restarts the session."""

@@ -116,8 +116,9 @@ class SessionTransfers:
                     ) -> tuple[list[bytes], list[int]] | None:
         """`reserve` as two lists: the new keys and their slots' offsets (what an engine's
         store spec wants), or None when the reserve cannot hold them all now."""
-        self._begin()
-        if self._lookups.enabled and not self._stores.failed:
+        if not self._in_step:
+            self._begin()
+        if self._lookups.enabled and not self._stores.failed and self.client.available:
             # The common case in one compiled pass (kvd_proto/_steps.c); None: this path.
             stores = self._stores
             done = self._lookups.store(keys, positions, req_id, self._reserve.slots,
