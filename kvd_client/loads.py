@@ -9,8 +9,10 @@ counts loads per reclaim epoch, so the floor to publish is one min() over a hand
 
 An engine finishes a load with the keys it started (vLLM does, in any order): that finds its
 pin among its request's pins (the newest of the same size holding every key: one membership
-test per key, nothing built) and ends it whole. Anything else (a part of a pin, keys of
-several pins, no request named) goes key by key.
+test per key, nothing built) and ends it whole; a pin the compiled path made carries the
+COMPLETE_LOAD record its whole end sends (`finish_whole`: encoded at the pin, while its keys
+were in the cache). Anything else (a part of a pin, keys of several pins, no request named)
+goes key by key.
 """
 
 from __future__ import annotations
