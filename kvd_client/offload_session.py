@@ -310,6 +310,7 @@ class OffloadSession(SessionTransfers):
         self._publish_idle()
         if not self.available:
             self._msgs.attach(self._msgs.channel)     # drops what waits: none will be read
+            self._finished.clear()
             return
         if self._finished:
             self._put(list(map(rec.encode_request_finished, self._finished)))
