@@ -98,24 +98,33 @@ class LoadTracker:
         else:
             del epochs[reclaim]
 
+    def _take_whole(self, keys: Sequence[bytes], req_id: str, *, recorded: bool) -> _Pin | None:
+        """End and return the newest pin of `req_id` that `keys` are exactly (one membership
+        test per key, nothing built; with `recorded`, only one the compiled pin made with its
+        completion record). None: no such pin, or a key named twice (key by key then)."""
+        pins = self._pins.get(req_id)
+        if not pins:
+            return None
+        n = len(keys)
+        for i in range(len(pins) - 1, -1, -1):
+            pin = pins[i]           # the newest first: a floor too low only waits longer
+            if pin.left is None and len(pin.keys) == n and pin.keys.issuperset(keys):
+                if (recorded and pin.done is None) or \
+                        (not isinstance(keys, (set, frozenset)) and len(set(keys)) != n):
+                    return None
+                del pins[i]
+                if not pins:
+                    del self._pins[req_id]
+                self._release(pin.epochs[0], n)
+                return pin
+        return None
+
     def finish_whole(self, keys: Sequence[bytes], req_id: str) -> bytes | None:
         """The common finish: `keys` are exactly a pin of `req_id` made with its completion
         record (the compiled pin path): that pin ends, and its record is what to send (its
         keys were read while they were in the cache). None: not so (`finish` decides)."""
-        pins = self._pins.get(req_id)
-        if not pins:
-            return None
-        pin = pins[-1]              # the newest: vLLM has one load of a request at a time
-        n = len(keys)
-        if pin.done is None or pin.left is not None or len(pin.keys) != n or \
-                not pin.keys.issuperset(keys) or \
-                (not isinstance(keys, (set, frozenset)) and len(set(keys)) != n):
-            return None
-        pins.pop()
-        if not pins:
-            del self._pins[req_id]
-        self._release(pin.epochs[0], n)
-        return pin.done
+        pin = self._take_whole(keys, req_id, recorded=True)
+        return None if pin is None else pin.done
 
     def finish(self, keys: Sequence[bytes], req_id: str) -> tuple[dict[int, list[bytes]], int]:
         """Loads of `keys` finished: (keys per reset epoch, to complete at the daemon, each
@@ -123,18 +132,9 @@ class LoadTracker:
         session)."""
         if not keys:
             return {}, 0
-        pins = self._pins.get(req_id, [])
-        n = len(keys)
-        for i in range(len(pins) - 1, -1, -1):
-            pin = pins[i]           # the newest first: a floor too low only waits longer
-            if pin.left is None and len(pin.keys) == n and pin.keys.issuperset(keys):
-                if not isinstance(keys, (set, frozenset)) and len(set(keys)) != n:
-                    break           # a key named twice: key by key
-                del pins[i]
-                if not pins:
-                    del self._pins[req_id]
-                self._release(pin.epochs[0], n)
-                return {pin.epochs[1]: keys if isinstance(keys, list) else list(keys)}, 0
+        pin = self._take_whole(keys, req_id, recorded=False)
+        if pin is not None:
+            return {pin.epochs[1]: keys if isinstance(keys, list) else list(keys)}, 0
         return self._finish_each(keys, req_id)
 
     def _finish_each(self, keys: Sequence[bytes], req_id: str

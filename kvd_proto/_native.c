@@ -404,34 +404,7 @@ fail:
     return NULL;
 }
 
-/* offsets_of(keys) -> [offset, ...] from this step's hits, or None if a key is not one. */
-static PyObject *Lookups_offsets_of(Lookups *self, PyObject *keys) {
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *offset = PyDict_GetItemWithError(self->hits, items[i]);
-        if (offset == NULL) {
-            Py_DECREF(out);
-            Py_DECREF(seq);
-            if (PyErr_Occurred()) return NULL;
-            Py_RETURN_NONE;
-        }
-        PyList_SET_ITEM(out, i, Py_NewRef(offset));
-    }
-    Py_DECREF(seq);
-    return out;
-}
-
 static PyMethodDef Lookups_methods[] = {
-    {"offsets_of", (PyCFunction)Lookups_offsets_of, METH_O,
-     "offsets_of(keys) -> the offsets this step's HITs found, or None if a key was no HIT"},
     {"bind", (PyCFunction)Lookups_bind, METH_VARARGS,
      "bind(mapping, buckets_offset, buckets, meta_offset, capacity, keys_offset, key_width, "
      "per_extent, extent_bytes, stride): read this index from now on (disables lookups)"},

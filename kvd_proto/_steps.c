@@ -61,20 +61,37 @@ static PyObject *positions_for(PyObject *positions, Py_ssize_t n) {
     return Py_NewRef(len == n && n > 0 ? positions : Py_None);
 }
 
+/* One record of `kind` through the shared encoder (kvd_proto/_records.c), its prefix the
+ * `head_len` bytes at `head`. */
+static PyObject *encode_record(int kind, const void *head, Py_ssize_t head_len, PyObject *req_id,
+                               PyObject *keys, int with_positions, PyObject *positions,
+                               PyObject *index, PyObject *offsets) {
+    PyObject *kind_obj = PyLong_FromLong(kind);
+    PyObject *prefix = PyBytes_FromStringAndSize((const char *)head, head_len);
+    PyObject *record = NULL;
+    if (kind_obj != NULL && prefix != NULL) {
+        PyObject *args[8] = {kind_obj, prefix, req_id, keys, with_positions ? Py_True : Py_False,
+                             positions, index, offsets};
+        record = native_keys_record(NULL, args, 8);
+    }
+    Py_XDECREF(kind_obj);
+    Py_XDECREF(prefix);
+    return record;
+}
+
 static PyObject *encode(int kind, PyObject *req_id, PyObject *keys, PyObject *positions,
                         PyObject *index, PyObject *offsets) {
-    PyObject *kind_obj = PyLong_FromLong(kind);
-    if (kind_obj == NULL) return NULL;
-    PyObject *prefix = PyBytes_FromStringAndSize(NULL, 0);
-    if (prefix == NULL) {
-        Py_DECREF(kind_obj);
-        return NULL;
-    }
-    PyObject *args[8] = {kind_obj, prefix, req_id, keys, Py_True, positions, index, offsets};
-    PyObject *record = native_keys_record(NULL, args, 8);
-    Py_DECREF(kind_obj);
-    Py_DECREF(prefix);
-    return record;
+    return encode_record(kind, "", 0, req_id, keys, 1, positions, index, offsets);
+}
+
+/* A completion record: COMPLETE_STORE (u64 reset epoch, u8 success: always 1 here) or
+ * COMPLETE_LOAD (u64 reset epoch), with the keys and no columns. */
+static PyObject *encode_completion(int kind, uint64_t epoch, PyObject *req_id, PyObject *keys) {
+    unsigned char head[9];
+    memcpy(head, &epoch, 8);
+    head[8] = 1;                                   /* success */
+    return encode_record(kind, head, kind == KIND_COMPLETE_STORE ? 9 : 8, req_id, keys, 0,
+                         Py_None, Py_None, Py_None);
 }
 
 /* Ask for every key object's line (and the next: a key's bytes may cross into it) before the
@@ -110,22 +127,8 @@ static PyObject *completion_of(PyObject *shared, PyObject *req_id, PyObject *new
         epoch = -1;
     }
     if (epoch < 0) return Py_NewRef(Py_None);
-    unsigned char head[9];
-    uint64_t epoch64 = (uint64_t)epoch;
-    memcpy(head, &epoch64, 8);
-    head[8] = 1;                                   /* success */
-    PyObject *prefix = PyBytes_FromStringAndSize((char *)head, 9);
-    PyObject *kind = PyLong_FromLong(KIND_COMPLETE_STORE);
-    PyObject *out = NULL;
-    if (prefix != NULL && kind != NULL) {
-        PyObject *rargs[8] = {kind, prefix, req_id, new, Py_False, Py_None, Py_None, Py_None};
-        PyObject *record = native_keys_record(NULL, rargs, 8);
-        if (record != NULL)
-            out = Py_BuildValue("(Nn)", record, PyList_GET_SIZE(new));
-    }
-    Py_XDECREF(prefix);
-    Py_XDECREF(kind);
-    return out;
+    PyObject *record = encode_completion(KIND_COMPLETE_STORE, (uint64_t)epoch, req_id, new);
+    return record == NULL ? NULL : Py_BuildValue("(Nn)", record, PyList_GET_SIZE(new));
 }
 
 PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -257,17 +260,8 @@ PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     if (record == NULL) goto done;
     /* The completion the whole pin will need, made while the keys are in the cache (at
      * finish_loads they are cold again, and its keys come as vLLM's set). */
-    {
-        PyObject *prefix = PyBytes_FromStringAndSize((const char *)&epoch, 8);
-        PyObject *kind = PyLong_FromLong(KIND_COMPLETE_LOAD);
-        if (prefix != NULL && kind != NULL) {
-            PyObject *rargs[8] = {kind, prefix, req_id, seq, Py_False, Py_None, Py_None, Py_None};
-            done_record = native_keys_record(NULL, rargs, 8);
-        }
-        Py_XDECREF(prefix);
-        Py_XDECREF(kind);
-        if (done_record == NULL) goto done;
-    }
+    done_record = encode_completion(KIND_COMPLETE_LOAD, epoch, req_id, seq);
+    if (done_record == NULL) goto done;
     result = PyTuple_Pack(4, offsets, keyset, record, done_record);
     goto done;
 fallback:
@@ -392,7 +386,7 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
     if (keys == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
     PyObject *result = NULL, *got = NULL, *seen = NULL, *epoch_obj = NULL, *seq_obj = NULL;
-    PyObject *prefix = NULL, *kind = NULL, *record = NULL, *shared = NULL, *call = NULL;
+    PyObject *record = NULL, *shared = NULL, *call = NULL;
     PyObject *hash_bytes = NULL;
     if (n == 0 || n > per_record) goto fallback;
     got = PyTuple_New(n);
@@ -430,15 +424,7 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
         record = Py_NewRef(PyTuple_GET_ITEM(call, 0));   /* made by `store`: the same bytes */
     } else {
         if (PyErr_Occurred()) goto done;
-        unsigned char head[9];
-        uint64_t epoch64 = (uint64_t)epoch;
-        memcpy(head, &epoch64, 8);
-        head[8] = 1;                               /* success */
-        prefix = PyBytes_FromStringAndSize((char *)head, 9);
-        kind = PyLong_FromLong(KIND_COMPLETE_STORE);
-        if (prefix == NULL || kind == NULL) goto done;
-        PyObject *rargs[8] = {kind, prefix, req_id, keys, Py_False, Py_None, Py_None, Py_None};
-        record = native_keys_record(NULL, rargs, 8);
+        record = encode_completion(KIND_COMPLETE_STORE, (uint64_t)epoch, req_id, keys);
         if (record == NULL) goto done;
     }
     hash_bytes = PyBytes_FromStringAndSize((const char *)hashes, n * (Py_ssize_t)sizeof(Py_hash_t));
@@ -454,8 +440,6 @@ done:
     Py_XDECREF(seen);
     Py_XDECREF(epoch_obj);
     Py_XDECREF(seq_obj);
-    Py_XDECREF(prefix);
-    Py_XDECREF(kind);
     Py_XDECREF(record);
     Py_XDECREF(hash_bytes);
     PyMem_Free(hashes);

@@ -227,7 +227,7 @@ class PyLookups:
         self.misses += 1
         return self._miss
 
-    def offsets_of(self, keys: Sequence[bytes]) -> list[int] | None:
+    def _offsets_of(self, keys: Sequence[bytes]) -> list[int] | None:
         offsets = list(map(self._hits.get, keys))
         return None if None in offsets else offsets  # type: ignore[return-value]
 
@@ -277,7 +277,7 @@ class PyLookups:
         n = len(keys)
         if not 0 < n <= per_record:
             return None
-        offsets = self.offsets_of(keys)
+        offsets = self._offsets_of(keys)
         if offsets is None:
             return None
         keyset = frozenset(keys)
