@@ -10,7 +10,7 @@ binding (`pip install 'kvd-offload[bench]'`); without it, or where the kernel re
 io_uring, only the thread pool is measured and the record says why.
 
 Run: `python bench/io_engines.py [--dir DIR] [--mib-per-cell 256]`; it writes
-bench/results/io_engines.json (and `make bench` records it under `io_engines` in latest.json).
+bench/results/io_engines.json (its own file; `make bench` runs it last).
 """
 
 from __future__ import annotations

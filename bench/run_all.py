@@ -148,7 +148,12 @@ def main() -> int:
     }
     latest["elapsed_seconds"] = time.time() - t0
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(latest, indent=2) + "\n")
+    path = RESULTS / "latest.json"
+    # Sections written by the benches make bench runs after this one (tiers, cluster_tier)
+    # are theirs: kept as they are, so a run of this script alone loses none of them.
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    latest = {**{k: v for k, v in earlier.items() if k not in latest}, **latest}
+    path.write_text(json.dumps(latest, indent=2) + "\n")
     plots(latest, rp)
     import report
 
