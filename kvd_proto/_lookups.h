@@ -9,6 +9,7 @@
 #define STATE_FREE 0
 #define STATE_STORING 1
 #define STATE_READY 2
+#define AHEAD_MAX 16     /* keys a lookahead reads at most */
 
 typedef struct {
     Py_buffer buf;
@@ -39,6 +40,17 @@ typedef struct {
     Below below;         /* the namespace's "held below" table, when bound */
     int enabled;
     unsigned long long lookups, hit_count, miss_count;
+    /* Lookahead (kvd_proto/_native.c, lookahead()): the request context of the last
+     * lookups, where its next keys start in the context's key order, whether it has none
+     * (off), what to read next time (batch), and the batch read: its keys (held), their
+     * slots (-1: not READY when read) and meta words, the next one to answer. */
+    PyObject *ahead_ctx;
+    Py_ssize_t ahead_pos;
+    int ahead_off, ahead_batch, ahead_n, ahead_i;
+    PyObject *ahead_keys[AHEAD_MAX + 1];
+    int64_t ahead_slot[AHEAD_MAX + 1];
+    uint64_t ahead_word[AHEAD_MAX + 1];
+    unsigned long long ahead_read;      /* keys read ahead (batches' keys, the asked one too) */
 } Lookups;
 
 /* The slot holding `key` (bytes; storing or ready), its meta word in *word; -1 if none. */

@@ -249,6 +249,8 @@ static int parse_geometry(PyObject *args, PyObject **obj, unsigned long long v[9
 
 /* ---------------------------------------------------------------- Lookups (engine) */
 
+static void ahead_forget(Lookups *self);
+
 
 static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
     PyObject *hits, *stores, *miss, *hit, *fallback;
@@ -276,6 +278,7 @@ static void Lookups_dealloc(Lookups *self) {
     Py_XDECREF(self->miss);
     Py_XDECREF(self->hit);
     Py_XDECREF(self->fallback);
+    ahead_forget(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -284,6 +287,7 @@ static PyObject *Lookups_bind(Lookups *self, PyObject *args) {
     unsigned long long v[9];
     if (!parse_geometry(args, &obj, v)) return NULL;
     geometry_release(&self->g);
+    ahead_forget(self);
     self->enabled = 0;
     if (geometry_bind(&self->g, obj, 0, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]) < 0)
         return NULL;
@@ -291,6 +295,7 @@ static PyObject *Lookups_bind(Lookups *self, PyObject *args) {
 }
 
 static PyObject *Lookups_unbind(Lookups *self, PyObject *unused) {
+    ahead_forget(self);
     self->enabled = 0;
     geometry_release(&self->g);
     below_release(&self->below);
@@ -332,6 +337,132 @@ static PyObject *Lookups_find(Lookups *self, PyObject *key) {
                          (unsigned long long)offset_of(&self->g, (uint64_t)slot));
 }
 
+/* Lookahead. vLLM's scheduler looks up a waiting request's keys one call at a time, in the
+ * request's key order, each call a cold probe of the index (its bucket, then its meta word and
+ * key: two memory latencies one after the other, most of a lookup's cost). The request context
+ * it passes keeps that order (ReqContext._offload_key_positions, a dict filled in key order
+ * before the lookups). So a context's first lookup, and each lookup past what was read ahead,
+ * reads the next keys of the context in one batch (8 at the first, then AHEAD_MAX): every
+ * line asked for at once, so that their misses overlap, then each key probed. The following
+ * lookups answer from the batch while they name its keys in order (identity; the batch holds
+ * them); anything else (another key, a context without that dict) probes at its own call.
+ *
+ * Why a HIT read ahead may be answered later in the step: a slot the daemon frees during the
+ * step is not reused before this engine publishes a newer epoch (at its next step's start),
+ * the same rule that keeps a HIT loadable until its load. Only READY answers are kept (a
+ * miss or a store in flight is probed again at its call), and the batch is dropped whenever
+ * `enabled` is set (each step's start and end, a reset). */
+#define AHEAD_FIRST 8
+#define AHEAD_SCAN 1024     /* entries searched for a context's first key */
+#define AHEAD_PROBE (-2)    /* lookahead(): no answer read ahead, probe now */
+
+static PyObject *ahead_attr;    /* "_offload_key_positions" */
+
+static void ahead_drop(Lookups *self) {
+    for (int i = 0; i < self->ahead_n; i++) Py_DECREF(self->ahead_keys[i]);
+    self->ahead_n = self->ahead_i = 0;
+}
+
+static void ahead_forget(Lookups *self) {
+    ahead_drop(self);
+    Py_CLEAR(self->ahead_ctx);
+}
+
+/* Read keys[0..n) of the index: their lines asked for pass by pass, then probed. */
+static void ahead_read(Lookups *self, int n) {
+    const Geometry *g = &self->g;
+    PyObject **keys = self->ahead_keys;
+    uint64_t bucket[AHEAD_MAX + 1];
+    for (int i = 0; i < n; i++) {
+        const char *p = PyBytes_AS_STRING(keys[i]);
+        __builtin_prefetch(p);
+        __builtin_prefetch(p + PyBytes_GET_SIZE(keys[i]) - 1);
+    }
+    for (int i = 0; i < n; i++) {
+        Py_ssize_t len = PyBytes_GET_SIZE(keys[i]);
+        bucket[i] = len > 0 && len <= g->width ?
+            crc32_of((unsigned char *)PyBytes_AS_STRING(keys[i]), len) & g->mask : UINT64_MAX;
+        if (bucket[i] != UINT64_MAX) __builtin_prefetch(&g->buckets[bucket[i]]);
+    }
+    for (int i = 0; i < n; i++) {
+        if (bucket[i] == UINT64_MAX) continue;
+        uint32_t v = load_acquire32(&g->buckets[bucket[i]]);
+        if (v == 0 || (uint64_t)v - 1 >= g->capacity) continue;
+        __builtin_prefetch(&g->meta[v - 1]);
+        __builtin_prefetch(g->keys + (uint64_t)(v - 1) * g->width);
+    }
+    for (int i = 0; i < n; i++) {
+        uint64_t word = 0;
+        int64_t slot = bucket[i] == UINT64_MAX ? -1 :
+            probe_at(g, bucket[i], (unsigned char *)PyBytes_AS_STRING(keys[i]),
+                     PyBytes_GET_SIZE(keys[i]), &word);
+        self->ahead_slot[i] = slot >= 0 && (word & 3) == STATE_READY ? slot : -1;
+        self->ahead_word[i] = word;
+    }
+    self->ahead_read += (unsigned long long)n;
+}
+
+/* The slot of `key` read ahead (READY, its word in *word), -1 if it was read ahead and was no
+ * READY key, or AHEAD_PROBE: not read ahead, probe now. */
+static int64_t lookahead(Lookups *self, PyObject *key, PyObject *ctx, uint64_t *word) {
+    if (ctx == self->ahead_ctx) {
+        if (self->ahead_off) return AHEAD_PROBE;
+        if (self->ahead_i < self->ahead_n) {
+            int i = self->ahead_i;
+            if (self->ahead_keys[i] != key) {     /* another order: probe at each call */
+                self->ahead_off = 1;
+                ahead_drop(self);
+                return AHEAD_PROBE;
+            }
+            self->ahead_i++;
+            if (self->ahead_slot[i] < 0) return AHEAD_PROBE;
+            *word = self->ahead_word[i];
+            return self->ahead_slot[i];
+        }
+    } else {
+        ahead_drop(self);
+        Py_XSETREF(self->ahead_ctx, Py_NewRef(ctx));
+        self->ahead_pos = 0;
+        self->ahead_batch = AHEAD_FIRST;
+        self->ahead_off = 0;
+    }
+    ahead_drop(self);
+    self->ahead_off = 1;                          /* unless the key is found below */
+    PyObject *order = PyObject_GetAttr(ctx, ahead_attr);
+    if (order == NULL) {
+        PyErr_Clear();
+        return AHEAD_PROBE;
+    }
+    if (PyDict_CheckExact(order)) {
+        Py_ssize_t pos = self->ahead_pos;
+        PyObject *k, *v;
+        int found = 0;
+        for (int i = 0; i < AHEAD_SCAN && PyDict_Next(order, &pos, &k, &v); i++) {
+            if (k == key) {
+                found = 1;
+                break;
+            }
+            if (self->ahead_pos) break;           /* a continuation: only the next key */
+        }
+        if (found) {
+            int n = 0;
+            self->ahead_keys[n++] = Py_NewRef(key);
+            while (n <= self->ahead_batch && PyDict_Next(order, &pos, &k, &v))
+                if (PyBytes_CheckExact(k)) self->ahead_keys[n++] = Py_NewRef(k);
+            ahead_read(self, n);
+            self->ahead_n = n;
+            self->ahead_i = 1;
+            self->ahead_pos = pos;
+            self->ahead_off = 0;
+            self->ahead_batch = AHEAD_MAX;
+        }
+    }
+    Py_DECREF(order);
+    if (self->ahead_n == 0 || self->ahead_slot[0] < 0) return AHEAD_PROBE;
+    *word = self->ahead_word[0];
+    return self->ahead_slot[0];
+}
+
 /* lookup(key, context=None): HIT or MISS at once where the index alone decides; the
  * fallback otherwise (not enabled, a store in flight, the engine's own store). */
 static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -342,9 +473,12 @@ static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t
     PyObject *key = args[0];
     if (!self->enabled || !self->g.bound || !PyBytes_CheckExact(key))
         return PyObject_CallOneArg(self->fallback, key);
-    uint64_t word;
-    int64_t slot = probe(&self->g, (unsigned char *)PyBytes_AS_STRING(key),
-                         PyBytes_GET_SIZE(key), &word);
+    uint64_t word = 0;
+    int64_t slot = nargs == 2 && args[1] != Py_None ? lookahead(self, key, args[1], &word)
+                                                    : AHEAD_PROBE;
+    if (slot == AHEAD_PROBE)
+        slot = probe(&self->g, (unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                     &word);
     if (slot >= 0) {
         if ((word & 3) != STATE_READY) return PyObject_CallOneArg(self->fallback, key);
         PyObject *off = PyLong_FromUnsignedLongLong(offset_of(&self->g, (uint64_t)slot));
@@ -428,18 +562,39 @@ static PyMethodDef Lookups_methods[] = {
     {NULL}};
 
 static PyMemberDef Lookups_members[] = {
-    {"enabled", T_INT, offsetof(Lookups, enabled), 0, "answer lookups here (else: fallback)"},
     {"lookups", T_ULONGLONG, offsetof(Lookups, lookups), 0, "lookups answered"},
     {"hits", T_ULONGLONG, offsetof(Lookups, hit_count), 0, "HITs answered"},
     {"misses", T_ULONGLONG, offsetof(Lookups, miss_count), 0, "MISSes answered"},
+    {"read_ahead", T_ULONGLONG, offsetof(Lookups, ahead_read), READONLY,
+     "keys read ahead of their lookups (see lookahead() in kvd_proto/_native.c)"},
     {NULL}};
 
 static PyObject *Lookups_bound(Lookups *self, void *closure) {
     return PyBool_FromLong(self->g.bound);
 }
 
+static PyObject *Lookups_get_enabled(Lookups *self, void *closure) {
+    return PyLong_FromLong(self->enabled);
+}
+
+/* Set at each step's start and end and at a reset: what was read ahead is dropped. */
+static int Lookups_set_enabled(Lookups *self, PyObject *value, void *closure) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "enabled cannot be deleted");
+        return -1;
+    }
+    int on = PyObject_IsTrue(value);
+    if (on < 0) return -1;
+    ahead_forget(self);
+    self->enabled = on;
+    return 0;
+}
+
 static PyGetSetDef Lookups_getset[] = {
-    {"bound", (getter)Lookups_bound, NULL, "whether an index is bound", NULL}, {NULL}};
+    {"bound", (getter)Lookups_bound, NULL, "whether an index is bound", NULL},
+    {"enabled", (getter)Lookups_get_enabled, (setter)Lookups_set_enabled,
+     "answer lookups here (else: the fallback); setting it drops what was read ahead", NULL},
+    {NULL}};
 
 static PyTypeObject LookupsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvd_proto._native.Lookups",
@@ -724,6 +879,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
+    ahead_attr = PyUnicode_InternFromString("_offload_key_positions");
+    if (ahead_attr == NULL) return NULL;
     if (PyType_Ready(&LookupsType) < 0 || PyType_Ready(&IndexTableType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

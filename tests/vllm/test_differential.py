@@ -72,6 +72,10 @@ def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 
     try:
         assert engine.manager.client.wait_available(10)
         got = replay(engine, requests)
+        lookups = engine.manager.session._lookups
+        if hasattr(lookups, "read_ahead"):       # compiled: its lookahead took part
+            assert lookups.read_ahead > 0, "vLLM's ReqContext no longer keeps a request's " \
+                "keys in order (_offload_key_positions): kvd's lookahead reads nothing"
     finally:
         engine.close()
     assert sum(expected.values()) > 0, "the trace never hits: it proves nothing"
