@@ -88,7 +88,6 @@ class OffloadSession(SessionTransfers):
         # step state (scheduler thread)
         self._in_step = False
         self._step_epoch = 0
-        self._hits: dict[bytes, int] = {}                       # this step's HITs -> offset
         self._finished: list[str] = []            # requests that ended this step
         self._msgs = Messenger()      # this step's records, what the daemon read, answers
         self._loads = LoadTracker()
@@ -103,8 +102,7 @@ class OffloadSession(SessionTransfers):
         # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
         # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
         # there, and the daemon hears the counts.
-        self._lookups = Lookups(self._hits, self._stores.stores, self._miss, self._hit,
-                                self._lookup_slow)
+        self._lookups = Lookups(self._stores.stores, self._miss, self._hit, self._lookup_slow)
         self.lookup = self._lookups.lookup        # vLLM calls it once per chunk
         self._stores.forget = self._lookups.settle
         self._handoff = Handoff()                 # what the connecting thread set up
@@ -151,7 +149,7 @@ class OffloadSession(SessionTransfers):
         self._old.ended(self.client.previous_session_id, len(self._loads) + len(self._stores))
         self._generation = generation
         self._close_connection()
-        self._hits.clear()
+        self._lookups.clear_hits()
         self._finished.clear()                    # the old session's requests went with it
         self._loads.clear()
         self._stores.clear()
@@ -239,7 +237,7 @@ class OffloadSession(SessionTransfers):
         if own is None:
             counts.misses += 1
             return self._miss
-        self._hits[key] = own
+        self._lookups.hit(key, own)
         counts.hits += 1
         return self._hit
 
@@ -258,7 +256,7 @@ class OffloadSession(SessionTransfers):
 
     def hit_offset(self, key: bytes) -> int | None:
         """The pool offset a HIT of this step found (None: `key` was no HIT this step)."""
-        return self._hits.get(key)
+        return self._lookups.hit_offset(key)
 
     # ---------------------------------------------------------- request scope
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
@@ -280,7 +278,7 @@ class OffloadSession(SessionTransfers):
         self._lookups.enabled = 0
         self._resets.ask(self._put)
         self._promotions.clear()
-        self._hits.clear()
+        self._lookups.clear_hits()
 
     def reset_flushed(self) -> None:
         """Every copy that was in flight at the last reset has finished: release their slots
@@ -306,7 +304,7 @@ class OffloadSession(SessionTransfers):
         self._sync()
         self._in_step = False
         self._lookups.enabled = 0
-        self._hits.clear()
+        self._lookups.clear_hits()
         self._publish_idle()
         if not self.available:
             self._msgs.attach(self._msgs.channel)     # drops what waits: none will be read

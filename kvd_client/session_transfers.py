@@ -41,7 +41,6 @@ class SessionTransfers:
     _resets: Resets
     _msgs: Any                       # kvd_client.channel.Messenger
     _old: OldCopies
-    _hits: dict[bytes, int]
     _index: IndexReader | None
     _in_step: bool
     _step_epoch: int
@@ -69,7 +68,7 @@ class SessionTransfers:
             self._loads.start_distinct(keyset, (self._step_epoch, reset, req_id), done)
             self._put([record])
             return offsets
-        offsets: list[Any] = list(map(self._hits.get, keys))
+        offsets: list[Any] = list(map(self._lookups.hit_offset, keys))
         loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
         loaded_offsets = [o for o in offsets if o is not None]
         pos = positions if positions and len(positions) == len(keys) else None

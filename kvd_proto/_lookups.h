@@ -30,10 +30,21 @@ typedef struct {
     uint64_t per_extent, extent_bytes, stride;
 } Geometry;
 
+/* One HIT of this step: the key (held) and its slot's offset. */
+typedef struct {
+    PyObject *key;
+    uint64_t offset;
+} HitEntry;
+
 typedef struct {
     PyObject_HEAD
     Geometry g;
-    PyObject *hits;      /* dict: key -> offset of this step's HITs */
+    /* This step's HITs (kvd_proto/_native.c, "this step's HITs"): a log in the order they
+     * were answered, and a dict the log is moved into when it is full or a key must be
+     * found by value. */
+    HitEntry *hit_log;
+    Py_ssize_t hit_n, hit_cap;
+    PyObject *hits;      /* dict: key -> offset, HITs moved out of the log */
     PyObject *stores;    /* dict: key -> the engine's own stores in flight */
     PyObject *miss, *hit;
     PyObject *fallback;  /* callable(key): every other case */
@@ -62,6 +73,10 @@ uint64_t lookups_prefetch(const Lookups *self, PyObject *key);
 int64_t lookups_probe_at(const Lookups *self, uint64_t bucket, PyObject *key, uint64_t *word);
 /* The pool offset of `slot`. */
 uint64_t lookups_offset(const Lookups *self, uint64_t slot);
+/* The offset of a HIT of this step for `key`: 1 (in *offset), 0 none, -1 an error. `*hint`
+ * is where to look first (-1: nowhere); it is set after the entry found, so the keys of one
+ * request, answered one after another, are found in one pass. */
+int lookups_hit_find(Lookups *self, PyObject *key, Py_ssize_t *hint, uint64_t *offset);
 
 /* kvd_proto/_steps.c */
 PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs);

@@ -247,22 +247,142 @@ static int parse_geometry(PyObject *args, PyObject **obj, unsigned long long v[9
                             &v[6], &v[7], &v[8]);
 }
 
+/* ---------------------------------------------------------------- this step's HITs */
+
+/* What the lookups answered HIT this step, for the step's loads (pin, hit_offset). A dict of
+ * key -> offset cost the hottest call ~70 ns a HIT in the scheduler's loop (an int object and
+ * an insertion into a table gone cold since the last lookup); a HIT is appended to a log
+ * instead (the key held, its offset), and a load finds its keys there by identity: vLLM loads
+ * the very key objects it looked up, a request's keys one after another, so the first key
+ * costs a short scan back and each next one a single compare. A key the scan does not find
+ * (another object of equal value, a log past HITS_SCAN) moves the log into the dict and is
+ * looked up there by value. */
+#define HITS_LOG_MAX 65536       /* entries the log holds before it moves into the dict */
+#define HITS_SCAN 4096           /* entries scanned back for a key before the dict decides */
+
+static void hits_release(Lookups *self) {
+    for (Py_ssize_t i = 0; i < self->hit_n; i++) Py_DECREF(self->hit_log[i].key);
+    self->hit_n = 0;
+}
+
+static void hits_clear(Lookups *self) {
+    hits_release(self);
+    if (self->hits != NULL) PyDict_Clear(self->hits);
+}
+
+/* The log into the dict, in order (a later HIT of a key replaces an earlier one). */
+static int hits_spill(Lookups *self) {
+    HitEntry *log = self->hit_log;
+    Py_ssize_t n = self->hit_n, done = 0;
+    int rc = 0;
+    for (; done < n; done++) {
+        PyObject *off = PyLong_FromUnsignedLongLong(log[done].offset);
+        if (off == NULL || PyDict_SetItem(self->hits, log[done].key, off) < 0) {
+            Py_XDECREF(off);
+            rc = -1;
+            break;
+        }
+        Py_DECREF(off);
+        Py_DECREF(log[done].key);
+    }
+    memmove(log, log + done, (size_t)(n - done) * sizeof *log);
+    self->hit_n = n - done;
+    return rc;
+}
+
+static int hits_add(Lookups *self, PyObject *key, uint64_t offset) {
+    if (self->hit_n == self->hit_cap) {
+        if (self->hit_cap >= HITS_LOG_MAX) {
+            if (hits_spill(self) < 0) return -1;
+        } else {
+            Py_ssize_t cap = self->hit_cap ? self->hit_cap * 2 : 256;
+            HitEntry *log = PyMem_Realloc(self->hit_log, (size_t)cap * sizeof *log);
+            if (log == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            self->hit_log = log;
+            self->hit_cap = cap;
+        }
+    }
+    self->hit_log[self->hit_n].key = Py_NewRef(key);
+    self->hit_log[self->hit_n].offset = offset;
+    self->hit_n++;
+    return 0;
+}
+
+int lookups_hit_find(Lookups *self, PyObject *key, Py_ssize_t *hint, uint64_t *offset) {
+    HitEntry *log = self->hit_log;
+    Py_ssize_t n = self->hit_n, h = *hint;
+    if (h >= 0 && h < n && log[h].key == key) {
+        *offset = log[h].offset;
+        *hint = h + 1;
+        return 1;
+    }
+    for (Py_ssize_t i = n - 1; i >= 0 && i >= n - HITS_SCAN; i--) {
+        if (log[i].key == key) {
+            *offset = log[i].offset;
+            *hint = i + 1;
+            return 1;
+        }
+    }
+    *hint = -1;
+    if (n && hits_spill(self) < 0) return -1;
+    PyObject *off = PyDict_GetItemWithError(self->hits, key);
+    if (off == NULL) return PyErr_Occurred() ? -1 : 0;
+    *offset = PyLong_AsUnsignedLongLong(off);
+    return *offset == (uint64_t)-1 && PyErr_Occurred() ? -1 : 1;
+}
+
+static PyObject *Lookups_hit(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "hit(key: bytes, offset: int)");
+        return NULL;
+    }
+    unsigned long long offset = PyLong_AsUnsignedLongLong(args[1]);
+    if (offset == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (hits_add(self, args[0], offset) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lookups_hit_offset(Lookups *self, PyObject *key) {
+    Py_ssize_t hint = -1;
+    uint64_t offset;
+    int found = lookups_hit_find(self, key, &hint, &offset);
+    if (found < 0) return NULL;
+    if (!found) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(offset);
+}
+
+static PyObject *Lookups_clear_hits(Lookups *self, PyObject *unused) {
+    hits_clear(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lookups_recorded(Lookups *self, PyObject *unused) {
+    if (hits_spill(self) < 0) return NULL;
+    return PyDict_Copy(self->hits);
+}
+
 /* ---------------------------------------------------------------- Lookups (engine) */
 
 static void ahead_forget(Lookups *self);
 
 
 static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
-    PyObject *hits, *stores, *miss, *hit, *fallback;
-    static char *names[] = {"hits", "stores", "miss", "hit", "fallback", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!OOO", names, &PyDict_Type, &hits,
-                                     &PyDict_Type, &stores, &miss, &hit, &fallback))
+    PyObject *stores, *miss, *hit, *fallback;
+    static char *names[] = {"stores", "miss", "hit", "fallback", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO", names, &PyDict_Type, &stores, &miss,
+                                     &hit, &fallback))
         return -1;
     if (!PyCallable_Check(fallback)) {
         PyErr_SetString(PyExc_TypeError, "fallback must be callable");
         return -1;
     }
-    Py_XSETREF(self->hits, Py_NewRef(hits));
+    PyObject *hits = PyDict_New();
+    if (hits == NULL) return -1;
+    hits_clear(self);
+    Py_XSETREF(self->hits, hits);
     Py_XSETREF(self->stores, Py_NewRef(stores));
     Py_XSETREF(self->miss, Py_NewRef(miss));
     Py_XSETREF(self->hit, Py_NewRef(hit));
@@ -271,6 +391,8 @@ static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
 }
 
 static void Lookups_dealloc(Lookups *self) {
+    hits_clear(self);
+    PyMem_Free(self->hit_log);
     geometry_release(&self->g);
     below_release(&self->below);
     Py_XDECREF(self->hits);
@@ -481,11 +603,7 @@ static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t
                      &word);
     if (slot >= 0) {
         if ((word & 3) != STATE_READY) return PyObject_CallOneArg(self->fallback, key);
-        PyObject *off = PyLong_FromUnsignedLongLong(offset_of(&self->g, (uint64_t)slot));
-        if (off == NULL) return NULL;
-        int rc = PyDict_SetItem(self->hits, key, off);
-        Py_DECREF(off);
-        if (rc < 0) return NULL;
+        if (hits_add(self, key, offset_of(&self->g, (uint64_t)slot)) < 0) return NULL;
         self->lookups++;
         self->hit_count++;
         return Py_NewRef(self->hit);
@@ -552,6 +670,14 @@ static PyMethodDef Lookups_methods[] = {
      "below(key) -> whether the held-below table names the key"},
     {"lookup", (PyCFunction)(void (*)(void))Lookups_lookup, METH_FASTCALL,
      "lookup(key, context=None) -> the hit or miss answer, or the fallback's"},
+    {"hit", (PyCFunction)(void (*)(void))Lookups_hit, METH_FASTCALL,
+     "hit(key, offset): record a HIT of this step answered elsewhere (the Python path)"},
+    {"hit_offset", (PyCFunction)Lookups_hit_offset, METH_O,
+     "hit_offset(key) -> the offset of a HIT of this step for key, or None"},
+    {"clear_hits", (PyCFunction)Lookups_clear_hits, METH_NOARGS,
+     "clear_hits(): this step's HITs lapse"},
+    {"recorded", (PyCFunction)Lookups_recorded, METH_NOARGS,
+     "recorded() -> {key: offset} of this step's HITs (a copy)"},
     {"find_new", (PyCFunction)Lookups_find_new, METH_VARARGS,
      "find_new(keys, use_index) -> keys neither stored here nor (use_index) in the index"},
     {"store", (PyCFunction)(void (*)(void))Lookups_store, METH_FASTCALL, LOOKUPS_STORE_DOC},

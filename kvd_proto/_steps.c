@@ -5,8 +5,8 @@
  * store of 16 keys walked ~25 functions (the index probe, the reserve, the tracker, the record)
  * and cost 15-25 us. Each method here does a call's common case in one pass over the keys,
  * with the same effects on the same Python containers the session's Python code keeps (its
- * stores dict, the reserve's slot list, this step's HITs), and answers None for anything else:
- * the caller then takes its Python path, which decides every case (and is the twin:
+ * stores dict, the reserve's slot list; this step's HITs are the Lookups' own), and answers
+ * None for anything else: the caller then takes its Python path, which decides every case (and is the twin:
  * kvd_proto/native.py's PyLookups.store / pin, run by the tests with KVD_NATIVE=0).
  *
  *   store(keys, positions, req_id, slots, shared, per_record, room)
@@ -242,14 +242,16 @@ PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     if (n == 0 || n > per_record) goto fallback;
     offsets = PyList_New(n);
     if (offsets == NULL) goto done;
-    prefetch_keys(items, n);
+    prefetch_keys(items, n);             /* the key set reads their hashes */
+    Py_ssize_t hint = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *offset = PyDict_GetItemWithError(self->hits, items[i]);
-        if (offset == NULL) {
-            if (PyErr_Occurred()) goto done;
-            goto fallback;
-        }
-        PyList_SET_ITEM(offsets, i, Py_NewRef(offset));
+        uint64_t off;
+        int found = lookups_hit_find(self, items[i], &hint, &off);
+        if (found < 0) goto done;
+        if (!found) goto fallback;
+        PyObject *offset = PyLong_FromUnsignedLongLong(off);
+        if (offset == NULL) goto done;
+        PyList_SET_ITEM(offsets, i, offset);
     }
     keyset = PyFrozenSet_New(seq);
     if (keyset == NULL) goto done;

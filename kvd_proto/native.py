@@ -6,7 +6,9 @@ them kvd installs and runs on the twins (slower per key, identical answers). `KV
 in the environment forces the twins (the tests run both). `NATIVE` says which is in use.
 
 - `Lookups`: the engine's lookups in a read-only mapping of an index: `lookup(key)` answers
-  HIT (recording the slot's offset in `hits`) or MISS where the index alone decides, and calls
+  HIT (recording the slot's offset as a HIT of this step: `hit_offset(key)`, `hit(key,
+  offset)` for one answered elsewhere, `clear_hits()` when the step ends) or MISS where the
+  index alone decides, and calls
   `fallback(key)` otherwise (not `enabled`, a store in flight, the engine's own store, a key
   the namespace's "held below" table names: kvd_proto/below_layout.py, bound with
   `bind_below`); `find(key)`, `below(key)` and `find_new(keys, use_index)` probe without
@@ -158,9 +160,9 @@ def _positions_for(positions: Sequence[int] | None, n: int) -> Sequence[int] | N
 class PyLookups:
     """The Python twin of `_native.Lookups` (see the module doc)."""
 
-    def __init__(self, hits: dict[bytes, int], stores: dict[bytes, Any], miss: Any, hit: Any,
+    def __init__(self, stores: dict[bytes, Any], miss: Any, hit: Any,
                  fallback: Callable[[bytes], Any]) -> None:
-        self._hits = hits
+        self._hits: dict[bytes, int] = {}          # this step's HITs -> offset
         self._stores = stores
         self._miss = miss
         self._hit = hit
@@ -226,6 +228,20 @@ class PyLookups:
         self.lookups += 1
         self.misses += 1
         return self._miss
+
+    def hit(self, key: bytes, offset: int) -> None:
+        if not isinstance(key, bytes):
+            raise TypeError("hit(key: bytes, offset: int)")
+        self._hits[key] = offset
+
+    def hit_offset(self, key: bytes) -> int | None:
+        return self._hits.get(key)
+
+    def clear_hits(self) -> None:
+        self._hits.clear()
+
+    def recorded(self) -> dict[bytes, int]:
+        return dict(self._hits)
 
     def _offsets_of(self, keys: Sequence[bytes]) -> list[int] | None:
         offsets = list(map(self._hits.get, keys))

@@ -38,7 +38,7 @@ def _reader_mapping(table: BelowTable) -> mmap.mmap:
 
 
 def _lookups(kind, fallback):
-    return kind({}, {}, "miss", "hit", fallback)
+    return kind({}, "miss", "hit", fallback)
 
 
 def test_fingerprints_are_the_same_compiled_and_in_python():

@@ -59,12 +59,11 @@ class World:
     def free(self, key: bytes) -> None:
         self.writer.remove(self.slot.pop(key))
 
-    def lookups(self, kind: type) -> tuple[object, dict[bytes, int]]:
-        hits: dict[bytes, int] = {}
-        lk = kind(hits, {}, "MISS", "HIT", lambda k: "SLOW")
+    def lookups(self, kind: type) -> object:
+        lk = kind({}, "MISS", "HIT", lambda k: "SLOW")
         lk.bind(self.m, *self.h.geometry)
         lk.enabled = 1
-        return lk, hits
+        return lk
 
     def close(self, *lookups: object) -> None:
         for lk in lookups:
@@ -82,8 +81,9 @@ def test_a_step_of_lookups_answers_as_the_twin_whatever_the_order(seed):
     the twin's."""
     world = World(seed)
     rng = world.rng
-    compiled, hits_c = world.lookups(_native.Lookups)
-    twin, hits_p = world.lookups(PyLookups)
+    compiled = world.lookups(_native.Lookups)
+    twin = world.lookups(PyLookups)
+    recorded: list[dict[bytes, int]] = []
     for _ in range(60):
         keys = rng.sample(world.keys, rng.randint(1, 80))
         ctx = Context(keys)
@@ -104,8 +104,12 @@ def test_a_step_of_lookups_answers_as_the_twin_whatever_the_order(seed):
             if shape >= 0.5 and answer == "MISS":
                 break                                         # vLLM stops at a miss
         if rng.random() < 0.2:                                # the step ends
+            recorded.append(compiled.recorded())
+            assert recorded[-1] == twin.recorded()
             compiled.enabled = twin.enabled = 1
-    assert hits_c == hits_p
+            compiled.clear_hits()
+            twin.clear_hits()
+    assert compiled.recorded() == twin.recorded() and recorded
     assert (compiled.lookups, compiled.hits, compiled.misses) == \
         (twin.lookups, twin.hits, twin.misses)
     assert compiled.read_ahead > 0
@@ -117,7 +121,7 @@ def test_a_key_read_ahead_keeps_its_step_answer_and_the_next_step_reads_again():
     ready = [k for k in world.keys[:200]
              if world.meta[world.slot[k]] & 3 == STATE_READY][:6]
     absent = world.keys[250]
-    lk, hits = world.lookups(_native.Lookups)
+    lk = world.lookups(_native.Lookups)
     ctx = Context(ready + [absent])
     assert lk.lookup(ready[0], ctx) == "HIT"                  # reads the next keys too
     assert lk.read_ahead == len(ready) + 1
@@ -125,11 +129,11 @@ def test_a_key_read_ahead_keeps_its_step_answer_and_the_next_step_reads_again():
     offset = world.h.offset_of(world.slot[gone])
     world.free(gone)                                           # freed during the step
     world.put(absent, 300)                                     # stored during the step
-    assert lk.lookup(gone, ctx) == "HIT" and hits[gone] == offset
+    assert lk.lookup(gone, ctx) == "HIT" and lk.hit_offset(gone) == offset
     assert lk.lookup(ready[2], ctx) == "HIT"
     lk.enabled = 1                                             # the next step
-    hits.clear()
-    assert lk.lookup(gone, ctx) == "MISS" and gone not in hits
+    lk.clear_hits()
+    assert lk.lookup(gone, ctx) == "MISS" and lk.hit_offset(gone) is None
     assert lk.lookup(absent, ctx) == "HIT"
     world.close(lk)
 
@@ -139,8 +143,8 @@ def test_a_context_changed_between_lookups_costs_no_wrong_answer():
     go on: the keys read ahead are held by the lookups (no dangling pointer), and what was
     read ahead answers as the index says."""
     world = World(8)
-    lk, _ = world.lookups(_native.Lookups)
-    twin, _ = world.lookups(PyLookups)
+    lk = world.lookups(_native.Lookups)
+    twin = world.lookups(PyLookups)
     keys = world.keys[:40]
     ctx = Context(keys)
     assert lk.lookup(keys[0], ctx) == twin.lookup(keys[0])
@@ -158,8 +162,8 @@ def test_a_context_changed_between_lookups_costs_no_wrong_answer():
 
 def test_a_context_the_lookahead_cannot_read_is_looked_up_key_by_key():
     world = World(9)
-    lk, _ = world.lookups(_native.Lookups)
-    twin, _ = world.lookups(PyLookups)
+    lk = world.lookups(_native.Lookups)
+    twin = world.lookups(PyLookups)
 
     class Raising:
         @property

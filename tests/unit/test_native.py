@@ -108,16 +108,16 @@ def test_lookups_answer_hits_and_misses_and_leave_the_rest_to_the_fallback(kind)
     writer.insert(17, storing)
     meta = memoryview(m)[h.meta_offset:h.meta_offset + 8 * h.capacity].cast("Q")
     meta[3] = meta[3] & ~3 | STATE_READY
-    hits: dict[bytes, int] = {}
     stores = {own: (0, None)}
     fell: list[bytes] = []
     lookups_type = PyLookups if kind == "python" else _native.Lookups
-    lk = lookups_type(hits, stores, "MISS", "HIT", lambda k: fell.append(k) or "SLOW")
+    lk = lookups_type(stores, "MISS", "HIT", lambda k: fell.append(k) or "SLOW")
     assert lk.lookup(ready) == "SLOW" and fell == [ready]     # not bound, not enabled
     lk.bind(m, *h.geometry)
     assert lk.bound and lk.lookup(ready) == "SLOW"            # bound, not enabled
     lk.enabled = 1
-    assert lk.lookup(ready) == "HIT" and hits == {ready: h.offset_of(3)}
+    assert lk.lookup(ready) == "HIT" and lk.recorded() == {ready: h.offset_of(3)}
+    assert lk.hit_offset(ready) == h.offset_of(3) and lk.hit_offset(absent) is None
     assert lk.lookup(absent, object()) == "MISS"
     assert lk.lookup(storing) == "SLOW" and lk.lookup(own) == "SLOW"
     assert (lk.lookups, lk.hits, lk.misses) == (2, 1, 1)      # the slow ones count there
@@ -144,13 +144,12 @@ def _store_pin_world(kind: str):
     meta[3] = meta[3] & ~3 | STATE_READY
     meta.release()
     writer.release()
-    hits: dict[bytes, int] = {}
     stores: dict[bytes, object] = {b"o" * 36: (0, "old")}
     lookups_type = PyLookups if kind == "python" else _native.Lookups
-    lk = lookups_type(hits, stores, "MISS", "HIT", lambda k: "SLOW")
+    lk = lookups_type(stores, "MISS", "HIT", lambda k: "SLOW")
     lk.bind(m, *h.geometry)
     lk.enabled = 1
-    return lk, hits, stores, m
+    return lk, stores, m
 
 
 STORE_CASES = [
@@ -176,7 +175,7 @@ def test_the_compiled_store_and_its_twin_answer_and_change_alike(case):
     keys, positions, slots, per_record, room = STORE_CASES[case]
     outcomes = []
     for kind in ("python", "compiled"):
-        lk, _, stores, m = _store_pin_world(kind)
+        lk, stores, m = _store_pin_world(kind)
         left = list(slots)
         got = lk.store(keys, positions, "req-1", left, "shared", per_record, room)
         outcomes.append((got, dict(stores), left))
@@ -194,7 +193,7 @@ def test_the_compiled_store_and_its_twin_answer_and_change_alike(case):
 @needs_native
 @pytest.mark.parametrize("kind", ["python", "compiled"])
 def test_the_store_fast_path_changes_nothing_when_it_fails_or_is_off(kind):
-    lk, _, stores, m = _store_pin_world(kind)
+    lk, stores, m = _store_pin_world(kind)
     before = dict(stores)
     slots = [7, 8]
     with pytest.raises(ValueError):                       # a request id too long to encode
@@ -217,14 +216,16 @@ def test_the_compiled_pin_and_its_twin_answer_alike():
                                         ([a, b], None, 1), ([], None, 8)):
         outcomes = []
         for kind in ("python", "compiled"):
-            lk, hits, _, m = _store_pin_world(kind)
-            hits.update({a: 4096, b: 8192})
+            lk, _, m = _store_pin_world(kind)
+            lk.hit(a, 4096)
+            lk.hit(b, 8192)
             outcomes.append(lk.pin(keys, positions, "req-2", per_record, 6))
             lk.unbind()
             m.close()
         assert outcomes[0] == outcomes[1]
-    lk, hits, _, m = _store_pin_world("compiled")
-    hits.update({a: 4096, b: 8192})
+    lk, _, m = _store_pin_world("compiled")
+    lk.hit(a, 4096)
+    lk.hit(b, 8192)
     offsets, keyset, record, done = lk.pin([a, b], range(5, 7), "req-2", 8, 6)
     assert offsets == [4096, 8192] and keyset == frozenset((a, b))
     assert record == native.keys_record(3, b"", "req-2", [a, b], True, range(5, 7), None,
@@ -253,7 +254,7 @@ def test_the_compiled_completion_and_settling_and_their_twins_change_alike():
     for keys, per_record in cases:
         outcomes = []
         for kind in ("python", "compiled"):
-            lk, _, stores, m = _store_pin_world(kind)
+            lk, stores, m = _store_pin_world(kind)
             stores.update({a: (4096, one), b: (8192, one), c: (0, two), d: (12288, unknown)})
             completed: dict[bytes, None] = {}
             got = lk.complete(keys, completed, "req-3", per_record)
@@ -267,7 +268,7 @@ def test_the_compiled_completion_and_settling_and_their_twins_change_alike():
     assert got[1] == native.keys_record(2, struct.pack("<QB", 5, True), "req-3", [c], False,
                                         None, None, None)
     for kind in ("python", "compiled"):
-        lk, _, stores, m = _store_pin_world(kind)
+        lk, stores, m = _store_pin_world(kind)
         newer, sa, sb = (16384, two), (4096, one), (8192, one)
         stores.update({a: sa, b: newer})        # b was stored again since: left alone
         completed = dict.fromkeys((a, b))
@@ -399,7 +400,7 @@ def test_a_whole_call_completes_with_the_record_its_store_made():
     sends it, the same bytes as one encoded then; compiled and twin alike."""
     a, b, c = b"a" * 36, b"b" * 36, b"c" * 36
     for kind in ("python", "compiled"):
-        lk, _, stores, m = _store_pin_world(kind)
+        lk, stores, m = _store_pin_world(kind)
         shared = _Shared(3, 12)
         new, taken, _ = lk.store([a, b, b"r" * 36], None, "req-4", [7, 8, 9], shared, 8, 99)
         assert new == [a, b] and taken == [8, 9]
