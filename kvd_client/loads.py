@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from kvd_proto.native import same_set
+
 Load = tuple[int, int, str]                 # a load in flight: (reclaim, reset, req_id)
 
 
@@ -99,16 +101,19 @@ class LoadTracker:
             del epochs[reclaim]
 
     def _take_whole(self, keys: Sequence[bytes], req_id: str, *, recorded: bool) -> _Pin | None:
-        """End and return the newest pin of `req_id` that `keys` are exactly (one membership
-        test per key, nothing built; with `recorded`, only one the compiled pin made with its
-        completion record). None: no such pin, or a key named twice (key by key then)."""
+        """End and return the newest pin of `req_id` that `keys` are exactly (vLLM's job set,
+        built from the list the pin's set was: one pass over both tables, kvd_proto native
+        `same_set`; else one membership test per key; nothing built; with `recorded`, only one
+        the compiled pin made with its completion record). None: no such pin, or a key named
+        twice (key by key then)."""
         pins = self._pins.get(req_id)
         if not pins:
             return None
         n = len(keys)
         for i in range(len(pins) - 1, -1, -1):
             pin = pins[i]           # the newest first: a floor too low only waits longer
-            if pin.left is None and len(pin.keys) == n and pin.keys.issuperset(keys):
+            if pin.left is None and len(pin.keys) == n and (
+                    same_set(pin.keys, keys) or pin.keys.issuperset(keys)):
                 if (recorded and pin.done is None) or \
                         (not isinstance(keys, (set, frozenset)) and len(set(keys)) != n):
                     return None

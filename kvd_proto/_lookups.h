@@ -84,6 +84,7 @@ PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Lookups_settle(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *native_key_positions(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *native_same_set(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern const char LOOKUPS_STORE_DOC[];
 extern const char LOOKUPS_COMPLETE_DOC[];
 extern const char LOOKUPS_SETTLE_DOC[];

@@ -990,6 +990,9 @@ static PyMethodDef module_methods[] = {
     {"key_positions", (PyCFunction)(void (*)(void))native_key_positions, METH_FASTCALL,
      "key_positions(position, keys) -> range, list or None: the keys' token positions "
      "(kvd_proto/_steps.c)"},
+    {"same_set", (PyCFunction)(void (*)(void))native_same_set, METH_FASTCALL,
+     "same_set(a, b) -> True only when the sets' tables hold the same objects in every entry "
+     "(kvd_proto/_steps.c)"},
     {"ring_write", (PyCFunction)(void (*)(void))native_ring_write, METH_FASTCALL,
      "ring_write(data, tail, free, max_record, records) -> (count, new_tail) or None "
      "(kvd_proto/_rings.c)"},

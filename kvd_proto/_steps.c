@@ -573,3 +573,23 @@ done:
     Py_DECREF(seq);
     return out;
 }
+
+/* same_set(a, b) -> bool: True only when a and b are sets (or frozensets) whose hash tables hold
+ * the very same objects in every entry: the same set, found by one sequential pass over both
+ * tables instead of a probe of one set per element of the other (each a cold line: a 64-key
+ * pin's completion spent ~5 us in issuperset). Two sets built by adding the same objects in
+ * the same order have equal tables, as vLLM's job keys (set(keys_to_load)) and the pin's
+ * frozenset of the same list do. False says nothing: the caller compares them as usual. */
+PyObject *native_same_set(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "same_set(a, b)");
+        return NULL;
+    }
+    if (!PyAnySet_CheckExact(args[0]) || !PyAnySet_CheckExact(args[1])) Py_RETURN_FALSE;
+    PySetObject *a = (PySetObject *)args[0], *b = (PySetObject *)args[1];
+    if (a == b) Py_RETURN_TRUE;
+    if (a->mask != b->mask || a->used != b->used || a->fill != b->fill) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i <= a->mask; i++)
+        if (a->table[i].key != b->table[i].key) Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}

@@ -512,6 +512,12 @@ def py_key_positions(position: Callable[[bytes], int | None], keys: Sequence[byt
     return None if None in positions else positions  # type: ignore[return-value]
 
 
+def py_same_set(a: object, b: object) -> bool:
+    """The Python twin of `_native.same_set`: True only for the same object (the compiled one
+    also finds two sets whose tables hold the same objects; False says nothing either way)."""
+    return a is b
+
+
 def py_eventfd_signal(fd: int) -> bool:
     """The Python twin of `_native.eventfd_signal` (this one releases the GIL around the
     write: another thread of the engine may run first)."""
@@ -553,6 +559,8 @@ ring_read: Callable[..., tuple[list[tuple[int, bytes]], int, str | None]] | None
     _native.ring_read if _native is not None else None
 key_positions: Callable[..., Sequence[int] | None] = \
     _native.key_positions if _native is not None else py_key_positions
+same_set: Callable[[object, object], bool] = \
+    _native.same_set if _native is not None else py_same_set
 eventfd_signal: Callable[[int], bool] = \
     _native.eventfd_signal if _native is not None else py_eventfd_signal
 STATES = (STATE_FREE, STATE_STORING, STATE_READY)

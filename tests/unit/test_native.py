@@ -418,3 +418,38 @@ def test_a_whole_call_completes_with_the_record_its_store_made():
                                             False, None, None, None)
         lk.unbind()
         m.close()
+
+
+@needs_native
+def test_same_set_is_true_only_for_sets_of_the_same_objects():
+    """The compiled `same_set` (and the twin, which knows only identity) never calls two
+    different sets the same; sets built from one list in one order are (vLLM's job keys and
+    the pin's frozenset)."""
+    rng = random.Random(11)
+    for _ in range(300):
+        keys = [rng.randbytes(36) for _ in range(rng.randint(0, 90))]
+        a, b = frozenset(keys), set(keys)
+        assert _native.same_set(a, b) and native.py_same_set(a, a)
+        other = list(keys)
+        change = rng.random()
+        if change < 0.3 and other:
+            other[rng.randrange(len(other))] = rng.randbytes(36)        # one key differs
+        elif change < 0.5 and other:
+            i = rng.randrange(len(other))
+            other[i] = bytes(bytearray(other[i]))                       # equal, another object
+        elif change < 0.7:
+            rng.shuffle(other)                                          # another order
+        elif change < 0.8 and other:
+            other.pop()
+        c = set(other)
+        if _native.same_set(a, c):
+            assert a == c and all(any(x is y for y in keys) for x in c)
+        if change < 0.5 and other:
+            assert not _native.same_set(a, c)
+    grown = set(range(100))
+    for i in range(90):
+        grown.discard(i)                     # dummies: the same values, another table
+    assert not _native.same_set(grown, set(range(90, 100)))
+    assert _native.same_set(grown, grown) and not _native.same_set([1], [1])
+    with pytest.raises(TypeError):
+        _native.same_set(set())

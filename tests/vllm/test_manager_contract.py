@@ -63,7 +63,9 @@ def test_a_failed_store_is_a_miss_at_once_and_offered_again_it_is_stored(engines
 
 
 class PublicOnly(ReqContext):
-    """A ReqContext whose private position table cannot be read: only the public method."""
+    """A ReqContext whose private position table cannot be read: only the public method (the
+    positions come from it; the lookups' lookahead, which reads the table as a hint only,
+    does without)."""
 
     calls = 0
 
@@ -73,7 +75,7 @@ class PublicOnly(ReqContext):
 
     def __getattribute__(self, name: str):  # noqa: ANN204
         if name == "_offload_key_positions":
-            raise AssertionError("kvd read vLLM's private ReqContext._offload_key_positions")
+            raise AttributeError("_offload_key_positions is not readable here")
         return super().__getattribute__(name)
 
 
@@ -84,7 +86,7 @@ def test_positions_come_from_vllms_public_api_only(engines):
     table = object.__getattribute__(ctx, "_offload_key_positions")   # as vLLM sets them
     for i, key in enumerate(keys):
         table[key] = (i + 1) * CHUNK_TOKENS
-    manager.lookup(keys[0], ctx)
+    assert manager.lookup(keys[0], ctx) == LookupResult.MISS
     out = manager.prepare_store(keys, ctx)
     assert out is not None and list(out.keys_to_store) == keys
     assert 0 < PublicOnly.calls <= len(keys)
