@@ -37,18 +37,52 @@ class DaemonLink:
         self._resets = resets
         self._stores = stores
         self._reported = (0, 0, 0)        # lookups, hits, misses the daemon has heard of
+        # The records made since the last `stage`, in order. The scheduler's compiled calls
+        # append theirs straight to this list (`records.append`, bound once: a call's record
+        # costs one append, not two Python calls); everything else goes through `put`. So
+        # the list is only ever changed in place. `_optional`: how many are not essential.
+        self.records: list[bytes] = []
+        self._optional = 0
 
     def put(self, records: list[bytes], essential: bool = True) -> None:
         """Queue records for the step being made (essential: ones the engine waits for);
-        dropped while the client is degraded or has no channel (Messenger.put, inline: the
-        scheduler's calls put ~20 times a step)."""
-        msgs = self.msgs
-        if records and self.client.available and msgs.channel is not None:
-            msgs.outbox.put_many(msgs.seq, records, essential)
-            msgs.essential |= essential
+        dropped while the client is degraded or has no channel."""
+        if records and self.client.available and self.msgs.channel is not None:
+            self.records += records
+            if not essential:
+                self._optional += len(records)
+
+    @property
+    def essential(self) -> bool:
+        """Whether the step being made has a record the engine waits for."""
+        return len(self.records) > self._optional or self.msgs.essential
+
+    def stage(self) -> None:
+        """The records made so far into the outbox, as the current step's (dropped while the
+        client is degraded or has no channel: a new session starts from scratch)."""
+        records, msgs = self.records, self.msgs
+        if records:
+            if self.client.available and msgs.channel is not None:
+                essential = len(records) > self._optional
+                msgs.outbox.put_many(msgs.seq, records, essential)
+                msgs.essential |= essential
+            records.clear()
+        self._optional = 0
+
+    def drop(self) -> None:
+        """Forget the records not staged yet (the session they were made for has ended)."""
+        self.records.clear()
+        self._optional = 0
+
+    def unread(self) -> bool:
+        """Records the engine waits for that the daemon has not read (staging and flushing
+        what waits)."""
+        self.stage()
+        return self.msgs.unread()
 
     def flush(self) -> None:
         """Into the ring what fits; a daemon that reads none of it restarts the session."""
+        self.stage()
         if not self.msgs.flush():
             log.error("kvd daemon reads none of this engine's messages (%d waiting); "
                       "restarting the session", self.msgs.outbox.waiting())

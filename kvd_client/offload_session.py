@@ -99,6 +99,7 @@ class OffloadSession(SessionTransfers):
         self._link = DaemonLink(client, self._msgs, self._reserve, self._events, self._resets,
                                 self._stores)
         self._put = self._link.put    # records for the daemon, sent at the step's end
+        self._post = self._link.records.append    # one record of a compiled call, in order
         # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
         # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
         # there, and the daemon hears the counts.
@@ -149,6 +150,7 @@ class OffloadSession(SessionTransfers):
         self._old.ended(self.client.previous_session_id, len(self._loads) + len(self._stores))
         self._generation = generation
         self._close_connection()
+        self._link.drop()                         # made for the old session
         self._lookups.clear_hits()
         self._finished.clear()                    # the old session's requests went with it
         self._loads.clear()
@@ -307,6 +309,7 @@ class OffloadSession(SessionTransfers):
         self._lookups.clear_hits()
         self._publish_idle()
         if not self.available:
+            self._link.drop()
             self._msgs.attach(self._msgs.channel)     # drops what waits: none will be read
             self._finished.clear()
             return
@@ -318,7 +321,7 @@ class OffloadSession(SessionTransfers):
         if promote:
             self._put(messages.promote(promote, self._per_record))
         self._link.report_counts(self._counts())
-        if self.enable_events and self._msgs.essential:
+        if self.enable_events and self._link.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
         self._link.flush()
         self._msgs.next_step()
@@ -327,7 +330,7 @@ class OffloadSession(SessionTransfers):
         """Records not yet read by the daemon, a reset not yet answered, or a promotion not
         finished (keep the engine stepping until they are)."""
         self._receive()
-        return bool(self._resets.pending or self._finished) or self._msgs.unread() or \
+        return bool(self._resets.pending or self._finished) or self._link.unread() or \
             self._promotions.waiting(self._msgs.acked, self._lookups.find)
 
     def _counts(self) -> tuple[int, int, int]:
@@ -355,6 +358,7 @@ class OffloadSession(SessionTransfers):
             if self._msgs.channel is not None and self.client.available:
                 self._put(list(map(rec.encode_request_finished, self._finished)))
                 self._link.report_counts(self._counts())
+                self._link.stage()
                 self._msgs.flush()                    # its last completions and counts
             self._close_connection()
             self._handoff.close()

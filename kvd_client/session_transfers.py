@@ -46,6 +46,7 @@ class SessionTransfers:
     _step_epoch: int
     _per_record: int
     _put: Callable[..., None]
+    _post: Callable[[bytes], None]
     _begin: Callable[[], None]
     _publish_idle: Callable[[], None]
 
@@ -66,7 +67,7 @@ class SessionTransfers:
         if pinned is not None:      # the common case, compiled (kvd_proto/_steps.c)
             offsets, keyset, record, done = pinned
             self._loads.start_distinct(keyset, (self._step_epoch, reset, req_id), done)
-            self._put([record])
+            self._post(record)
             return offsets
         offsets: list[Any] = list(map(self._lookups.hit_offset, keys))
         loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
@@ -91,7 +92,7 @@ class SessionTransfers:
         if done is not None:        # a whole pin, its completion made with it
             if not self._loads.holding:
                 self._publish_idle()
-            self._put([done])
+            self._post(done)
             return
         by_reset, unknown = self._loads.finish(keys, req_id)
         if unknown:
@@ -127,7 +128,7 @@ class SessionTransfers:
                 new, slots, record = done
                 self._reserve.took(len(new))
                 if record is not None:
-                    self._put([record])
+                    self._post(record)
                 return new, slots
         if self._index is None or not self.client.available:
             return [], []
@@ -181,7 +182,7 @@ class SessionTransfers:
             if done is not None:
                 entry, record = done
                 self._stores.completing(entry)
-                self._put([record])
+                self._post(record)
                 return
         by_reset, unknown = self._stores.complete(keys, req_id, success, self._msgs.seq)
         if unknown:
