@@ -508,12 +508,23 @@ fail:
 
 /* key_positions(position, keys) -> range, list or None
  *
- * The token positions of `keys` (`position(key)`: vLLM's ReqContext.get_offload_key_position)
- * for the daemon's eviction order. The keys of one call are almost always consecutive chunks:
- * when the first, middle and last positions say so, a range (three calls); otherwise every
- * key's position. None when a key has none. */
+ * The token positions of `keys` (`position(key)`: vLLM's ReqContext.get_offload_key_position,
+ * or the dict it reads, looked up directly: no Python call per key) for the daemon's eviction
+ * order. The keys of one call are almost always consecutive chunks: when the first, middle and
+ * last positions say so, a range (three reads); otherwise every key's position. None when a
+ * key has none. */
 static PyObject *call_position(PyObject *position, PyObject *key, long long *out) {
-    PyObject *value = PyObject_CallOneArg(position, key);
+    PyObject *value;
+    if (PyDict_CheckExact(position)) {
+        value = PyDict_GetItemWithError(position, key);
+        if (value == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            value = Py_None;
+        }
+        Py_INCREF(value);
+    } else {
+        value = PyObject_CallOneArg(position, key);
+    }
     if (value == NULL || value == Py_None) return value;
     *out = PyLong_AsLongLong(value);
     if (*out == -1 && PyErr_Occurred()) {

@@ -495,12 +495,15 @@ def py_keys_record(kind: int, prefix: bytes, req_id: str | None, keys: Sequence[
     return struct.pack("<IHH", n, kind, 0) + payload + bytes(-n % 8)
 
 
-def py_key_positions(position: Callable[[bytes], int | None], keys: Sequence[bytes]
-                     ) -> Sequence[int] | None:
+def py_key_positions(position: Callable[[bytes], int | None] | dict[bytes, int],
+                     keys: Sequence[bytes]) -> Sequence[int] | None:
     """The Python twin of `_native.key_positions`: the keys' token positions (`position(key)`,
-    vLLM's ReqContext.get_offload_key_position), for the daemon's eviction order. The keys of
-    one call are almost always consecutive chunks: then three reads (first, middle, last) give
-    them all, as a range; otherwise every key is read. None when a key has none."""
+    vLLM's ReqContext.get_offload_key_position, or the dict it reads), for the daemon's
+    eviction order. The keys of one call are almost always consecutive chunks: then three
+    reads (first, middle, last) give them all, as a range; otherwise every key is read. None
+    when a key has none."""
+    if type(position) is dict:
+        position = position.get
     n = len(keys)
     if n >= 3:
         first, middle, last = position(keys[0]), position(keys[n // 2]), position(keys[-1])

@@ -62,10 +62,16 @@ class KvdOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _positions(keys: Sequence[bytes], ctx: ReqContext) -> Sequence[int] | None:
-        """The keys' token positions (vLLM's public ReqContext.get_offload_key_position),
-        which the daemon uses only to order a request's blocks for eviction: a range from
-        three reads when the keys are consecutive chunks, as they almost always are
-        (kvd_proto/native.py key_positions, compiled where built)."""
+        """The keys' token positions (what vLLM's ReqContext.get_offload_key_position
+        answers), which the daemon uses only to order a request's blocks for eviction: a
+        range from three reads when the keys are consecutive chunks, as they almost always are
+        (kvd_proto/native.py key_positions, compiled where built). From a plain ReqContext
+        the dict that method reads is read directly (three Python calls a store or load
+        less); a subclass, or a context without that dict, is asked through the method."""
+        if type(ctx) is ReqContext:
+            table = ctx.__dict__.get("_offload_key_positions")
+            if type(table) is dict:
+                return key_positions(table, keys)
         return key_positions(ctx.get_offload_key_position, keys)
 
     # ---------------------------------------------------------------- lookups

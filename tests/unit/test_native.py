@@ -385,6 +385,8 @@ def test_the_compiled_key_positions_are_the_twins():
             elif roll < 0.1:
                 table[k] = rng.randint(0, 200)
         assert _native.key_positions(table.get, keys) == native.py_key_positions(table.get, keys)
+        assert _native.key_positions(table, keys) == native.py_key_positions(table.get, keys)
+        assert native.py_key_positions(table, keys) == native.py_key_positions(table.get, keys)
 
     def broken(key: bytes) -> int:
         raise KeyError(key)

@@ -98,6 +98,20 @@ def test_positions_come_from_vllms_public_api_only(engines):
     step(manager)
 
 
+def test_positions_read_from_a_plain_context_are_what_its_public_method_answers():
+    """For a plain ReqContext kvd reads the dict behind get_offload_key_position directly:
+    the positions must be the method's answers (this fails if vLLM changes what the method
+    reads)."""
+    keys = keys_for("plain", 12)
+    ctx = ReqContext(req_id="r-plain")
+    for i, key in enumerate(keys[:10]):
+        ctx.set_offload_key_position(key, (i + 1) * CHUNK_TOKENS)
+    for part in (keys[:10], keys[:3] + keys[6:8], keys[2:5], keys[8:12]):
+        want = [ctx.get_offload_key_position(k) for k in part]
+        got = KvdOffloadingManager._positions(part, ctx)
+        assert (None if None in want else want) == (None if got is None else list(got))
+
+
 def test_an_unsupported_vllm_fails_at_engine_start_saying_what_is_missing(caplog):
     import types
 
