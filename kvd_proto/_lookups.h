@@ -69,6 +69,9 @@ int64_t lookups_probe(const Lookups *self, PyObject *key, uint64_t *word);
 /* `key`'s home bucket in the index, its cache line asked for (a probe of many keys asks for
  * every line first, so that their misses overlap instead of following one another). */
 uint64_t lookups_prefetch(const Lookups *self, PyObject *key);
+/* The meta word and key lines of the slots the first buckets from `bucket` name, asked for
+ * (after lookups_prefetch's line has come: a probe then waits for none of them). */
+void lookups_prefetch_slots(const Lookups *self, uint64_t bucket);
 /* lookups_probe from the home bucket lookups_prefetch gave. */
 int64_t lookups_probe_at(const Lookups *self, uint64_t bucket, PyObject *key, uint64_t *word);
 /* The pool offset of `slot`. */

@@ -31,6 +31,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "_lookups.h"
 #include "_records.h"
@@ -131,6 +132,49 @@ static PyObject *completion_of(PyObject *shared, PyObject *req_id, PyObject *new
     return record == NULL ? NULL : Py_BuildValue("(Nn)", record, PyList_GET_SIZE(new));
 }
 
+/* Whether the n keys (bytes) are distinct: 1, 0 (two are equal), -1 an error. By their
+ * hashes in a small open-addressing table (a set of them cost ~3 us a call): keys whose
+ * hashes all differ are distinct; two equal hashes are compared as keys. */
+static int keys_distinct(PyObject *const *items, Py_ssize_t n) {
+    if (n < 2) return 1;
+    size_t size = 16;
+    while (size < 2 * (size_t)n) size <<= 1;
+    Py_ssize_t *table = PyMem_Malloc(size * sizeof *table);
+    Py_hash_t *hashes = PyMem_Malloc((size_t)n * sizeof *hashes);
+    int result = 1;
+    if (table == NULL || hashes == NULL) {
+        PyErr_NoMemory();
+        result = -1;
+        goto out;
+    }
+    memset(table, -1, size * sizeof *table);
+    for (Py_ssize_t i = 0; i < n && result == 1; i++) {
+        Py_hash_t h = PyObject_Hash(items[i]);
+        if (h == -1) {
+            result = -1;
+            break;
+        }
+        hashes[i] = h;
+        size_t b = (size_t)h & (size - 1);
+        while (table[b] >= 0) {
+            Py_ssize_t j = table[b];
+            if (hashes[j] == h) {
+                int eq = PyObject_RichCompareBool(items[i], items[j], Py_EQ);
+                if (eq != 0) {
+                    result = eq < 0 ? -1 : 0;
+                    break;
+                }
+            }
+            b = (b + 1) & (size - 1);
+        }
+        table[b] = i;
+    }
+out:
+    PyMem_Free(table);
+    PyMem_Free(hashes);
+    return result;
+}
+
 PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
@@ -149,14 +193,13 @@ PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) 
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *result = NULL, *seen = NULL, *index = NULL, *new = NULL, *taken = NULL;
+    PyObject *result = NULL, *index = NULL, *new = NULL, *taken = NULL;
     PyObject *positions = NULL, *record = NULL, *call = NULL;
     uint64_t *home = NULL;
     if (n == 0 || n > per_record) goto fallback;
-    seen = PySet_New(NULL);
     index = PyList_New(0);
     home = PyMem_Malloc((size_t)n * sizeof *home);
-    if (seen == NULL || index == NULL || home == NULL) {
+    if (index == NULL || home == NULL) {
         if (home == NULL) PyErr_NoMemory();
         goto done;
     }
@@ -165,9 +208,13 @@ PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) 
         if (!PyBytes_CheckExact(items[i])) goto fallback;
         home[i] = lookups_prefetch(self, items[i]);
     }
+    int distinct = keys_distinct(items, n);
+    if (distinct < 0) goto done;
+    if (!distinct) goto fallback;
+    for (Py_ssize_t i = 0; i < n; i++)          /* and the slots those buckets name */
+        lookups_prefetch_slots(self, home[i]);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = items[i];
-        if (PySet_Add(seen, key) < 0) goto done;
         int own = PyDict_Contains(self->stores, key);
         if (own < 0) goto done;
         uint64_t word;
@@ -179,7 +226,7 @@ PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) 
         if (rc < 0) goto done;
     }
     Py_ssize_t m = PyList_GET_SIZE(index), held = PyList_GET_SIZE(slots);
-    if (PySet_GET_SIZE(seen) != n || m > room || m > held) goto fallback;
+    if (m > room || m > held) goto fallback;
     new = PyList_New(m);
     if (new == NULL) goto done;
     for (Py_ssize_t j = 0; j < m; j++)
@@ -211,7 +258,6 @@ PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs) 
 fallback:
     result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(seen);
     Py_XDECREF(index);
     Py_XDECREF(new);
     Py_XDECREF(taken);
