@@ -44,6 +44,7 @@ typedef struct {
      * found by value. */
     HitEntry *hit_log;
     Py_ssize_t hit_n, hit_cap;
+    Py_ssize_t pin_cursor;   /* where the last pin's keys ended in the log */
     PyObject *hits;      /* dict: key -> offset, HITs moved out of the log */
     PyObject *stores;    /* dict: key -> the engine's own stores in flight */
     PyObject *miss, *hit;

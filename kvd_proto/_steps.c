@@ -289,7 +289,7 @@ PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     offsets = PyList_New(n);
     if (offsets == NULL) goto done;
     prefetch_keys(items, n);             /* the key set reads their hashes */
-    Py_ssize_t hint = -1;
+    Py_ssize_t hint = self->pin_cursor;   /* where the last pin ended: this one follows */
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t off;
         int found = lookups_hit_find(self, items[i], &hint, &off);
@@ -311,6 +311,7 @@ PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     done_record = encode_completion(KIND_COMPLETE_LOAD, epoch, req_id, seq);
     if (done_record == NULL) goto done;
     result = PyTuple_Pack(4, offsets, keyset, record, done_record);
+    if (result != NULL && hint >= 0) self->pin_cursor = hint;
     goto done;
 fallback:
     result = Py_NewRef(Py_None);
