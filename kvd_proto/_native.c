@@ -362,7 +362,14 @@ static PyObject *Lookups_hit(Lookups *self, PyObject *const *args, Py_ssize_t na
     }
     unsigned long long offset = PyLong_AsUnsignedLongLong(args[1]);
     if (offset == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    if (hits_add(self, args[0], offset) < 0) return NULL;
+    /* The log and its dict hold plain bytes only: a subclass's __eq__ or __hash__ (Python
+     * code) never runs while the log moves into the dict. */
+    PyObject *key = PyBytes_CheckExact(args[0]) ? Py_NewRef(args[0]) :
+        PyBytes_FromStringAndSize(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]));
+    if (key == NULL) return NULL;
+    int rc = hits_add(self, key, offset);
+    Py_DECREF(key);
+    if (rc < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -574,6 +581,12 @@ static int64_t lookahead(Lookups *self, PyObject *key, PyObject *ctx, uint64_t *
     PyObject *order = PyObject_GetAttr(ctx, ahead_attr);
     if (order == NULL) {
         PyErr_Clear();
+        return AHEAD_PROBE;
+    }
+    if (ctx != self->ahead_ctx || self->ahead_n) {  /* the attribute's code looked up too */
+        Py_DECREF(order);
+        ahead_drop(self);
+        self->ahead_off = 1;
         return AHEAD_PROBE;
     }
     if (PyDict_CheckExact(order)) {

@@ -175,3 +175,35 @@ def test_a_context_the_lookahead_cannot_read_is_looked_up_key_by_key():
             assert lk.lookup(key, ctx) == twin.lookup(key, ctx)
     assert lk.read_ahead == 0
     world.close(lk, twin)
+
+
+def test_a_context_whose_table_looks_up_again_costs_nothing_wrong():
+    """The context's attribute is Python code that looks up other keys (of another context)
+    while the lookahead reads it: no reference is lost or kept, every answer is the twin's."""
+    world = World(10)
+    lk = world.lookups(_native.Lookups)
+    twin = world.lookups(PyLookups)
+    keys = world.keys[:30]
+    other = Context(world.keys[100:130])
+
+    class Reentrant:
+        @property
+        def _offload_key_positions(self):  # noqa: ANN202
+            for key in world.keys[100:110]:
+                assert lk.lookup(key, other) == twin.lookup(key)
+            return {k: 1 for k in keys}
+
+    import sys
+
+    watched = world.keys[100:110] + keys
+    before = [sys.getrefcount(k) for k in watched]
+    ctx = Reentrant()
+    for key in keys:
+        assert lk.lookup(key, ctx) == twin.lookup(key)
+    assert lk.recorded() == twin.recorded()
+    del key
+    lk.clear_hits()
+    twin.clear_hits()
+    lk.enabled = twin.enabled = 1             # drops what was read ahead
+    assert [sys.getrefcount(k) for k in watched] == before
+    world.close(lk, twin)

@@ -100,3 +100,19 @@ def test_a_hit_must_be_bytes_at_a_byte_offset():
             lk.hit("text", 4096)
     with pytest.raises((TypeError, OverflowError)):
         _native.Lookups({}, "MISS", "HIT", lambda k: "SLOW").hit(b"k", -1)
+
+
+def test_a_hit_of_a_bytes_subclass_is_kept_as_plain_bytes():
+    class Key(bytes):
+        def __hash__(self) -> int:                  # noqa: D105
+            raise AssertionError("a subclass's Python code ran inside the HIT log")
+
+        def __eq__(self, other: object) -> bool:    # noqa: D105
+            raise AssertionError("a subclass's Python code ran inside the HIT log")
+
+    lk = _native.Lookups({}, "MISS", "HIT", lambda k: "SLOW")
+    lk.hit(Key(b"k" * 36), 4096)
+    for i in range(5000):
+        lk.hit(i.to_bytes(4, "little") * 9, 8192)
+    assert lk.hit_offset(b"k" * 36) == 4096
+    assert type(next(iter(lk.recorded()))) is bytes
