@@ -144,6 +144,7 @@ class AgentStore:
         self._calls: dict[int, _Call] = {}
         self._next_id = READY_ID + 1
         self._dead: str | None = None
+        self._closing = False             # close() has begun: the agent's exit is expected
         try:
             self._await_ready(connect_wait_s)
         except BaseException:
@@ -230,6 +231,7 @@ class AgentStore:
         killed after wait_s."""
         with self._lock:
             alive = self._dead is None
+            self._closing = True
         if alive:
             try:
                 self._call(Op.CLOSE, wait_s=wait_s)
@@ -259,6 +261,8 @@ class AgentStore:
                 call.done.set()
         except (OSError, WireError) as exc:
             why = f"the store agent broke the wire ({exc})"
+        if self._closing:       # it left because close() asked it to (an answer raced it)
+            self._fail("the store's client is closed", quiet=True)
         try:                    # an agent that died: its code tells why (a signal: a crash)
             code: int | None = self._proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
