@@ -534,13 +534,8 @@ static void ahead_read(Lookups *self, int n) {
             crc32_of((unsigned char *)PyBytes_AS_STRING(keys[i]), len) & g->mask : UINT64_MAX;
         if (bucket[i] != UINT64_MAX) __builtin_prefetch(&g->buckets[bucket[i]]);
     }
-    for (int i = 0; i < n; i++) {
-        if (bucket[i] == UINT64_MAX) continue;
-        uint32_t v = load_acquire32(&g->buckets[bucket[i]]);
-        if (v == 0 || (uint64_t)v - 1 >= g->capacity) continue;
-        __builtin_prefetch(&g->meta[v - 1]);
-        __builtin_prefetch(g->keys + (uint64_t)(v - 1) * g->width);
-    }
+    for (int i = 0; i < n; i++)
+        if (bucket[i] != UINT64_MAX) lookups_prefetch_slots(self, bucket[i]);
     for (int i = 0; i < n; i++) {
         uint64_t word = 0;
         int64_t slot = bucket[i] == UINT64_MAX ? -1 :
@@ -570,11 +565,9 @@ static int64_t lookahead(Lookups *self, PyObject *key, PyObject *ctx, uint64_t *
             return self->ahead_slot[i];
         }
     } else {
-        ahead_drop(self);
         Py_XSETREF(self->ahead_ctx, Py_NewRef(ctx));
         self->ahead_pos = 0;
         self->ahead_batch = AHEAD_FIRST;
-        self->ahead_off = 0;
     }
     ahead_drop(self);
     self->ahead_off = 1;                          /* unless the key is found below */

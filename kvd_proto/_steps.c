@@ -132,7 +132,7 @@ static PyObject *completion_of(PyObject *shared, PyObject *req_id, PyObject *new
     return record == NULL ? NULL : Py_BuildValue("(Nn)", record, PyList_GET_SIZE(new));
 }
 
-/* Whether the n keys (bytes) are distinct: 1, 0 (two are equal), -1 an error. By their
+/* Whether the n keys are distinct: 1, 0 (two are equal), -1 an error. By their
  * hashes in a small open-addressing table (a set of them cost ~3 us a call): keys whose
  * hashes all differ are distinct; two equal hashes are compared as keys. */
 static int keys_distinct(PyObject *const *items, Py_ssize_t n) {
@@ -434,13 +434,17 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
     PyObject *keys = keys_and_hashes(args[0], &hashes);
     if (keys == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
-    PyObject *result = NULL, *got = NULL, *seen = NULL, *epoch_obj = NULL, *seq_obj = NULL;
+    PyObject *result = NULL, *got = NULL, *epoch_obj = NULL, *seq_obj = NULL;
     PyObject *record = NULL, *shared = NULL, *call = NULL;
     PyObject *hash_bytes = NULL;
     if (n == 0 || n > per_record) goto fallback;
+    if (!distinct) {
+        distinct = keys_distinct(&PyTuple_GET_ITEM(keys, 0), n);
+        if (distinct < 0) goto done;
+        if (!distinct) goto fallback;
+    }
     got = PyTuple_New(n);
-    seen = distinct ? NULL : PySet_New(NULL);
-    if (got == NULL || (!distinct && seen == NULL)) goto done;
+    if (got == NULL) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyTuple_GET_ITEM(keys, i);
         PyObject *store = dict_get(self->stores, key, hashes[i]);
@@ -459,9 +463,7 @@ PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t narg
             call = Py_None;                        /* keys of several calls: encoded here */
         }
         PyTuple_SET_ITEM(got, i, Py_NewRef(store));
-        if (seen != NULL && PySet_Add(seen, key) < 0) goto done;
     }
-    if (seen != NULL && PySet_GET_SIZE(seen) != n) goto fallback;
     epoch_obj = PyObject_GetAttrString(shared, "reset_epoch");
     seq_obj = PyObject_GetAttrString(shared, "seq");
     if (epoch_obj == NULL || seq_obj == NULL) goto done;
@@ -486,7 +488,6 @@ fallback:
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(got);
-    Py_XDECREF(seen);
     Py_XDECREF(epoch_obj);
     Py_XDECREF(seq_obj);
     Py_XDECREF(record);
