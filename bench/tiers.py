@@ -9,9 +9,10 @@ the defaults a user gets except the pool's size and `[tiers.disk]` path and size
     a thread pool of os.pwritev / os.preadv on page-aligned mmap buffers, one request per
     block, at the tier's default depth (io_threads = 4) and in the order the tier lays blocks
     out (consecutive slots). A shared machine's drive and CPUs drift by tens of percent from
-    one minute to the next, so each size runs ROUNDS rounds of a raw pass then the tier's
-    run at once after it, and the round with the median tier/raw ratio is reported (each way
-    on its own; every round's figures are kept under `rounds`).
+    one minute to the next, so each size runs ROUNDS rounds of a raw pass, the tier's run at
+    once after it and another raw pass at once after that; the tier is compared with the mean
+    of the two raw passes around it (`bracketed`), and the round with the median tier/raw
+    ratio is reported (each way on its own; every round's figures are kept under `rounds`).
   - `demotion`: an engine (OffloadSession over KvdClient, layout block bytes = the block size;
     a 64 MiB pool over a 512 MiB tier, --quick 32 MiB and 3x over 256 MiB) fills the pool
     (untimed: nothing is evicted yet, so the tier has nothing to do), then stores 4x what the
@@ -91,7 +92,7 @@ MIB = 1 << 20
 SIZES = (64 << 10, 256 << 10, 2 << 20)
 IO_THREADS = DEFAULT_IO_THREADS          # the tier's default depth, the raw bench's too
 RAW_RUNS = 3
-ROUNDS = 3               # raw pass + tier, per block size: the median round is reported
+ROUNDS = 5               # raw pass, tier, raw pass, per block size: the median round is reported
 # bandwidth: (pool MiB, stored / pool, disk MiB); --quick: smaller
 BW_FULL = (64, 4, 512)
 BW_QUICK = (32, 3, 256)
@@ -418,9 +419,21 @@ def read_back_queue(session: OffloadSession, requests: list[list[bytes]]
     return states, steps
 
 
+def bracketed(before: dict, after: dict) -> dict:
+    """One raw reference from the raw passes made just before and just after the tier's run
+    (the drive's speed drifts within a minute: bracketing follows it): per way, the bytes over
+    the mean of the two passes' seconds."""
+    out = {"bytes": before["bytes"], "direct_io": before["direct_io"]}
+    for op in ("write", "read"):
+        runs = before[op]["runs_seconds"] + after[op]["runs_seconds"]
+        secs = statistics.mean(runs)
+        out[op] = {"runs_seconds": runs, "seconds": secs, "gb_per_s": out["bytes"] / secs / 1e9}
+    return out
+
+
 def _median_round(rounds: list[tuple[dict, dict]], side: str, op: str) -> tuple[dict, dict]:
     """(the tier's `side` figures, the raw `op` figures) of the round whose ratio is the
-    median: each round's tier is compared with the raw pass made just before it."""
+    median: each round's tier is compared with the raw passes made just around it."""
     ranked = sorted(rounds, key=lambda rt: rt[1][side]["wall_gb_per_s"]
                     / rt[0][op]["gb_per_s"])
     r, t = ranked[len(ranked) // 2]
@@ -440,9 +453,12 @@ def bandwidth(base: Path, pool_mib: int, times: int, disk_mib: int, rounds: int 
         # the median ratio is reported (every round's figures are kept).
         done: list[tuple[dict, dict]] = []
         for _ in range(rounds):
-            r = raw(workdir / "disk", block, moved, disk_mib * MIB, runs=1)
+            before = raw(workdir / "disk", block, moved, disk_mib * MIB, runs=1)
             t = demote_promote(workdir, block, pool_mib, times, disk_mib)
             shutil.rmtree(workdir, ignore_errors=True)
+            after = raw(workdir / "disk", block, moved, disk_mib * MIB, runs=1)
+            shutil.rmtree(workdir, ignore_errors=True)
+            r = bracketed(before, after)
             for side, op in (("demotion", "write"), ("promotion", "read")):
                 ref = r[op]["gb_per_s"]
                 t[side]["wall_of_raw"] = t[side]["wall_gb_per_s"] / ref
@@ -681,7 +697,8 @@ def table(t: dict) -> str:
              f"{first['pool_bytes'] // MIB} MiB, "
              f"{first['demotion']['stored_bytes'] // first['pool_bytes']}x the pool stored "
              f"after filling it, disk {first['disk_bytes'] // MIB} MiB; per size the median of "
-             f"{len(first.get('rounds', [])) or 1} rounds (raw pass, then the tier).", "",
+             f"{len(first.get('rounds', [])) or 1} rounds (raw pass, the tier, raw pass: the "
+             "tier against the mean of the two).", "",
              "| block | raw write / read GB/s | demotion GB/s wall (of raw) | demotion GB/s "
              "I/O threads (of raw) | promotion GB/s wall (of raw) | promotion GB/s I/O "
              "threads (of raw) | daemon CPU s/GB demoted, promoted |",
