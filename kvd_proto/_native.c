@@ -49,22 +49,40 @@ static void crc_init(void) {
     }
 }
 
-/* zlib.crc32(data) with its initial value 0 (slice-by-8, little-endian reads). */
+/* Eight bytes into the CRC register at once (slice-by-8): `lo` and `hi` are the next eight
+ * bytes in the order they are taken, as two little-endian words. */
+static inline uint32_t crc_step8(uint32_t c, uint32_t lo, uint32_t hi) {
+    lo ^= c;
+    return crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^
+           crc_table[5][(lo >> 16) & 0xFF] ^ crc_table[4][lo >> 24] ^
+           crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
+           crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
+}
+
+/* Four bytes from p[0] up (forward) or from p[0] down (backward), as a little-endian word
+ * whatever the machine's byte order (compilers make one load, or a load and a swap). */
+static inline uint32_t word_up(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint32_t word_down(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[-1] << 8 | (uint32_t)p[-2] << 16 | (uint32_t)p[-3] << 24;
+}
+
+/* zlib.crc32(data) with its initial value 0 (slice-by-8). */
 static uint32_t crc32_of(const unsigned char *p, Py_ssize_t n) {
     uint32_t c = 0xFFFFFFFFu;
-    while (n >= 8) {
-        uint32_t lo, hi;
-        memcpy(&lo, p, 4);
-        memcpy(&hi, p + 4, 4);
-        lo ^= c;
-        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^
-            crc_table[5][(lo >> 16) & 0xFF] ^ crc_table[4][lo >> 24] ^
-            crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
-            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
-        p += 8;
-        n -= 8;
-    }
+    for (; n >= 8; p += 8, n -= 8) c = crc_step8(c, word_up(p), word_up(p + 4));
     while (n--) c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+/* zlib.crc32 of the bytes in reverse order (the fingerprint's upper half), without reversing
+ * them: slice-by-8 from the end (a byte at a time cost ~40 ns of a 36-byte key's miss). */
+static uint32_t crc32_reversed(const unsigned char *p, Py_ssize_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (; n >= 8; n -= 8) c = crc_step8(c, word_down(p + n - 1), word_down(p + n - 5));
+    while (n--) c = crc_table[0][(c ^ p[n]) & 0xFF] ^ (c >> 8);
     return c ^ 0xFFFFFFFFu;
 }
 
@@ -79,9 +97,7 @@ static PyObject *native_crc32(PyObject *self, PyObject *arg) {
 /* The "held below" fingerprint (kvd_proto/below_layout.py): crc32(key) | crc32(reversed) << 32,
  * never 0. */
 static uint64_t fingerprint_of(const unsigned char *p, Py_ssize_t n) {
-    uint32_t r = 0xFFFFFFFFu;
-    for (Py_ssize_t i = n - 1; i >= 0; i--) r = crc_table[0][(r ^ p[i]) & 0xFF] ^ (r >> 8);
-    uint64_t fp = (uint64_t)crc32_of(p, n) | (uint64_t)(r ^ 0xFFFFFFFFu) << 32;
+    uint64_t fp = (uint64_t)crc32_of(p, n) | (uint64_t)crc32_reversed(p, n) << 32;
     return fp ? fp : 1;
 }
 
