@@ -8,17 +8,18 @@ the defaults a user gets except the pool's size and `[tiers.disk]` path and size
     O_DIRECT (buffered where the filesystem refuses it, e.g. tmpfs: `direct_io` says which) by
     a thread pool of os.pwritev / os.preadv, one request per block, at the tier's default
     depth (io_threads = 4) and in the order the tier lays blocks out (consecutive slots), two
-    ways: from and into a memfd the pool's size, block after block (`write`, `read`: the
-    memory the tier's bytes come from and land in, the like-for-like reference the goal is
+    ways: from and into a memfd the pool's size, block after block (`write`, `read`: as much
+    memory as the tier's bytes come from and land in, the like-for-like reference the goal is
     measured against), and from and into io_threads buffers used again and again
-    (`reused_write`, `reused_read`: what fio or a plain O_DIRECT copier measures). They
-    differ on a VM whose virtual disk copies every transfer into guest memory on the host:
-    a destination hot in the host's caches moves faster (30-50% at 256 KiB measured here);
-    a drive that moves memory by DMA does not care. Both ratios are reported. A shared machine's drive and CPUs drift by tens of percent from
-    one minute to the next, so each size runs ROUNDS rounds of a raw pass, the tier's run at
-    once after it and another raw pass at once after that; the tier is compared with the mean
-    of the two raw passes around it (`bracketed`), and the round with the median tier/raw
-    ratio is reported (each way on its own; every round's figures are kept under `rounds`).
+    (`reused_write`, `reused_read`: what fio or a plain O_DIRECT copier measures). On a VM
+    whose virtual disk copies every transfer into guest memory on the host they differ (memory
+    hot in the host's caches moves faster: 10-50% at 64-256 KiB measured here, mostly reads);
+    a drive that moves memory by DMA does not care. Both ratios are reported. A shared
+    machine's drive and CPUs drift by tens of percent from one minute to the next, so each
+    size runs ROUNDS rounds of a raw pass, the tier's run at once after it and another raw
+    pass at once after that; the tier is compared with the mean of the two raw passes around
+    it (`bracketed`), and the round with the median tier/raw ratio is reported (each way on
+    its own; every round's figures are kept under `rounds`).
   - `demotion`: an engine (OffloadSession over KvdClient, layout block bytes = the block size;
     a 64 MiB pool over a 512 MiB tier, --quick 32 MiB and 3x over 256 MiB) fills the pool
     (untimed: nothing is evicted yet, so the tier has nothing to do), then stores 4x what the
@@ -302,12 +303,10 @@ def _raw_pass(fd: int, write: bool, block: int, n: int, memory: mmap.mmap) -> fl
 def raw(directory: Path, block: int, moved: int, file_bytes: int, runs: int = RAW_RUNS,
         pool_bytes: int = 0) -> dict:
     """O_DIRECT write then read bandwidth of `moved` bytes in `directory` (median of
-    `runs`), two ways: (`write`, `read`) from and into a memfd of `pool_bytes` slot after
-    slot, as the tier's bytes come from and go to the pool (through its own buffers for
-    writes: as many as its queue holds); (`reused`) from and into IO_THREADS buffers used
-    again and again, as fio and a plain O_DIRECT copier do. On a VM the two differ (the
-    host's side of every transfer touches guest memory: 10-30% at 64-256 KiB measured here):
-    the first is the like-for-like reference."""
+    `runs`), two ways (see the module doc): (`write`, `read`) from and into a memfd of
+    `pool_bytes`, slot after slot, as the promotions' reads land in the pool (the demotions'
+    writes come from the tier's own buffers, up to its queue's worth); (`reused_write`,
+    `reused_read`) from and into IO_THREADS buffers used again and again, as fio does."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "kvd-raw-bench.data"
     n = moved // block
