@@ -11,6 +11,7 @@ overflowing, and the session is restarted.
 from __future__ import annotations
 
 import logging
+import time
 
 from kvd_proto import records as rec
 
@@ -22,6 +23,12 @@ from .resets import Resets
 from .stores import StoreTracker
 
 log = logging.getLogger(__name__)
+
+# Lookup counts go to the daemon at most this often while the engine steps (and whenever it
+# asks whether work is pending, and at close): a COUNTERS record every step was the only
+# record of most quiet steps, and each one woke an idle daemon (a write to its eventfd, and
+# its process scheduled) for figures no one reads that often.
+COUNTS_INTERVAL_S = 0.25
 
 
 class DaemonLink:
@@ -37,6 +44,7 @@ class DaemonLink:
         self._resets = resets
         self._stores = stores
         self._reported = (0, 0, 0)        # lookups, hits, misses the daemon has heard of
+        self._reported_at = 0.0
         # The records made since the last `stage`, in order. The scheduler's compiled calls
         # append theirs straight to this list (`records.append`, bound once: a call's record
         # costs one append, not two Python calls); everything else goes through `put`. So
@@ -100,10 +108,16 @@ class DaemonLink:
                 self._resets.answered(answer, self.put, per_record)
         self._stores.settle(self.msgs.acked)
 
-    def report_counts(self, counts: tuple[int, int, int]) -> None:
+    def report_counts(self, counts: tuple[int, int, int], now: bool = True) -> None:
         """The lookups, hits and misses answered so far: what the daemon has not heard of
-        goes as one COUNTERS record (nothing when they did not move)."""
+        goes as one COUNTERS record (nothing when they did not move; with `now` False, also
+        nothing within COUNTS_INTERVAL_S of the last one)."""
         if counts != self._reported:
+            if not now:
+                clock = time.monotonic()
+                if clock - self._reported_at < COUNTS_INTERVAL_S:
+                    return
+                self._reported_at = clock
             delta = [now - then for now, then in zip(counts, self._reported, strict=True)]
             self._reported = counts
             self.put([rec.encode_counters(*delta)], essential=False)

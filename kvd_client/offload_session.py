@@ -320,7 +320,7 @@ class OffloadSession(SessionTransfers):
         promote = self._promotions.take()
         if promote:
             self._put(messages.promote(promote, self._per_record))
-        self._link.report_counts(self._counts())
+        self._link.report_counts(self._counts(), now=False)
         if self.enable_events and self._link.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
         self._link.flush()
@@ -330,6 +330,8 @@ class OffloadSession(SessionTransfers):
         """Records not yet read by the daemon, a reset not yet answered, or a promotion not
         finished (keep the engine stepping until they are)."""
         self._receive()
+        if self.available:
+            self._link.report_counts(self._counts())     # the daemon's stats catch up
         return bool(self._resets.pending or self._finished) or self._link.unread() or \
             self._promotions.waiting(self._msgs.acked, self._lookups.find)
 

@@ -1018,12 +1018,22 @@ static PyObject *native_eventfd_signal(PyObject *self, PyObject *arg) {
     return PyErr_SetFromErrno(PyExc_OSError);
 }
 
+/* fence(): a full memory barrier (kvd_proto/barrier.py): the stores before it are visible to
+ * other processes before the loads after it. One instruction here; the pure-Python twin takes
+ * and releases a lock (two calls and a locked instruction). */
+static PyObject *native_fence(PyObject *self, PyObject *unused) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
     {"crc32", native_crc32, METH_O, "crc32(data) -> zlib.crc32(data)"},
     {"fingerprint", native_fingerprint, METH_O,
      "fingerprint(key) -> the key's held-below fingerprint (kvd_proto/below_layout.py)"},
+    {"fence", native_fence, METH_NOARGS,
+     "fence() -> None: a full memory barrier (kvd_proto/barrier.py)"},
     {"eventfd_signal", native_eventfd_signal, METH_O,
      "eventfd_signal(fd) -> bool: add 1 to a non-blocking eventfd without releasing the GIL"},
     {"keys_block", native_keys_block, METH_O, "keys_block(keys) -> a record's keys field"},

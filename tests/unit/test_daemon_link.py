@@ -67,3 +67,38 @@ def test_nothing_is_kept_while_degraded_without_a_channel_or_for_an_ended_sessio
     dl.put([b"new"], essential=False)
     dl.stage()
     assert staged(msgs) == [(0, [b"new"], False)]
+
+
+def test_lookup_counts_go_at_most_every_interval_while_stepping_and_at_once_when_asked(
+        monkeypatch):
+    """A COUNTERS record every step was most quiet steps' only record (each woke an idle
+    daemon): a step's end reports at most every COUNTS_INTERVAL_S, a forced report (the
+    session asked whether work is pending, or closes) at once; each carries the change since
+    the last one, so the daemon's totals end up exact."""
+    from kvd_client import daemon_link
+    from kvd_proto import records as rec
+
+    clock = [100.0]
+    monkeypatch.setattr(daemon_link.time, "monotonic", lambda: clock[0])
+    dl, msgs, _ = link()
+
+    def sent() -> list[tuple[int, int, int]]:
+        out = []
+        for record in dl.records:
+            counters = rec.decode_up(rec.COUNTERS, record[8:])   # after the record header
+            out.append((counters.lookups, counters.hits, counters.misses))
+        dl.records.clear()
+        return out
+
+    dl.report_counts((4, 3, 1), now=False)
+    assert sent() == [(4, 3, 1)]                     # the first one goes
+    dl.report_counts((9, 7, 2), now=False)
+    dl.report_counts((12, 9, 3), now=False)
+    assert sent() == []                              # within the interval: held
+    clock[0] += daemon_link.COUNTS_INTERVAL_S
+    dl.report_counts((12, 9, 3), now=False)
+    assert sent() == [(8, 6, 2)]                     # the change since the last report
+    dl.report_counts((15, 11, 4))                    # forced: at once
+    assert sent() == [(3, 2, 1)]
+    dl.report_counts((15, 11, 4))                    # nothing moved: nothing sent
+    assert sent() == []

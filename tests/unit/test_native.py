@@ -455,3 +455,11 @@ def test_same_set_is_true_only_for_sets_of_the_same_objects():
     assert _native.same_set(grown, grown) and not _native.same_set([1], [1])
     with pytest.raises(TypeError):
         _native.same_set(set())
+
+
+def test_the_memory_fence_is_the_compiled_one_where_built():
+    from kvd_proto import barrier
+
+    assert barrier.fence() is None and barrier.py_fence() is None
+    if _native is not None:
+        assert barrier.fence is _native.fence
