@@ -116,6 +116,7 @@ class ChannelHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.Handle | None = None
         self._interval = POLL_MIN_S
+        self._granted = False                # a turn's refills granted slots
         self.broken_total = 0
 
     def __len__(self) -> int:
@@ -192,11 +193,15 @@ class ChannelHub:
 
     def _turn(self) -> None:
         self._timer = None
+        self._granted = False
         read, more = self.poll()
         if more:
             self._schedule(0.0)
             return
-        self._interval = POLL_MIN_S if read else min(POLL_MAX_S, 2 * self._interval)
+        # Slots granted count as activity: an engine stepping with lookups only writes no
+        # record, and its reserve still comes back at the quick pace while it is refilled.
+        self._interval = POLL_MIN_S if read or self._granted else \
+            min(POLL_MAX_S, 2 * self._interval)
         if self._active:
             self._schedule(self._interval)
 
@@ -243,6 +248,7 @@ class ChannelHub:
                 answer = self._handle.refill(channel.session)
                 if answer is not None:
                     writer.write(answer)
+                    self._granted = True
         finally:
             reader.commit()
             writer.publish()
