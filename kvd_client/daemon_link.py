@@ -108,16 +108,16 @@ class DaemonLink:
                 self._resets.answered(answer, self.put, per_record)
         self._stores.settle(self.msgs.acked)
 
-    def report_counts(self, counts: tuple[int, int, int], now: bool = True) -> None:
+    def report_counts(self, counts: tuple[int, int, int], at_once: bool = True) -> None:
         """The lookups, hits and misses answered so far: what the daemon has not heard of
-        goes as one COUNTERS record (nothing when they did not move; with `now` False, also
-        nothing within COUNTS_INTERVAL_S of the last one)."""
+        goes as one COUNTERS record (nothing when they did not move; with `at_once` False,
+        also nothing within COUNTS_INTERVAL_S of the last one)."""
         if counts != self._reported:
-            if not now:
+            if not at_once:
                 clock = time.monotonic()
                 if clock - self._reported_at < COUNTS_INTERVAL_S:
                     return
                 self._reported_at = clock
-            delta = [now - then for now, then in zip(counts, self._reported, strict=True)]
+            delta = [new - old for new, old in zip(counts, self._reported, strict=True)]
             self._reported = counts
             self.put([rec.encode_counters(*delta)], essential=False)

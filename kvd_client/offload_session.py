@@ -320,7 +320,7 @@ class OffloadSession(SessionTransfers):
         promote = self._promotions.take()
         if promote:
             self._put(messages.promote(promote, self._per_record))
-        self._link.report_counts(self._counts(), now=False)
+        self._link.report_counts(self._counts(), at_once=False)
         if self.enable_events and self._link.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
         self._link.flush()

@@ -341,11 +341,14 @@ def _closed_by_peer(s: socket.socket, timeout: float = 2.0) -> bool:
 
 def test_connections_per_uid_are_bounded_and_silent_ones_closed(start_daemon):
     daemon = start_daemon("--pool-size", "16MiB", env=clean_env(
-        KVD_SERVER_MAX_CONNECTIONS_PER_UID="20", KVD_SERVER_IDLE_TIMEOUT="1s"))
+        KVD_SERVER_MAX_CONNECTIONS_PER_UID="20", KVD_SERVER_IDLE_TIMEOUT="3s"))
     socks = _silent_connections(daemon.socket, 30)
+    refused_by = time.monotonic() + 2.0
     try:
-        # Each waited for up to 0.8 s: closed then, it was not the 1 s idle timeout.
-        refused = [s for s in socks[20:] if _closed_by_peer(s, 0.8)]
+        # Closed within 2 s of connecting, it was not the 3 s idle timeout (a margin for a
+        # loaded machine: at 0.8 s against 1 s, one of ten missed once in CI).
+        refused = [s for s in socks[20:]
+                   if _closed_by_peer(s, max(0.01, refused_by - time.monotonic()))]
         assert len(refused) == 10                     # past the uid's limit: closed at once
         for s in socks[:20]:                          # silent: closed within the idle timeout
             assert _closed_by_peer(s, 5.0)

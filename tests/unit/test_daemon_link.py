@@ -90,13 +90,13 @@ def test_lookup_counts_go_at_most_every_interval_while_stepping_and_at_once_when
         dl.records.clear()
         return out
 
-    dl.report_counts((4, 3, 1), now=False)
+    dl.report_counts((4, 3, 1), at_once=False)
     assert sent() == [(4, 3, 1)]                     # the first one goes
-    dl.report_counts((9, 7, 2), now=False)
-    dl.report_counts((12, 9, 3), now=False)
+    dl.report_counts((9, 7, 2), at_once=False)
+    dl.report_counts((12, 9, 3), at_once=False)
     assert sent() == []                              # within the interval: held
     clock[0] += daemon_link.COUNTS_INTERVAL_S
-    dl.report_counts((12, 9, 3), now=False)
+    dl.report_counts((12, 9, 3), at_once=False)
     assert sent() == [(8, 6, 2)]                     # the change since the last report
     dl.report_counts((15, 11, 4))                    # forced: at once
     assert sent() == [(3, 2, 1)]
