@@ -300,8 +300,8 @@ def _raw_pass(fd: int, write: bool, block: int, n: int, memory: mmap.mmap) -> fl
         view.release()
 
 
-def raw(directory: Path, block: int, moved: int, file_bytes: int, runs: int = RAW_RUNS,
-        pool_bytes: int = 0) -> dict:
+def raw(directory: Path, block: int, moved: int, file_bytes: int, runs: int = RAW_RUNS, *,
+        pool_bytes: int) -> dict:
     """O_DIRECT write then read bandwidth of `moved` bytes in `directory` (median of
     `runs`), two ways (see the module doc): (`write`, `read`) from and into a memfd of
     `pool_bytes`, slot after slot, as the promotions' reads land in the pool (the demotions'
@@ -311,7 +311,7 @@ def raw(directory: Path, block: int, moved: int, file_bytes: int, runs: int = RA
     path = directory / "kvd-raw-bench.data"
     n = moved // block
     out: dict = {"bytes": n * block, "pool_bytes": pool_bytes}
-    ways = {"": max(pool_bytes, block), "reused_": IO_THREADS * block}
+    ways = {"": pool_bytes, "reused_": IO_THREADS * block}
     for prefix in ways:
         for op in ("write", "read"):
             out[prefix + op] = {"runs_seconds": []}
