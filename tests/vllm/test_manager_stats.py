@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
 
+from kvd_client.admission import OfferCounter
 from tests.support.daemon import Daemon
 from tests.support.waits import wait_until
 
@@ -141,6 +142,32 @@ def test_allocation_sizes_are_the_new_blocks_of_each_store_offer(engine):
     assert got[f"{ALLOC}_count"] == 1 and got[f"{ALLOC}_sum"] == 4 * SLOTS
     # No store_threshold: vLLM declares no stores_skipped series, so none is reported.
     assert M.STORES_SKIPPED not in got
+    m.on_schedule_end(END)
+
+
+def test_payload_is_the_one_vllms_own_calls_build(engine):
+    """`take` writes vLLM's payload in one literal: the same types, values and info as the
+    set_gauge / observe_histogram / increase_counter calls vLLM's CPU manager makes, with and
+    without samples, with and without the store-threshold counter."""
+    m, ctx = engine.manager, ReqContext(req_id="r")
+    m.prepare_store(keys([1, 2, 3]), ctx)           # stores in flight: non-zero gauges
+    stats = m._stats
+    for sizes, counted in (([], False), ([3, 1, 4], False), ([2], True), ([], True)):
+        if counted:                                  # as store_threshold >= 2 counts
+            stats._admission = OfferCounter(2)
+            stats._admission.skipped = 7
+            stats._skipped_reported = 5
+        stats._sizes = list(sizes)
+        reference = stats.take_through_calls()
+        if counted:
+            stats._skipped_reported = 5
+        stats._sizes = list(sizes)
+        fast = stats.take()
+        assert fast.data == reference.data
+        assert type(fast) is type(reference) and not fast.is_empty()
+        assert fast.reduce() == reference.reduce()
+    stats._admission = None
+    m.complete_store(keys([1, 2, 3]), ctx)
     m.on_schedule_end(END)
 
 
