@@ -167,7 +167,12 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) 
                        layout=KvLayout(BLOCK, 1, BLOCK, 16, "bf16", VLLM_KEY_WIDTH))
     session = OffloadSession(client)
     assert client.wait_available(30)
-    prefix = seed.to_bytes(4, "big") + b"chan".ljust(24, b".")
+    # Keys shaped as vLLM's (make_offload_key): a 32-byte block hash, then the KV group as 4
+    # big-endian bytes, 0 for a model with one KV cache group. The daemon orders a request's
+    # blocks per group (kvd_server/manager/requests.py); keys whose last 4 bytes differ
+    # would each be a group of their own, which no model has.
+    prefix = seed.to_bytes(4, "big") + b"chan".ljust(20, b".")
+    group = (0).to_bytes(4, "big")
     stored: list[list[bytes]] = []
     step = 0
     start.wait(120)
@@ -180,7 +185,7 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) 
             break
         if step - session.acked_steps > MAX_LEAD:
             session.has_pending_work()            # reads the daemon's position
-            time.sleep(0.0002)
+            time.sleep(0.001)
             continue
         req = f"r{step}"
         if len(stored) >= 2:
@@ -189,7 +194,8 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) 
                     session.hit_offset(k) is not None]
             session.start_loads(hits, req)
             session.finish_loads(hits, req)
-        new = [prefix + (step * STEP_KEYS + i).to_bytes(8, "big") for i in range(STEP_KEYS)]
+        new = [prefix + (step * STEP_KEYS + i).to_bytes(8, "big") + group
+               for i in range(STEP_KEYS)]
         granted = session.reserve(new, req)
         if granted:
             session.complete_store([k for k, _ in granted], req)

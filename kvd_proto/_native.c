@@ -1050,8 +1050,11 @@ static PyMethodDef module_methods[] = {
      "ring_write(data, tail, free, max_record, records) -> (count, new_tail) or None "
      "(kvd_proto/_rings.c)"},
     {"ring_read", (PyCFunction)(void (*)(void))native_ring_read, METH_FASTCALL,
-     "ring_read(data, head, tail, max_record, strict) -> (records, new_head, error or None) "
-     "(kvd_proto/_rings.c)"},
+     "ring_read(data, head, tail, max_record, strict[, limit]) -> (records, new_head, error "
+     "or None) (kvd_proto/_rings.c)"},
+    {"decode_keyed", (PyCFunction)(void (*)(void))native_decode_keyed, METH_FASTCALL,
+     "decode_keyed(kind, payload, max_string, max_keys, max_key_bytes) -> the fields of a "
+     "STORE, COMPLETE_STORE, PIN or COMPLETE_LOAD record, or None (kvd_proto/_decode.c)"},
     {NULL}};
 
 static struct PyModuleDef module = {

@@ -11,9 +11,9 @@
  *       Append records at position `tail` of the ring `data` (a writable buffer, a power of
  *       two bytes), as many as fit in `free` bytes, in order. None (nothing written): a record
  *       breaks the ring's rules (the caller's Python path says which).
- *   ring_read(data, head, tail, max_record, strict) -> (records, new_head, error or None)
- *       Every record published between `head` and `tail`: [(kind, payload bytes)], PADs
- *       skipped. Where the ring holds something that cannot be (a torn or hostile writer),
+ *   ring_read(data, head, tail, max_record, strict[, limit]) -> (records, new_head, error or None)
+ *       Every record published between `head` and `tail` (at most `limit` of them, when
+ *       given and >= 0): [(kind, payload bytes)], PADs skipped. Where the ring holds something that cannot be (a torn or hostile writer),
  *       reading stops there; `error` says what (a strict reader raises it).
  */
 #define PY_SSIZE_T_CLEAN
@@ -90,13 +90,19 @@ PyObject *native_ring_write(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 PyObject *native_ring_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "ring_read(data, head, tail, max_record, strict)");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "ring_read(data, head, tail, max_record, strict[, limit])");
         return NULL;
     }
     unsigned long long head, tail, max_record;
     if (as_u64(args[1], &head) < 0 || as_u64(args[2], &tail) < 0 || as_u64(args[3], &max_record) < 0)
         return NULL;
+    Py_ssize_t limit = -1;                 /* records at most (-1: every one published) */
+    if (nargs == 6) {
+        limit = PyLong_AsSsize_t(args[5]);
+        if (limit == -1 && PyErr_Occurred()) return NULL;
+    }
     int strict = PyObject_IsTrue(args[4]);
     if (strict < 0) return NULL;
     Py_buffer view;
@@ -113,7 +119,7 @@ PyObject *native_ring_read(PyObject *self, PyObject *const *args, Py_ssize_t nar
                  "a %llu-byte ring", (long long)available, (unsigned long long)size);
         available = 0;
     }
-    while (available >= HEADER) {
+    while (available >= HEADER && (limit < 0 || PyList_GET_SIZE(out) < limit)) {
         uint64_t at = head & mask;
         uint32_t length;
         uint16_t kind;
@@ -145,7 +151,8 @@ PyObject *native_ring_read(PyObject *self, PyObject *const *args, Py_ssize_t nar
         head += padded;
         available -= padded;
     }
-    if (!message[0] && available && available < HEADER)
+    if (!message[0] && available && available < HEADER &&
+        (limit < 0 || PyList_GET_SIZE(out) < limit))
         snprintf(message, sizeof message, "%llu bytes published, less than a record",
                  (unsigned long long)available);
     PyBuffer_Release(&view);

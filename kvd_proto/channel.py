@@ -338,13 +338,14 @@ class RingReader(_RingEnd):
             self.head += size
             return kind, payload
 
-    def read_all(self) -> list[tuple[int, bytes]]:
-        """Every record published now, in order (`read` until None; one compiled pass where
-        kvd_proto._native was built). A strict reader that meets a record that cannot be
-        returns the ones before it, and raises RingError on the next call."""
+    def read_all(self, limit: int = -1) -> list[tuple[int, bytes]]:
+        """Every record published now (at most `limit` when it is >= 0), in order (`read`
+        until None; one compiled pass where kvd_proto._native was built). A strict reader
+        that meets a record that cannot be returns the ones before it, and raises RingError
+        on the next call."""
         if ring_read is None:
             out: list[tuple[int, bytes]] = []
-            while True:
+            while len(out) != limit:
                 try:
                     item = self.read()
                 except RingError:
@@ -354,9 +355,10 @@ class RingReader(_RingEnd):
                 if item is None:
                     return out
                 out.append(item)
+            return out
         records, self.head, error = ring_read(self._data, self.head,
                                               self._words.get(self._tail_word),
-                                              self.max_record, self._strict)
+                                              self.max_record, self._strict, limit)
         if error is not None and self._strict and not records:
             raise RingError(error)
         return records

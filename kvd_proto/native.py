@@ -560,6 +560,10 @@ ring_write: Callable[..., tuple[int, int] | None] | None = \
     _native.ring_write if _native is not None else None
 ring_read: Callable[..., tuple[list[tuple[int, bytes]], int, str | None]] | None = \
     _native.ring_read if _native is not None else None
+# The daemon's strict decoding of the keyed up records in one pass (kvd_proto/_decode.c);
+# None: kvd_proto/records.py's decode_up (the twin, and what says why a record is refused).
+decode_keyed: Callable[..., tuple | None] | None = \
+    _native.decode_keyed if _native is not None else None
 key_positions: Callable[..., Sequence[int] | None] = \
     _native.key_positions if _native is not None else py_key_positions
 same_set: Callable[[object, object], bool] = \

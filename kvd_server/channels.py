@@ -231,19 +231,21 @@ class ChannelHub:
         many records were applied."""
         reader, writer = channel.view.reader, channel.view.writer
         room = 2 * writer.max_record         # an answer, and the filler before it at worst
+        handle, session = self._handle.__call__, channel.session
         n = 0
         try:
             while n < limit:
-                if writer.free() < room:
-                    break                    # the engine reads no answers: wait for it
-                item = reader.read()
-                if item is None:
+                # Records read in batches, each no more than the down ring has room to answer
+                # (a record has one answer at most): the engine reads no answers, wait for it.
+                batch = reader.read_all(min(limit - n, writer.free() // room))
+                if not batch:
                     break
-                answer = self._handle(channel.session, *item)
-                n += 1
-                if answer is not None:
-                    writer.write(answer)
-                    writer.publish()         # the engine may use it before the turn ends
+                for kind, payload in batch:
+                    answer = handle(session, kind, payload)
+                    n += 1
+                    if answer is not None:
+                        writer.write(answer)
+                        writer.publish()     # the engine may use it before the turn ends
             if refill and writer.free() >= room:
                 answer = self._handle.refill(channel.session)
                 if answer is not None:

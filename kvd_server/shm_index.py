@@ -184,6 +184,9 @@ class ShmIndex:
     def set_ready_function(self):  # noqa: ANN201 - likewise
         return self._table.set_ready
 
+    def key_of_function(self):  # noqa: ANN201 - likewise
+        return self._table.key_of
+
     def key_of(self, slot: int) -> bytes:
         """The key published in `slot` (empty when none is)."""
         return self._table.key_of(slot)

@@ -28,7 +28,7 @@ class BlockTable:
     state. The manager is its only writer; what it publishes engines see at once."""
 
     __slots__ = ("index", "capacity", "state", "state_array", "count", "_spill", "_spill_keys",
-                 "find", "_ready")
+                 "find", "key_of", "_ready")
 
     def __init__(self, index: ShmIndex, capacity: int) -> None:
         self.index = index
@@ -44,6 +44,9 @@ class BlockTable:
         # find(key) -> the slot of `key`'s resident block, or -1: the index's own probe (one
         # C call where built) while no key spilled; `_find_spilled` once one has.
         self.find = index.find_function()
+        # key_of(slot) -> the key of the block in `slot` (b"" when none): likewise the index's
+        # own call while no key spilled, `_key_of_spilled` once one has.
+        self.key_of = index.key_of_function()
         self._ready = index.set_ready_function()
 
     def __len__(self) -> int:
@@ -55,12 +58,9 @@ class BlockTable:
             return self._spill.get(key, -1)
         return slot
 
-    def key_of(self, slot: int) -> bytes:
-        if self._spill_keys:
-            key = self._spill_keys.get(slot)
-            if key is not None:
-                return key
-        return self.index.key_of(slot)
+    def _key_of_spilled(self, slot: int) -> bytes:
+        key = self._spill_keys.get(slot)
+        return self.index.key_of(slot) if key is None else key
 
     def classify(self, keys: Sequence[bytes]
                  ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
@@ -84,6 +84,7 @@ class BlockTable:
             self._spill[key] = slot
             self._spill_keys[slot] = key
             self.find = self._find_spilled
+            self.key_of = self._key_of_spilled
         self.state[slot] = STORING
         self.count += 1
 
@@ -99,6 +100,7 @@ class BlockTable:
                 del self._spill[key]
                 if not self._spill:
                     self.find = self.index.find_function()
+                    self.key_of = self.index.key_of_function()
         self.index.remove(slot)
         self.state[slot] = ABSENT
         self.count -= 1
@@ -129,4 +131,5 @@ class BlockTable:
         self._spill.clear()
         self._spill_keys.clear()
         self.find = self.index.find_function()
+        self.key_of = self.index.key_of_function()
         self.count = 0

@@ -154,10 +154,12 @@ class RequestLog:
             return
         state.finished = True
         groups = []
-        for group in sorted(state.key_groups):
-            keys = state.key_groups[group]
-            if all(k in state.positions for k in keys):
-                keys = sorted(keys, key=state.positions.__getitem__)
+        key_groups, positions = state.key_groups, state.positions
+        known = positions.__contains__
+        for group in sorted(key_groups):
+            keys = key_groups[group]
+            if all(map(known, keys)):
+                keys = sorted(keys, key=positions.__getitem__)
             groups.append(tuple(keys))
         self.policy.on_request_finished(tuple(groups), state.inserted - state.reused,
                                         state.reused, state)

@@ -195,6 +195,49 @@ def test_the_compiled_append_and_read_all_are_the_python_loops(sizes, batch, sta
     assert [item for item in reads[0]] == [(k, bytes([n % 251]) * n) for k, n in sizes]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 700), min_size=1, max_size=30), st.integers(0, 6),
+       st.integers(0, 300).map(lambda x: 8 * x))
+def test_read_all_with_a_limit_reads_that_many_in_order(compiled, sizes, limit, start):
+    """The daemon reads a turn's records in batches no bigger than its answers have room for
+    (kvd_server/channels.py): read_all(limit) returns at most `limit` records, the next call
+    goes on from there, fillers crossed as without a limit; compiled or the Python loop."""
+    if compiled and native.ring_read is None:
+        pytest.skip("kvd_proto._native is not built")
+    engine, daemon, m = views()
+    engine.writer.tail = engine.writer.published = start
+    struct.pack_into("<Q", m, UP_TAIL, start)
+    struct.pack_into("<Q", m, UP_HEAD, start)
+    daemon.reader.head = daemon.reader.committed = start
+    records = [record(1 + n % 9, bytes([n % 251]) * n) for n in sizes]
+    sent = engine.writer.append(records) if native.ring_write is not None else \
+        len(engine.writer.write_many(records))
+    engine.writer.publish()
+    ring_read = native.ring_read
+    if not compiled:
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr("kvd_proto.channel.ring_read", None)
+    try:
+        got: list[tuple[int, bytes]] = []
+        for _ in range(len(records) + 2):
+            batch = daemon.reader.read_all(limit)
+            assert len(batch) <= limit
+            if limit == 0:
+                assert batch == []
+                break
+            if not batch:
+                break
+            got += batch
+        if limit:
+            assert got == [(1 + n % 9, bytes([n % 251]) * n) for n in sizes[:sent]]
+            assert daemon.reader.read_all() == []
+    finally:
+        if not compiled:
+            monkey.undo()
+    assert native.ring_read is ring_read
+
+
 @needs_native
 def test_the_compiled_append_leaves_a_record_that_breaks_a_rule_to_the_python_path():
     engine, _, _ = views()

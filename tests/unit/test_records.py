@@ -11,9 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd_proto import native
 from kvd_proto import records as rec
 from kvd_proto.channel import RECORD_HEADER
-from kvd_proto.wire import MAX_GRANTED_SLOTS, MAX_KEY_BYTES, MAX_KEYS_PER_CALL
+from kvd_proto.wire import (
+    MAX_GRANTED_SLOTS,
+    MAX_KEY_BYTES,
+    MAX_KEYS_PER_CALL,
+    MAX_STRING_BYTES,
+)
 
 KEYS = [bytes([i]) * 36 for i in range(5)]
 MIXED = [b"a", b"bb" * 30, bytes(range(128)), b"ccc"]
@@ -126,8 +132,6 @@ def test_any_keys_and_request_round_trip(keys, req_id):
 def test_a_grant_reads_back_and_a_torn_one_is_refused():
     """GRANTED, the common answer, has its own short path in decode_down: the same offsets,
     and a count that does not match the payload is still a RecordError."""
-    from kvd_proto import records as rec
-
     data = rec.encode_granted([0, 4096, 2**63 + 8])
     length = int.from_bytes(data[:4], "little")
     payload = data[8:length]
@@ -136,3 +140,96 @@ def test_a_grant_reads_back_and_a_torn_one_is_refused():
     for torn in (payload[:-8], payload + bytes(8), payload[:3], (7).to_bytes(4, "little")):
         with pytest.raises(rec.RecordError):
             rec.decode_down(rec.GRANTED, torn)
+
+
+# --- the compiled decoder of the keyed records (kvd_proto/_decode.c) --------------------------
+
+KEYED = (rec.STORE, rec.COMPLETE_STORE, rec.PIN, rec.COMPLETE_LOAD)
+needs_decoder = pytest.mark.skipif(native.decode_keyed is None,
+                                   reason="kvd_proto._native is not built")
+
+
+def compiled(kind: int, payload: bytes) -> tuple | None:
+    return native.decode_keyed(kind, payload, MAX_STRING_BYTES, MAX_KEYS_PER_CALL,
+                               MAX_KEY_BYTES)
+
+
+def checked(kind: int, payload: bytes) -> rec.UpRecord | None:
+    try:
+        return rec.decode_up_checked(kind, payload)
+    except rec.RecordError:
+        return None
+
+
+def agree(kind: int, payload: bytes, *, valid: bool = False) -> None:
+    """The compiled decoder accepts only what the Python one accepts, with the same fields
+    (same types too), and every well-formed record (`valid`)."""
+    fast, slow = compiled(kind, payload), checked(kind, payload)
+    if fast is None:
+        assert not valid, "the compiled decoder refused a well-formed record"
+        return
+    assert slow is not None, "the compiled decoder accepted a record Python refuses"
+    assert fast == tuple(slow)
+    assert [type(f) for f in fast] == [type(f) for f in slow]
+    assert rec.decode_up(kind, payload) == slow
+
+
+def keyed_payloads(keys: list[bytes], req_id: str, positions: list[int] | None,
+                   every: int) -> list[bytes]:
+    index = list(range(0, len(keys), every))
+    offsets = [4096 * (i + 1) for i in index]
+    return [_payload(r) for r in (
+        rec.encode_store(keys, req_id, positions, index, offsets),
+        rec.encode_complete_store(keys, bool(every % 2), req_id, 2**64 - every),
+        rec.encode_pin(keys, req_id, positions, [8192 * i for i in range(len(keys))]),
+        rec.encode_complete_load(keys, req_id, every))]
+
+
+@needs_decoder
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=MAX_KEY_BYTES), max_size=40, unique=True),
+       st.text(max_size=60), st.booleans(), st.integers(1, 4), st.data())
+def test_the_compiled_decoder_is_the_python_one(keys, req_id, with_positions, every, data):
+    if len(req_id.encode()) > MAX_STRING_BYTES:
+        req_id = req_id[:10]
+    if data.draw(st.booleans()) and keys:               # fixed width, as vLLM's keys are
+        keys = list(dict.fromkeys(k.ljust(36, b".")[:36] for k in keys))
+    positions = [data.draw(st.integers(-2**63, 2**63 - 1)) for _ in keys] \
+        if with_positions and keys else None
+    for kind, payload in zip(KEYED, keyed_payloads(keys, req_id, positions, every),
+                             strict=True):
+        agree(kind, payload, valid=True)
+        # Corrupted: a byte changed, cut short, one byte more; other kinds' payloads.
+        at = data.draw(st.integers(0, max(0, len(payload) - 1)))
+        if payload:
+            agree(kind, payload[:at] + bytes([payload[at] ^ data.draw(st.integers(1, 255))])
+                  + payload[at + 1:])
+        agree(kind, payload[:at])
+        agree(kind, payload + b"\0")
+        for other in KEYED:
+            agree(other, payload)
+
+
+@needs_decoder
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(KEYED), st.binary(max_size=300))
+def test_the_compiled_decoder_refuses_what_python_refuses(kind, payload):
+    agree(kind, payload)
+
+
+@needs_decoder
+def test_the_compiled_decoder_refuses_each_broken_rule():
+    keys = [b"k" * 36, b"j" * 36]
+    store = _payload(rec.encode_store(keys, "r", [1, 2], [0, 1], [0, 4096]))
+    assert compiled(rec.STORE, store) is not None
+    twice = _payload(rec.encode_store([keys[0], keys[0]], "r", None, [], []))
+    bad_text = _payload(rec.encode_complete_load(keys, "r", 1))
+    bad_text = bad_text[:8] + struct.pack("<H", 1) + b"\xff" + bad_text[11:]
+    for kind, payload in ((rec.STORE, twice), (rec.STORE, store[:-1]),
+                          (rec.STORE, store[:-24] + struct.pack("<II", 0, 2) + store[-16:]),
+                          (rec.STORE, store[:-24] + struct.pack("<II", 1, 1) + store[-16:]),
+                          (rec.COMPLETE_LOAD, bad_text), (rec.TOUCH, store),
+                          (rec.COMPLETE_STORE, struct.pack("<QB", 0, 2))):
+        assert compiled(kind, payload) is None
+        with pytest.raises(rec.RecordError):
+            rec.decode_up(kind, payload)

@@ -49,7 +49,7 @@ def order_request_keys(key_groups: Sequence[Sequence[bytes]], req: RequestState)
     """One head-to-tail order over all groups: by position when every key has one."""
     keys = [key for group in key_groups for key in group]
     positions = req.positions
-    if all(key in positions for key in keys):
+    if all(map(positions.__contains__, keys)):
         keys.sort(key=positions.__getitem__)
     return keys
 

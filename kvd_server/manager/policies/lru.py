@@ -231,15 +231,20 @@ class LRUPolicy(Policy):
         chosen: list[tuple[int, bytes, int]] = []
         chosen_slots: set[int] = set()
         deferred: list[tuple[int, bytes, int]] = []
+        # `_current` inline (an eviction pops a few entries per block, stale ones included)
+        pop, state, ranks, key_of = heapq.heappop, self.table.state, self.ranks, \
+            self.table.key_of
         while front and len(chosen) < n:
-            entry = heapq.heappop(front)
-            if entry[2] in chosen_slots or not self._current(entry):
+            entry = pop(front)
+            rank, key, slot = entry
+            if slot in chosen_slots or state[slot] != READY or ranks[slot] != rank \
+                    or key_of(slot) != key:
                 continue  # stale (re-ranked, pinned, gone, slot reused) or a duplicate
-            if entry[1] in protected:
+            if key in protected:
                 deferred.append(entry)
                 continue
             chosen.append(entry)
-            chosen_slots.add(entry[2])
+            chosen_slots.add(slot)
         for entry in deferred:
             heapq.heappush(front, entry)
         if len(chosen) < n:
