@@ -11,7 +11,7 @@ that grows while the pool has free extents.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kvd_proto.wire import SLOT_ALIGNMENT, align_up
@@ -301,6 +301,18 @@ class NamespaceSlots:
                 or extent not in self._used:
             return None
         return extent * self.per_extent + within // self.stride
+
+    def slots_at(self, offsets: Iterable[int]) -> list[int | None]:
+        """`slot_at` of each offset (a record's worth in one call)."""
+        ebytes, stride, per, used = self.extents.extent_bytes, self.stride, \
+            self.per_extent, self._used
+        out: list[int | None] = []
+        for offset in offsets:
+            extent, within = divmod(offset, ebytes)
+            index, rest = divmod(within, stride)
+            out.append(None if rest or index >= per or extent not in used
+                       else extent * per + index)
+        return out
 
     # extents
     def extents_held(self) -> int:

@@ -169,8 +169,7 @@ class FastPath:
         bound: list[tuple[bytes, int]] = []
         taken: set[int] = set()           # a slot named twice in one call holds one key
         refused = 0
-        for key, offset in zip(granted_keys, granted_offsets, strict=True):
-            slot = ns.slots.slot_at(offset)
+        for key, slot in zip(granted_keys, ns.slots.slots_at(granted_offsets), strict=True):
             if slot is None or slot not in s.granted or slot in taken or key not in offered \
                     or (epoch, key) in s.pending:
                 refused += 1
@@ -198,7 +197,7 @@ class FastPath:
         core.check_pin_room(s, len(keys))
         mgr = ns.mgr
         epoch = mgr.epoch
-        slots = [ns.slots.slot_at(o) for o in offsets]
+        slots = ns.slots.slots_at(offsets)
         usable = [(k, sl, i) for i, (k, sl) in enumerate(zip(keys, slots, strict=True))
                   if sl is not None]
         pinned = mgr.pin_loads([k for k, _, _ in usable], [sl for _, sl, _ in usable],

@@ -257,9 +257,10 @@ class NamespaceManager:
     def _start_stores(self, keys: Sequence[bytes], slots: Sequence[int],
                       state: RequestState) -> None:
         """Publish each new block of `keys` as being stored in its slot."""
+        add = self.table.add
         for key, slot in zip(keys, slots, strict=True):
-            self.table.add(key, slot)
-            self.policy.insert(key, slot, state)
+            add(key, slot)
+        self.policy.insert_many(keys, slots, state)
         self._storing += len(keys)
         self.counters.stores_started_total += len(keys)
         state.inserted.update(k for k in keys if k in state.seen)

@@ -111,3 +111,16 @@ def test_a_tenant_at_its_namespace_limit_is_refused_naming_the_setting():
     t.leave(a[0])                                             # unused: gives way at once
     assert t.join("m2", LAYOUT, "", "a").model == "m2"
     assert sorted(ns.model for ns in t if ns.tenant == "a") == ["m1", "m2"]
+
+
+def test_slots_at_is_slot_at_for_every_offset():
+    """A record's offsets turned into slots in one call (kvd_server/fastpath.py) answer as
+    slot_at does one by one: in-range offsets of extents held, None for any other."""
+    pool = ExtentAllocator(4 * 4 * 2 * PAGE, 4 * 2 * PAGE)    # 4 extents x 4 slots of 2 pages
+    slots = NamespaceSlots(pool, 2 * PAGE)
+    slots.allocate(9)                                          # holds 3 of the 4 extents
+    extent = 4 * 2 * PAGE
+    offsets = [o for o in range(-2 * PAGE, 5 * extent, PAGE // 2)] + [2**63, 7]
+    assert slots.slots_at(offsets) == [slots.slot_at(o) for o in offsets]
+    assert any(s is not None for s in slots.slots_at(offsets))
+    assert any(s is None for s in slots.slots_at(offsets))

@@ -68,6 +68,12 @@ class Policy(ABC):
     def insert(self, key: bytes, slot: int, req: RequestState) -> None:
         """A newly reserved block (ARC: also leaves the ghost lists)."""
 
+    def insert_many(self, keys: Sequence[bytes], slots: Sequence[int],
+                    req: RequestState) -> None:
+        """`insert` of each (key, slot) in order (a store's new blocks)."""
+        for key, slot in zip(keys, slots, strict=True):
+            self.insert(key, slot, req)
+
     def remove(self, slot: int) -> None:  # noqa: B027
         """A block left outside eviction (a failed store, an extent taken)."""
 

@@ -121,11 +121,22 @@ class LRUPolicy(Policy):
 
     # -- hooks --
     def insert(self, key: bytes, slot: int, req: RequestState) -> None:
-        position = req.position(key)
+        position = req.positions.get(key)
         if position is None:
             self.ranks[slot] = _rank(self._new_order())
         else:
             self.ranks[slot] = _rank(self._request_rank(req), position)
+
+    def insert_many(self, keys: Sequence[bytes], slots: Sequence[int],
+                    req: RequestState) -> None:
+        """`insert` of each (key, slot) in order (a store's new blocks)."""
+        positions, ranks = req.positions, self.ranks
+        for key, slot in zip(keys, slots, strict=True):
+            position = positions.get(key)
+            if position is None:
+                ranks[slot] = _rank(self._new_order())
+            else:
+                ranks[slot] = _rank(self._request_rank(req), position)
 
     def moved(self, old: int, new: int) -> None:
         self.ranks[new] = self.ranks[old]
@@ -161,7 +172,8 @@ class LRUPolicy(Policy):
         self._renew(reversed(order_request_keys(key_groups, req)))
 
     def mark_evictable(self, slot: int) -> None:
-        self._push(slot)
+        if self.ranks[slot] <= self._threshold:     # `_push`'s test first: most are above
+            self._push(slot)
 
     def adopt(self, slots: np.ndarray) -> None:
         """With ranks that outlived the previous daemon, its order carries on: adopted blocks
