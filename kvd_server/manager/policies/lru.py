@@ -52,7 +52,10 @@ class LRUPolicy(Policy):
         self.rank_array = np.zeros(table.capacity, dtype=np.int64) if ranks is None else \
             np.frombuffer(ranks, dtype=np.int64, count=table.capacity)
         self.ranks = memoryview(self.rank_array)
-        self._front: list[tuple[int, bytes, int]] = []    # (rank, key, slot), a min-heap
+        # (rank, slot), a min-heap: an entry is current while its slot is READY at that rank
+        # (a block that took a freed slot at the very same rank is the same victim to LRU).
+        # The key is read when a block is picked, not kept per entry (a refill made 4,096).
+        self._front: list[tuple[int, int]] = []
         self._threshold = _NO_THRESHOLD
         self._next_rank = 0
         self._generation = 0
@@ -94,11 +97,11 @@ class LRUPolicy(Policy):
         if self._next_rank >= self.max_order:
             raise RuntimeError("LRU ranks exhausted: more orders in use than rank bits allow")
 
-    def _push(self, slot: int, key: bytes | None = None) -> None:
+    def _push(self, slot: int) -> None:
         """`slot` became evictable or was re-ranked: onto the front if it belongs there."""
         rank = self.ranks[slot]
         if rank <= self._threshold:
-            heapq.heappush(self._front, (rank, key or self.table.key_of(slot), slot))
+            heapq.heappush(self._front, (rank, slot))
             if len(self._front) > 4 * self.front_size:
                 self._refill(self.front_size)
 
@@ -116,7 +119,7 @@ class LRUPolicy(Policy):
             self._next_rank += 1
             rank = ranks[slot] = self._next_rank * _POS + _POS - 1      # _rank(order)
             if state[slot] == READY and rank <= threshold:
-                self._push(slot, key)
+                self._push(slot)
                 threshold = self._threshold                  # a refill may have moved it
 
     # -- hooks --
@@ -163,7 +166,7 @@ class LRUPolicy(Policy):
                 continue
             ranks[slot] = rank
             if state[slot] == READY and rank <= threshold:
-                self._push(slot, key)
+                self._push(slot)
                 threshold = self._threshold                  # a refill may have moved it
 
     def on_request_finished(self, key_groups: Sequence[Sequence[bytes]],
@@ -212,16 +215,13 @@ class LRUPolicy(Policy):
             evictable, ranks = evictable[chosen], ranks[chosen]
         else:
             threshold = _ALL        # every evictable block is at the front
-        key_of = self.table.key_of
-        self._front = [(rank, key_of(slot), slot)
-                       for rank, slot in zip(ranks.tolist(), evictable.tolist(), strict=True)]
+        self._front = list(zip(ranks.tolist(), evictable.tolist(), strict=True))
         heapq.heapify(self._front)
         self._threshold = threshold
 
-    def _current(self, entry: tuple[int, bytes, int]) -> bool:
-        rank, key, slot = entry
-        return (self.table.state[slot] == READY and self.ranks[slot] == rank
-                and self.table.key_of(slot) == key)
+    def _current(self, entry: tuple[int, int]) -> bool:
+        rank, slot = entry
+        return self.table.state[slot] == READY and self.ranks[slot] == rank
 
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, int]] | None:
         if n == 0:
@@ -234,33 +234,35 @@ class LRUPolicy(Policy):
             chosen = self._pick(n, protected)
             if chosen is None:
                 return None
-        return [(key, slot) for _, key, slot in chosen]
+        return chosen
 
-    def _pick(self, n: int, protected: set[bytes]) -> list[tuple[int, bytes, int]] | None:
-        """Pop the n smallest current, unprotected entries; on failure put every popped
-        current entry back (nothing changed) and return None."""
+    def _pick(self, n: int, protected: set[bytes]) -> list[tuple[bytes, int]] | None:
+        """Pop the n smallest current, unprotected entries: their (key, slot); on failure put
+        every popped current entry back (nothing changed) and return None."""
         front = self._front
-        chosen: list[tuple[int, bytes, int]] = []
+        chosen: list[tuple[bytes, int]] = []
+        picked: list[tuple[int, int]] = []
         chosen_slots: set[int] = set()
-        deferred: list[tuple[int, bytes, int]] = []
+        deferred: list[tuple[int, int]] = []
         # `_current` inline (an eviction pops a few entries per block, stale ones included)
         pop, state, ranks, key_of = heapq.heappop, self.table.state, self.ranks, \
             self.table.key_of
         while front and len(chosen) < n:
             entry = pop(front)
-            rank, key, slot = entry
-            if slot in chosen_slots or state[slot] != READY or ranks[slot] != rank \
-                    or key_of(slot) != key:
-                continue  # stale (re-ranked, pinned, gone, slot reused) or a duplicate
+            rank, slot = entry
+            if slot in chosen_slots or state[slot] != READY or ranks[slot] != rank:
+                continue  # stale (re-ranked, pinned, gone) or a duplicate
+            key = key_of(slot)
             if key in protected:
                 deferred.append(entry)
                 continue
-            chosen.append(entry)
+            chosen.append((key, slot))
+            picked.append(entry)
             chosen_slots.add(slot)
         for entry in deferred:
             heapq.heappush(front, entry)
         if len(chosen) < n:
-            for entry in chosen:
+            for entry in picked:
                 heapq.heappush(front, entry)
             return None
         return chosen
