@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -151,12 +152,17 @@ def throughput(sock: str, clients: int, seconds: float = 3.0, keys: int = 64,
 
 STEP_KEYS = 16          # per engine step: a store of 16 new keys, a load of 16 stored ones
 MAX_LEAD = 64           # steps an engine may run ahead of what the daemon has read
+LOAD_BACK = MAX_LEAD + 2    # a step loads the blocks stored this many steps before: by then
+                            # the daemon has read their store and its completion, so they
+                            # answer HIT from the index (two steps back, an engine running
+                            # ahead found its own stores not read yet and loaded nothing)
 
 
 def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) -> None:
     """An engine process on the fast path (the real OffloadSession over its channel): every
-    step it looks up, loads (pin, unpin) and ends the request of 16 blocks stored two steps
-    before, and stores 16 new ones (reserve, complete): 5 records, 64 keys of daemon work.
+    step it looks up, loads (pin, unpin) and ends the request of 16 blocks stored LOAD_BACK
+    steps before, and stores 16 new ones (reserve, complete): 5 records, 64 keys of daemon
+    work (`loaded_share` says how many steps found their blocks and loaded them).
     No bytes are copied (the daemon's side is measured). It runs at most MAX_LEAD steps
     ahead of what the daemon has read, so what is counted is what the daemon processed."""
     from kvd_client.client import KvdClient
@@ -173,27 +179,19 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) 
     # would each be a group of their own, which no model has.
     prefix = seed.to_bytes(4, "big") + b"chan".ljust(20, b".")
     group = (0).to_bytes(4, "big")
-    stored: list[list[bytes]] = []
-    step = 0
-    start.wait(120)
-    end = time.monotonic() + seconds
-    acked_at_end = 0
-    while True:
-        now = time.monotonic()
-        if now >= end:
-            acked_at_end = session.acked_steps
-            break
-        if step - session.acked_steps > MAX_LEAD:
-            session.has_pending_work()            # reads the daemon's position
-            time.sleep(0.001)
-            continue
+    stored: deque[list[bytes]] = deque(maxlen=LOAD_BACK)
+    counts = {"steps": 0, "loaded": 0}
+
+    def one_step() -> None:
+        step = counts["steps"]
         req = f"r{step}"
-        if len(stored) >= 2:
-            keys = stored[-2]
+        if len(stored) == LOAD_BACK:
+            keys = stored[0]
             hits = [k for k in keys if session.lookup(k) is not None and
                     session.hit_offset(k) is not None]
             session.start_loads(hits, req)
             session.finish_loads(hits, req)
+            counts["loaded"] += len(hits) == len(keys)
         new = [prefix + (step * STEP_KEYS + i).to_bytes(8, "big") + group
                for i in range(STEP_KEYS)]
         granted = session.reserve(new, req)
@@ -202,8 +200,38 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any) 
         stored.append(new)
         session.request_finished(req)
         session.end_step()
-        step += 1
-    out.put((acked_at_end, step, session.messages_sent))
+        counts["steps"] = step + 1
+
+    # Before the clock: the session's channel, then the first LOAD_BACK steps (they have
+    # nothing to load yet), read by the daemon.
+    deadline = time.monotonic() + 30
+    while not session.available and time.monotonic() < deadline:
+        session.has_pending_work()
+        time.sleep(0.01)
+    while counts["steps"] < LOAD_BACK:
+        one_step()
+    deadline = time.monotonic() + 30
+    while session.acked_steps < counts["steps"] and time.monotonic() < deadline:
+        session.has_pending_work()
+        time.sleep(0.001)
+    start.wait(120)
+    acked_at_start, steps_at_start = session.acked_steps, counts["steps"]
+    sent_at_start, loaded_at_start = session.messages_sent, counts["loaded"]
+    end = time.monotonic() + seconds
+    acked_at_end = 0
+    while True:
+        now = time.monotonic()
+        if now >= end:
+            acked_at_end = session.acked_steps
+            break
+        if counts["steps"] - session.acked_steps > MAX_LEAD:
+            session.has_pending_work()            # reads the daemon's position
+            time.sleep(0.001)
+            continue
+        one_step()
+    steps = counts["steps"] - steps_at_start
+    out.put((acked_at_end - acked_at_start, steps, session.messages_sent - sent_at_start,
+             counts["loaded"] - loaded_at_start))
     session.close()
     client.close()
 
@@ -214,9 +242,11 @@ def channel_throughput(sock: str, clients: int, seconds: float = 3.0) -> dict:
     results = _run_clients(clients, seconds,
                            lambda i, q, start: (_channel_engine, (sock, seconds, i, q, start)))
     acked = sum(r[0] for r in results)
+    steps = max(1, sum(r[1] for r in results))
     return {"clients": clients, "transport": "channel", "keys_per_step": 4 * STEP_KEYS,
             "steps_per_second": acked / seconds,
-            "records_per_step": sum(r[2] for r in results) / max(1, sum(r[1] for r in results))}
+            "records_per_step": sum(r[2] for r in results) / steps,
+            "loaded_share": sum(r[3] for r in results) / steps}
 
 
 def lookup_samples(s: Session, resident_prefix: bytes, resident: int, n: int,
