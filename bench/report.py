@@ -9,6 +9,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def _channel8(d: dict) -> dict:
+    """The 8-engine channel run of latest.json's daemon section ({} when absent)."""
+    runs = d["daemon"].get("throughput_channel") or []
+    return next((t for t in runs if t.get("clients") == 8), {})
+
+
 def table(d: dict) -> str:
     cp, t, m = d["control_plane"], d["targets"], d["machine"]
     rows = []
@@ -47,8 +53,10 @@ def table(d: dict) -> str:
         ("step calls/s, 8 clients x 64 keys (gRPC StepStream)",
          f"{d['daemon']['steps_per_second']:.0f}", ">= 5000",
          t["steps_per_second_ge_5000_8_clients"]),
-        *([("engine steps/s, 8 fast-path engines x 64 keys (channel)",
-            f"{d['daemon']['channel_steps_per_second']:.0f}", ">= 5000",
+        *([("engine steps/s, 8 fast-path engines x 64 keys (channel; records a step, "
+            "5 when each did its whole work)",
+            f"{d['daemon']['channel_steps_per_second']:.0f} ("
+            f"{_channel8(d).get('records_per_step', 0):.1f} records a step)", ">= 5000",
             t["channel_steps_per_second_ge_5000_8_clients"])]
           if "channel_steps_per_second" in d["daemon"] else []),
         ("lookup p99 growth 10k -> 1M blocks", f"{t['lookup_p99_growth']:.2f}x", "<= 1.2x",

@@ -140,7 +140,10 @@ def main() -> int:
         "no_round_trips_on_idle_steps": rp["round_trips_on_idle_steps"] == 0,
         "replay_hits_equal_vllm": rp["hits_kvd_tokens"] == rp["hits_vllm_tokens"],
         "steps_per_second_ge_5000_8_clients": tput8["steps_per_second"] >= 5000,
-        "channel_steps_per_second_ge_5000_8_clients": chan8["steps_per_second"] >= 5000,
+        # Counted only where the steps did their whole work: 5 records each (a step whose
+        # session restarted or whose store or load was skipped cost the daemon less).
+        "channel_steps_per_second_ge_5000_8_clients": chan8["steps_per_second"] >= 5000
+        and chan8.get("records_per_step", 0) >= 4.9 and not chan8.get("sessions_restarted"),
         "lookup_p99_growth_le_1.2x": p99_growth <= 1.2,
         "lookup_p99_growth": p99_growth,
         "dataplane_cpu_ge_70pct_memcpy": dp["fraction_of_memcpy"] >= 0.7,
