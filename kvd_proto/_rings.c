@@ -11,10 +11,12 @@
  *       Append records at position `tail` of the ring `data` (a writable buffer, a power of
  *       two bytes), as many as fit in `free` bytes, in order. None (nothing written): a record
  *       breaks the ring's rules (the caller's Python path says which).
- *   ring_read(data, head, tail, max_record, strict[, limit]) -> (records, new_head, error or None)
+ *   ring_read(data, head, tail, max_record, strict[, limit])
+ *           -> (records, new_head, error or None)
  *       Every record published between `head` and `tail` (at most `limit` of them, when
- *       given and >= 0): [(kind, payload bytes)], PADs skipped. Where the ring holds something that cannot be (a torn or hostile writer),
- *       reading stops there; `error` says what (a strict reader raises it).
+ *       given and >= 0): [(kind, payload bytes)], PADs skipped. Where the ring holds
+ *       something that cannot be (a torn or hostile writer), reading stops there; `error`
+ *       says what (a strict reader raises it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
