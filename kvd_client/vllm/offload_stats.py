@@ -24,6 +24,7 @@ need nothing here: vLLM's connector fills them from what kvd's workers report pe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,6 +97,15 @@ class OffloadStats:
         samples an allocation it then cannot make room for."""
         self.allocated(len(self.view.new_keys(keys)))
 
+    def _usage(self) -> tuple[float, float]:
+        """(write usage, read usage) now, fractions of the capacity (see the module doc)."""
+        session = self._session            # read directly: vLLM asks every step
+        capacity = session.capacity
+        if capacity <= 0:
+            return 0.0, 0.0
+        write = min(1.0, session.stores_in_flight / capacity)
+        return write, min(1.0 - write, session.loads_in_flight / capacity)
+
     def take(self) -> OffloadingConnectorStats:
         """The stats since the last call: gauges now, the samples and counts taken since.
 
@@ -103,12 +113,7 @@ class OffloadStats:
         calls would build it (`_PayloadShape`, learnt once from those calls), in one dict
         literal each: vLLM asks every step, and its calls cost ~10 us a step of a scheduler
         thread's time where these cost ~2 (tests/vllm/test_manager_stats.py compares them)."""
-        session = self._session            # read directly: vLLM asks every step
-        capacity = session.capacity
-        write = read = 0.0
-        if capacity > 0:
-            write = min(1.0, session.stores_in_flight / capacity)
-            read = min(1.0 - write, session.loads_in_flight / capacity)
+        write, read = self._usage()
         shape = _shape()
         types = shape.types.copy()
         values: dict[str, Any] = {shape.usage: {(): write + read}, shape.write: {(): write},
@@ -129,12 +134,7 @@ class OffloadStats:
         """`take` made with vLLM's own payload calls (the reference `take` is tested against;
         same effects on the samples and counts taken)."""
         stats = OffloadingConnectorStats()
-        session = self._session
-        capacity = session.capacity
-        write = read = 0.0
-        if capacity > 0:
-            write = min(1.0, session.stores_in_flight / capacity)
-            read = min(1.0 - write, session.loads_in_flight / capacity)
+        write, read = self._usage()
         gauge = stats.set_gauge
         gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, write + read)
         sizes, self._sizes = self._sizes, []
@@ -179,10 +179,6 @@ class _PayloadShape:
         self.types = {usage: gauge, self.write: gauge, self.read: gauge}
 
 
-_SHAPE: list[_PayloadShape] = []
-
-
+@functools.cache
 def _shape() -> _PayloadShape:
-    if not _SHAPE:
-        _SHAPE.append(_PayloadShape())
-    return _SHAPE[0]
+    return _PayloadShape()

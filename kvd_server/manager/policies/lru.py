@@ -124,11 +124,7 @@ class LRUPolicy(Policy):
 
     # -- hooks --
     def insert(self, key: bytes, slot: int, req: RequestState) -> None:
-        position = req.positions.get(key)
-        if position is None:
-            self.ranks[slot] = _rank(self._new_order())
-        else:
-            self.ranks[slot] = _rank(self._request_rank(req), position)
+        self.insert_many((key,), (slot,), req)
 
     def insert_many(self, keys: Sequence[bytes], slots: Sequence[int],
                     req: RequestState) -> None:
@@ -219,10 +215,6 @@ class LRUPolicy(Policy):
         heapq.heapify(self._front)
         self._threshold = threshold
 
-    def _current(self, entry: tuple[int, int]) -> bool:
-        rank, slot = entry
-        return self.table.state[slot] == READY and self.ranks[slot] == rank
-
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, int]] | None:
         if n == 0:
             return []
@@ -244,7 +236,8 @@ class LRUPolicy(Policy):
         picked: list[tuple[int, int]] = []
         chosen_slots: set[int] = set()
         deferred: list[tuple[int, int]] = []
-        # `_current` inline (an eviction pops a few entries per block, stale ones included)
+        # An entry is current while its slot is READY at its rank (an eviction pops a few
+        # entries per block, stale ones included).
         pop, state, ranks, key_of = heapq.heappop, self.table.state, self.ranks, \
             self.table.key_of
         while front and len(chosen) < n:
