@@ -11,7 +11,7 @@ that grows while the pool has free extents.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from kvd_proto.wire import SLOT_ALIGNMENT, align_up
@@ -262,6 +262,28 @@ class NamespaceSlots:
             return
         self._release(slot)
 
+    def free_many(self, slots: Sequence[int]) -> None:
+        """`free` of each slot (an eviction's victims, in one call)."""
+        if self.limbo is not None and self.limbo.active:
+            self.limbo.retire_many(list(slots))
+            retired, per = self._retired, self.per_extent
+            for slot in slots:
+                retired[slot // per] += 1
+            return
+        self._release_many(slots)
+
+    def _release_many(self, slots: Sequence[int]) -> None:
+        """`_release` of each slot; while no extent drains, in one pass."""
+        if self._draining:
+            for slot in slots:
+                self._release(slot)
+            return
+        used, per = self._used, self.per_extent
+        for slot in slots:
+            used[slot // per] -= 1
+        self._in_use -= len(slots)
+        self._free.extend(slots)
+
     def _release(self, slot: int) -> None:
         extent = slot // self.per_extent
         self._used[extent] -= 1
@@ -276,10 +298,12 @@ class NamespaceSlots:
     def collect(self) -> None:
         """Reuse the retired slots every reader has moved past."""
         if self.limbo is not None:
-            per = self.per_extent
-            for slot in self.limbo.collect():
-                self._retired[slot // per] -= 1
-                self._release(slot)
+            slots = self.limbo.collect()
+            if slots:
+                retired, per = self._retired, self.per_extent
+                for slot in slots:
+                    retired[slot // per] -= 1
+                self._release_many(slots)
 
     def reset(self) -> bool:
         """Never all at once: granted, held and retired slots are in use too."""
@@ -293,6 +317,11 @@ class NamespaceSlots:
     def offset(self, slot: int) -> int:
         e, i = divmod(slot, self.per_extent)
         return e * self.extents.extent_bytes + i * self.stride
+
+    def offsets(self, slots: Iterable[int]) -> list[int]:
+        """`offset` of each slot (a grant's worth in one call)."""
+        ebytes, stride, per = self.extents.extent_bytes, self.stride, self.per_extent
+        return [slot // per * ebytes + slot % per * stride for slot in slots]
 
     def slot_at(self, offset: int) -> int | None:
         ebytes = self.extents.extent_bytes

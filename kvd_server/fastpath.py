@@ -106,8 +106,7 @@ class FastPath:
         slots = ns.slots.allocate(count)
         s.granted.update(slots)
         self._account(ns, s, *before)
-        offset = ns.slots.offset
-        return [offset(slot) for slot in slots]
+        return ns.slots.offsets(slots)
 
     def set_reserve(self, s: Session, target: int, evict: bool = False) -> None:
         """The session wants `target` slots held granted (the channel's RESERVE): `top_up`
@@ -134,8 +133,7 @@ class FastPath:
         slots = ns.slots.allocate(count)
         s.granted.update(slots)
         self._account(ns, s, *before)
-        offset = ns.slots.offset
-        return [offset(slot) for slot in slots]
+        return ns.slots.offsets(slots)
 
     def owes(self, s: Session) -> bool:
         """Whether the session's reserve is below its target."""

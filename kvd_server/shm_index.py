@@ -187,6 +187,12 @@ class ShmIndex:
     def key_of_function(self):  # noqa: ANN201 - likewise
         return self._table.key_of
 
+    def insert_function(self):  # noqa: ANN201 - likewise
+        return self._table.insert
+
+    def remove_function(self):  # noqa: ANN201 - likewise
+        return self._table.remove
+
     def key_of(self, slot: int) -> bytes:
         """The key published in `slot` (empty when none is)."""
         return self._table.key_of(slot)

@@ -28,7 +28,7 @@ class BlockTable:
     state. The manager is its only writer; what it publishes engines see at once."""
 
     __slots__ = ("index", "capacity", "state", "state_array", "count", "_spill", "_spill_keys",
-                 "find", "key_of", "_ready")
+                 "find", "key_of", "_ready", "_insert", "_remove")
 
     def __init__(self, index: ShmIndex, capacity: int) -> None:
         self.index = index
@@ -48,6 +48,8 @@ class BlockTable:
         # own call while no key spilled, `_key_of_spilled` once one has.
         self.key_of = index.key_of_function()
         self._ready = index.set_ready_function()
+        self._insert = index.insert_function()
+        self._remove = index.remove_function()
 
     def __len__(self) -> int:
         return self.count
@@ -88,6 +90,16 @@ class BlockTable:
         self.state[slot] = STORING
         self.count += 1
 
+    def add_many(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """`add` of each (key, slot) in order (a store's new blocks, in one call)."""
+        insert, state = self._insert, self.state
+        for key, slot in zip(keys, slots, strict=True):
+            if insert(slot, key):
+                state[slot] = STORING
+                self.count += 1
+            else:
+                self.add(key, slot)
+
     def set_ready(self, slot: int) -> None:
         self.state[slot] = READY
         self._ready(slot)
@@ -104,6 +116,18 @@ class BlockTable:
         self.index.remove(slot)
         self.state[slot] = ABSENT
         self.count -= 1
+
+    def drop_many(self, slots: Sequence[int]) -> None:
+        """`drop` of each slot (an eviction's victims, in one call)."""
+        if self._spill_keys:
+            for slot in slots:
+                self.drop(slot)
+            return
+        remove, state = self._remove, self.state
+        for slot in slots:
+            remove(slot)
+            state[slot] = ABSENT
+        self.count -= len(slots)
 
     def move(self, key: bytes, old: int, new: int) -> None:
         """`key`'s block now lives in `new` (a duplicate store completed first), keeping its

@@ -143,8 +143,11 @@ class NamespaceManager:
               positions: Sequence[int] | None) -> None:
         """Pin readable blocks found in `slots`, and record the request's access to them."""
         state = self.requests.opened(req, keys, positions)
-        for slot in slots:
-            self._pin(slot)
+        blocks = self.table.state
+        for slot in slots:                          # `_pin` of each
+            if blocks[slot] == READY:
+                self._evictable -= 1
+            blocks[slot] += 1
         self.requests.record(keys, state, reused=keys,
                              slot_of=dict(zip(keys, slots, strict=True)))
 
@@ -171,13 +174,16 @@ class NamespaceManager:
                     self.slots.free(slot)
             return
         find, blocks = self.table.find, self.table.state
+        unpinned: list[int] = []
         for key in keys:
             slot = find(key)
             if slot >= 0 and blocks[slot] > READY:
                 blocks[slot] -= 1
                 if blocks[slot] == READY:
-                    self._evictable += 1
-                    self.policy.mark_evictable(slot)
+                    unpinned.append(slot)
+        if unpinned:
+            self._evictable += len(unpinned)
+            self.policy.mark_evictable_many(unpinned)
 
     def unpin(self, key: bytes, epoch: int | None = None) -> None:
         """Release a lease taken with pin()."""
@@ -232,11 +238,10 @@ class NamespaceManager:
             return None
         self._evictable -= len(victims)
         kept = self.below(victims) if self.below is not None else ()
-        evicted = []
-        for key, slot in victims:
-            self.table.drop(slot)
-            self.slots.free(slot)
-            evicted.append(key)
+        evicted = [key for key, _ in victims]
+        slots = [slot for _, slot in victims]
+        self.table.drop_many(slots)
+        self.slots.free_many(slots)
         self.counters.evictions_total += len(victims)
         self._emit_removed(evicted, kept)
         return evicted
@@ -257,9 +262,7 @@ class NamespaceManager:
     def _start_stores(self, keys: Sequence[bytes], slots: Sequence[int],
                       state: RequestState) -> None:
         """Publish each new block of `keys` as being stored in its slot."""
-        add = self.table.add
-        for key, slot in zip(keys, slots, strict=True):
-            add(key, slot)
+        self.table.add_many(keys, slots)
         self.policy.insert_many(keys, slots, state)
         self._storing += len(keys)
         self.counters.stores_started_total += len(keys)
@@ -336,8 +339,6 @@ class NamespaceManager:
             self._storing -= 1
             if success:
                 table.set_ready(slot)
-                self._evictable += 1
-                self.policy.mark_evictable(slot)
                 ready_slots.append(slot)
             else:
                 self.policy.remove(slot)
@@ -346,6 +347,8 @@ class NamespaceManager:
             changed.append(key)
         if changed:
             if success:
+                self._evictable += len(ready_slots)
+                self.policy.mark_evictable_many(ready_slots)
                 self.counters.stores_completed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=False))
                 if self.on_stored is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class FixedSlots:
     """`capacity` slots: never-used ids handed out 0, 1, 2, ... first, then a LIFO free list.
@@ -34,6 +36,9 @@ class FixedSlots:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    def free_many(self, slots: Sequence[int]) -> None:
+        self._free.extend(slots)
 
     def in_limbo(self) -> int:
         return 0                # no readers: freed slots are reusable at once

@@ -7,6 +7,7 @@ index key -> block and applies vLLM 0.33's CPUOffloadingManager semantics over a
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +84,10 @@ class SlotSource(Protocol):
 
     def free(self, slot: int) -> None:
         """Give one slot id back."""
+        ...
+
+    def free_many(self, slots: Sequence[int]) -> None:
+        """`free` of each slot id, in order."""
         ...
 
     def capacity(self) -> int:

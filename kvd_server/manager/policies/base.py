@@ -113,6 +113,11 @@ class Policy(ABC):
     def mark_evictable(self, slot: int) -> None:  # noqa: B027
         """The block in `slot` became READY and unpinned."""
 
+    def mark_evictable_many(self, slots: Sequence[int]) -> None:
+        """`mark_evictable` of each slot, in order."""
+        for slot in slots:
+            self.mark_evictable(slot)
+
     @abstractmethod
     def adopt(self, slots: np.ndarray) -> None:
         """READY blocks a warm restart adopted, least recently used first (no request
