@@ -85,6 +85,14 @@ class Completions:
         own_slots: list[int] = []
         late: dict[int, tuple[list[bytes], list[int]]] = {}
         mismatched = 0
+        if offsets is None and epoch == ns.epoch:      # the channel's completions: one pass
+            pop = s.pending.pop
+            for key in keys:
+                slot = pop((epoch, key), None)
+                if slot is not None:
+                    own.append(key)
+                    own_slots.append(slot)
+            keys = ()
         for i, key in enumerate(keys):
             pk = (epoch, key)
             slot = s.pending.get(pk)

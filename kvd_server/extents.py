@@ -336,6 +336,11 @@ class NamespaceSlots:
         ebytes, stride, per, used = self.extents.extent_bytes, self.stride, \
             self.per_extent, self._used
         out: list[int | None] = []
+        if per * stride == ebytes:       # slots fill their extents: a slot id is offset / stride
+            for offset in offsets:
+                index, rest = divmod(offset, stride)
+                out.append(None if rest or index // per not in used else index)
+            return out
         for offset in offsets:
             extent, within = divmod(offset, ebytes)
             index, rest = divmod(within, stride)

@@ -178,12 +178,11 @@ class FastPath:
             return StoreGrantedAnswer(0, 0, len(bound) + refused, [], epoch)
         owed = ns.reserve_owed            # before these slots leave the reserve
         before = (s.reserve_target, _owed(s))
-        for _, slot in bound:
-            s.granted.discard(slot)
+        s.granted.difference_update(taken)
         self._account(ns, s, *before)
         result = mgr.offer(keys, bound, core.request_key(s, req_id), positions or None, owed)
-        for key, slot in bound:
-            s.pending[(epoch, key)] = slot            # duplicates too: they settle at completion
+        # Duplicates too: they settle at completion.
+        s.pending.update(((epoch, key), slot) for key, slot in bound)
         return StoreGrantedAnswer(len(result.accepted), len(result.duplicates), refused,
                                   result.evicted, epoch)
 

@@ -252,25 +252,29 @@ class LRUPolicy(Policy):
         front = self._front
         chosen: list[tuple[bytes, int]] = []
         picked: list[int] = []
-        chosen_slots: set[int] = set()
         deferred: list[int] = []
         # An entry is current while its slot is READY at its rank (an eviction pops a few
-        # entries per block, stale ones included).
+        # entries per block, stale ones included). A block pushed twice at one rank is one
+        # int twice: the copies pop one after the other, the second is skipped.
         pop, state, ranks, key_of = heapq.heappop, self.table.state, self.ranks, \
             self.table.key_of
-        while front and len(chosen) < n:
+        last = -1
+        left = n
+        while left and front:
             entry = pop(front)
+            if entry == last:
+                continue
+            last = entry
             slot = entry & _SLOT_MASK
-            rank = entry >> SLOT_BITS
-            if slot in chosen_slots or state[slot] != READY or ranks[slot] != rank:
-                continue  # stale (re-ranked, pinned, gone) or a duplicate
+            if state[slot] != READY or ranks[slot] != entry >> SLOT_BITS:
+                continue  # stale: re-ranked, pinned or gone
             key = key_of(slot)
             if key in protected:
                 deferred.append(entry)
                 continue
             chosen.append((key, slot))
             picked.append(entry)
-            chosen_slots.add(slot)
+            left -= 1
         for entry in deferred:
             heapq.heappush(front, entry)
         if len(chosen) < n:
