@@ -90,6 +90,29 @@ class ARCPolicy(Policy):
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
+    def insert_many(self, keys: Sequence[bytes], slots: Sequence[int],
+                    req: RequestState) -> None:
+        """`insert` of each (key, slot) in order, linked at T1's end in one pass."""
+        prev, nxt, lists, head = self._prev, self._next, self._list, self._head[_T1]
+        last = prev[head]
+        for slot in slots:
+            nxt[last] = slot
+            prev[slot] = last
+            lists[slot] = _T1
+            last = slot
+        nxt[last] = head
+        prev[head] = last
+        self._size[_T1] += len(slots)
+        b1, b2 = self.b1, self.b2
+        if b1 or b2:
+            for key in keys:
+                b1.pop(key, None)
+                b2.pop(key, None)
+
+    def mark_evictable_many(self, slots: Sequence[int]) -> None:
+        """Nothing to do: a block's place in T1/T2 does not change when it becomes evictable
+        (eviction skips blocks that are not READY)."""
+
     def remove(self, slot: int) -> None:
         self._unlink(slot)
 
@@ -138,19 +161,39 @@ class ARCPolicy(Policy):
     def on_request_finished(self, key_groups: Sequence[Sequence[bytes]],
                             insertion_only: set[bytes], reused: set[bytes],
                             req: RequestState) -> None:
-        table = self.table
+        # Each block moves to the end of its list (stored only: storing is not a frequency
+        # hit, recency refreshed) or of T2 (reused): `_unlink` then `_append`, inline.
+        find = self.table.find
+        prev, nxt, lists, size, heads = self._prev, self._next, self._list, self._size, \
+            self._head
         for key in reversed(order_request_keys(key_groups, req)):
             if key in insertion_only:
-                # Storing is not a frequency hit: keep the list, refresh recency.
-                slot = table.find(key)
-                if slot >= 0:
-                    which = self._unlink(slot)
-                    if which:
-                        self._append(which, slot)
+                to = _NONE                       # the list it is in
             elif key in reused:
-                slot = table.find(key)
-                if slot >= 0 and self._unlink(slot):
-                    self._append(_T2, slot)
+                to = _T2
+            else:
+                continue
+            slot = find(key)
+            if slot < 0:
+                continue
+            which = lists[slot]
+            if not which:
+                continue
+            before, after = prev[slot], nxt[slot]
+            nxt[before] = after
+            prev[after] = before
+            if to == _NONE:
+                to = which
+            elif to != which:
+                size[which] -= 1
+                size[to] += 1
+                lists[slot] = to
+            head = heads[to]
+            last = prev[head]
+            nxt[last] = slot
+            prev[slot] = last
+            nxt[slot] = head
+            prev[head] = slot
 
     def adopt(self, slots: np.ndarray) -> None:
         """Into T1 (used once, as far as this daemon knows), in order, linked in one pass."""
