@@ -195,11 +195,14 @@ class FastPath:
         mgr = ns.mgr
         epoch = mgr.epoch
         slots = ns.slots.slots_at(offsets)
-        usable = [(k, sl, i) for i, (k, sl) in enumerate(zip(keys, slots, strict=True))
-                  if sl is not None]
-        pinned = mgr.pin_loads([k for k, _, _ in usable], [sl for _, sl, _ in usable],
-                               core.request_key(s, req_id),
-                               [positions[i] for _, _, i in usable] if positions else None)
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(offsets)} offsets for {len(keys)} keys")
+        if None in slots:                # an offset that names no slot of the namespace
+            usable = [(k, sl, i) for i, (k, sl) in enumerate(zip(keys, slots, strict=True))
+                      if sl is not None]
+            keys, slots = [k for k, _, _ in usable], [sl for _, sl, _ in usable]
+            positions = [positions[i] for _, _, i in usable] if positions else None
+        pinned = mgr.pin_loads(keys, slots, core.request_key(s, req_id), positions or None)
         pins = s.pins
         for key in pinned:
             pins[(epoch, key)] = pins.get((epoch, key), 0) + 1

@@ -131,7 +131,11 @@ class RequestLog:
             slots = None if slot_of is None else [slot_of[k] for k in fresh]
             self.policy.on_request_access(fresh, state, slots)
         # Re-reading a block this request inserted is not a second use.
-        state.reused.update(k for k in reused if k in seen and k not in state.inserted)
+        if reused:
+            again = seen.intersection(reused)
+            if again:
+                again -= state.inserted
+                state.reused |= again
 
     def offered(self, state: RequestState, keys: Sequence[bytes], new: Sequence[bytes],
                 ready: Sequence[bytes], slot_of: dict[bytes, int]) -> None:

@@ -221,36 +221,40 @@ class ARCPolicy(Policy):
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, int]] | None:
         if n == 0:
             return []
-        state, key_of = self.table.state, self.table.key_of
+        state, key_of, nxt = self.table.state, self.table.key_of, self._next
 
-        def scan(slots: Iterator[int]) -> tuple[bytes, int] | None:
-            for slot in slots:
+        def scan(cursor: int, head: int) -> tuple[bytes, int, int]:
+            """The first READY, unprotected block from `cursor` on: (key, slot, the cursor
+            past it); (b"", -1, head) when the list has none left."""
+            while cursor != head:
+                slot, cursor = cursor, nxt[cursor]
                 if state[slot] == READY:
                     key = key_of(slot)
                     if key not in protected:
-                        return key, slot
-            return None
+                        return key, slot, cursor
+            return b"", -1, head
 
-        # Scans only move forward, so a batch eviction stays linear.
-        t1_iter, t2_iter = self._slots(_T1), self._slots(_T2)
+        # Scans only move forward (a cursor per list), so a batch eviction stays linear.
+        h1, h2 = self._head[_T1], self._head[_T2]
+        c1, c2 = nxt[h1], nxt[h2]
         t1_size = self._size[_T1]
+        target = int(self.target_t1_size)
         chosen: list[tuple[bytes, int, bool]] = []
         for _ in range(n):
-            pick: tuple[bytes, int, bool] | None = None
-            if t1_size >= int(self.target_t1_size):
-                entry = scan(t1_iter)
-                if entry is not None:
-                    pick, t1_size = (*entry, True), t1_size - 1
-            if pick is None:
-                entry = scan(t2_iter)
-                if entry is not None:
-                    pick = (*entry, False)
-            if pick is None:
-                entry = scan(t1_iter)
-                if entry is None:
+            slot = -1
+            if t1_size >= target:
+                key, slot, c1 = scan(c1, h1)
+                from_t1 = True
+            if slot < 0:
+                key, slot, c2 = scan(c2, h2)
+                from_t1 = False
+            if slot < 0:
+                key, slot, c1 = scan(c1, h1)
+                from_t1 = True
+                if slot < 0:
                     return None
-                pick, t1_size = (*entry, True), t1_size - 1
-            chosen.append(pick)
+            t1_size -= from_t1
+            chosen.append((key, slot, from_t1))
         victims = []
         for key, slot, from_t1 in chosen:
             self._unlink(slot)
