@@ -53,16 +53,15 @@ class Completions:
         mgr = ns.mgr
         pins = s.pins
         released: list[bytes] = []
+        pop = pins.pop
         for key in keys:
             pk = (epoch, key)
-            count = pins.get(pk)
+            count = pop(pk, 0)
             if not count:
                 # Leased by this session and not loaded: the engine gives the lease back.
                 core.leases.take_back(s, mgr, key, epoch)
                 continue  # never touch another session's pin or lease
-            if count == 1:
-                del pins[pk]
-            else:
+            if count > 1:
                 pins[pk] = count - 1
             released.append(key)
         if released:

@@ -204,8 +204,10 @@ class FastPath:
             positions = [positions[i] for _, _, i in usable] if positions else None
         pinned = mgr.pin_loads(keys, slots, core.request_key(s, req_id), positions or None)
         pins = s.pins
+        get = pins.get
         for key in pinned:
-            pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
+            pk = (epoch, key)
+            pins[pk] = get(pk, 0) + 1
         return len(pinned), epoch
 
     def count_lookups(self, s: Session, lookups: int, hits: int, misses: int) -> None:

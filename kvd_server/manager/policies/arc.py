@@ -142,8 +142,10 @@ class ARCPolicy(Policy):
         return False
 
     def on_store_miss(self, keys: Iterable[bytes], req: RequestState) -> None:
+        b1, b2 = self.b1, self.b2
         for key in reversed(list(keys)):
-            self._ghost_hit(key)
+            if key in b1 or key in b2:          # `_ghost_hit` changes nothing otherwise
+                self._ghost_hit(key)
 
     def touch(self, keys: Iterable[bytes], req: RequestState) -> None:
         table, state = self.table, self.table.state
