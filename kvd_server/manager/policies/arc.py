@@ -86,9 +86,7 @@ class ARCPolicy(Policy):
 
     # -- hooks --
     def insert(self, key: bytes, slot: int, req: RequestState) -> None:
-        self._append(_T1, slot)
-        self.b1.pop(key, None)
-        self.b2.pop(key, None)
+        self.insert_many((key,), (slot,), req)
 
     def insert_many(self, keys: Sequence[bytes], slots: Sequence[int],
                     req: RequestState) -> None:
