@@ -25,7 +25,7 @@ $(BIN)/activate:
 
 # setup.py and the C source: an editable install builds kvd_proto._native in place, so a
 # changed source must be rebuilt (a stale build would run old code).
-NATIVE := setup.py kvd_proto/_native.c kvd_proto/_records.c kvd_proto/_records.h kvd_proto/_steps.c kvd_proto/_lookups.h kvd_proto/_rings.c kvd_proto/_rings.h kvd_server/_blockio.c
+NATIVE := setup.py kvd_proto/_native.c kvd_proto/_records.c kvd_proto/_records.h kvd_proto/_steps.c kvd_proto/_lookups.h kvd_proto/_rings.c kvd_proto/_rings.h kvd_server/tiers/disk/_blockio.c
 
 $(VENV)/.stamp-run: pyproject.toml $(NATIVE) | $(BIN)/activate
 	$(PIP) install -e .
@@ -101,4 +101,4 @@ fmt: $(VENV)/.stamp-test
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache kvd_proto/_native*.so kvd_server/_blockio*.so
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache kvd_proto/_native*.so kvd_server/tiers/disk/_blockio*.so

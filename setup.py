@@ -1,8 +1,8 @@
 """Builds the C extensions: kvd_proto._native, the shared index's per-key loops, the
 scheduler's common store and load calls and the channel rings' appends and reads, and
-kvd_server._blockio, the disk tier's batched block I/O (everything else is in
+kvd_server.tiers.disk._blockio, the disk tier's batched block I/O (everything else is in
 pyproject.toml). Optional: without a C compiler and Python's headers the build goes on and kvd
-runs on the pure-Python twins (kvd_proto/native.py, kvd_server/tiers/block_io.py)."""
+runs on the pure-Python twins (kvd_proto/native.py, kvd_server/tiers/disk/block_io.py)."""
 
 from setuptools import Extension, setup
 
@@ -15,7 +15,7 @@ setup(ext_modules=[
                        "kvd_proto/_rings.c", "kvd_proto/_decode.c"],
               depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h", "kvd_proto/_rings.h"],
               extra_compile_args=FLAGS, optional=True),
-    # The disk tier's batched block I/O (twin: kvd_server/tiers/block_io.py).
-    Extension("kvd_server._blockio", sources=["kvd_server/_blockio.c"], libraries=["dl"],
+    # The disk tier's batched block I/O (twin: kvd_server/tiers/disk/block_io.py).
+    Extension("kvd_server.tiers.disk._blockio", sources=["kvd_server/tiers/disk/_blockio.c"], libraries=["dl"],
               extra_compile_args=["-D_GNU_SOURCE", *FLAGS], optional=True),
 ])

@@ -1,4 +1,4 @@
-"""The cluster tier (kvd_server/tiers/cluster.py) on a real Mooncake store: two daemons on one
+"""The cluster tier (kvd_server/tiers/cluster/tier.py) on a real Mooncake store: two daemons on one
 master on loopback, against Mooncake's own put/get in the same run, every daemon with the
 defaults a user gets except the pool's size and `[tiers.cluster]`'s master and segment.
 

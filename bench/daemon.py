@@ -169,7 +169,7 @@ def _channel_engine(sock: str, seconds: float, seed: int, out: Any, start: Any,
     No bytes are copied (the daemon's side is measured). It runs at most MAX_LEAD steps
     ahead of what the daemon has read, so what is counted is what the daemon processed."""
     from kvd_client.client import KvdClient
-    from kvd_client.offload_session import OffloadSession
+    from kvd_client.offload.session import OffloadSession
     from kvd_proto.wire import KvLayout
 
     client = KvdClient(sock, model="bench-channel", engine_id=f"bench-{seed}",

@@ -38,17 +38,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvd_client.channel import Outbox, SessionChannel  # noqa: E402
+from kvd_client.link.channel import Outbox, SessionChannel  # noqa: E402
 from kvd_proto import records as rec  # noqa: E402
 from kvd_proto.channel import ChannelHeader  # noqa: E402
 from kvd_proto.wire import KvLayout  # noqa: E402
-from kvd_server.channel_service import ChannelService  # noqa: E402
-from kvd_server.channels import ChannelHub  # noqa: E402
+from kvd_server.channel.hub import ChannelHub  # noqa: E402
+from kvd_server.channel.service import ChannelService  # noqa: E402
 from kvd_server.config import load_config  # noqa: E402
-from kvd_server.core import KvdCore  # noqa: E402
-from kvd_server.extents import ExtentAllocator  # noqa: E402
-from kvd_server.peer import PeerCred  # noqa: E402
-from kvd_server.sessions import EngineInfo  # noqa: E402
+from kvd_server.core.core import KvdCore  # noqa: E402
+from kvd_server.core.peer import PeerCred  # noqa: E402
+from kvd_server.core.sessions import EngineInfo  # noqa: E402
+from kvd_server.memory.extents import ExtentAllocator  # noqa: E402
+from kvd_server.protocols.wiring import EngineProtocols  # noqa: E402
 
 KEYS = 16                  # new blocks a step stores
 LOAD_BACK = 66             # `channel`: a step loads the blocks stored this many steps before
@@ -141,7 +142,7 @@ def run(shape: str = "channel", policy: str = "lru", engines: int = 8, steps: in
         reps: int = 5, pool_mib: int = 64, turns: int = 6, callgrind: bool = False) -> dict:
     core = make_core(pool_mib << 20, policy)
     header = ChannelHeader()
-    service = ChannelService(core, header.down_max_record)
+    service = ChannelService(core, EngineProtocols.over(core), header.down_max_record)
     hub = ChannelHub(service, heartbeat=core.heartbeat,
                      on_broken=lambda s, why: sys.exit(f"a channel broke: {why}"),
                      header=header)

@@ -1,5 +1,5 @@
 """How the disk tier should keep several requests in flight: a thread pool of preadv/pwritev
-(what kvd_server/tiers/disk.py does) against io_uring, measured on the same file.
+(what kvd_server/tiers/disk/tier.py does) against io_uring, measured on the same file.
 
 The issue asked for io_uring where the kernel allows it and a thread pool otherwise, chosen by
 measurement. Both move the same bytes with O_DIRECT (buffered where the filesystem has no
@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvd_server.tiers.disk_files import open_data  # noqa: E402
+from kvd_server.tiers.disk.files import open_data  # noqa: E402
 
 SIZES = (64 << 10, 256 << 10, 2 << 20)
 THREADS = 4                 # the tier's default io_threads

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from daemon import start_daemon  # noqa: E402
 from traces import generate  # noqa: E402
 
-from kvd_client.offload_session import DEFAULT_RESERVE  # noqa: E402
+from kvd_client.offload.session import DEFAULT_RESERVE  # noqa: E402
 
 MAX_TOKENS = 4000
 SLOT = 4096          # harness page (1 KiB) rounded up to the daemon's slot alignment

@@ -53,10 +53,10 @@ def lay_out(directory: Path, pool_bytes: int) -> int:
     """A warm-restart directory as a daemon leaves it: every slot of one namespace READY. The
     number of blocks."""
     from kvd_proto.wire import KvLayout
-    from kvd_server.extents import slot_geometry
-    from kvd_server.namespaces import namespace_id
+    from kvd_server.core.namespaces import namespace_id
+    from kvd_server.memory.extents import slot_geometry
+    from kvd_server.memory.shm_index import ShmIndex
     from kvd_server.restart.state import Manifest, NamespaceRecord, StateDir
-    from kvd_server.shm_index import ShmIndex
 
     state = StateDir(str(directory))
     state.prepare()

@@ -1,4 +1,4 @@
-"""The local disk tier (kvd_server/tiers/disk.py, joined to the daemon by tiers/link.py) through
+"""The local disk tier (kvd_server/tiers/disk/tier.py, joined to the daemon by tiers/link.py) through
 a real daemon: demotion and promotion bandwidth against the raw drive, what it adds to an
 engine's hits, and what it costs the pool's hot path. Everything in one run, each daemon with
 the defaults a user gets except the pool's size and `[tiers.disk]` path and size.
@@ -87,12 +87,12 @@ from run_all import commit, machine  # noqa: E402
 from traces import block_keys, generate  # noqa: E402
 
 from kvd_client.client import KvdClient  # noqa: E402
-from kvd_client.offload_session import Lookup, OffloadSession  # noqa: E402
+from kvd_client.offload.session import Lookup, OffloadSession  # noqa: E402
 from kvd_proto import kvd_pb2, kvd_pb2_grpc  # noqa: E402
 from kvd_proto.paths import grpc_target  # noqa: E402
 from kvd_proto.wire import KvLayout  # noqa: E402
-from kvd_server.tiers.disk import DATA_FILE, DEFAULT_IO_THREADS, DEFAULT_QUEUE_BYTES  # noqa: E402
-from kvd_server.tiers.disk_files import open_data  # noqa: E402
+from kvd_server.tiers.disk.files import open_data  # noqa: E402
+from kvd_server.tiers.disk.tier import DATA_FILE, DEFAULT_IO_THREADS, DEFAULT_QUEUE_BYTES  # noqa: E402
 
 RESULTS = HERE / "results"
 MIB = 1 << 20

@@ -22,15 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from kvd_client.attach import AttachError, AttachInfo, attach
+from kvd_client.pool_map import PoolMapping
+from kvd_client.register import DEFAULT_LEASE_MS, RegisterFailed, register, session_fds
+from kvd_client.step_stream import StepStream, StepStreamClosed, status_code
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.attach import ROLE_BELOW, ROLE_CHANNEL, ROLE_DATAPLANE, ROLE_INDEX
 from kvd_proto.paths import default_socket_path
 from kvd_proto.wire import MAX_OPS_PER_STEP, KvLayout
-
-from .attach import AttachError, AttachInfo, attach
-from .pool_map import PoolMapping
-from .register import DEFAULT_LEASE_MS, RegisterFailed, register, session_fds
-from .step_stream import StepStream, StepStreamClosed, status_code
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvd_client.attach import AttachError, attach
+from kvd_client.pool_map import PoolMapping
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.attach import ROLE_ENGINE, AttachRequest, exchange
 from kvd_proto.paths import closed_directory, grpc_target
 from kvd_proto.wire import SESSION_TOKEN_METADATA, KvLayout, align_up, channel_options
-
-from .attach import AttachError, attach
-from .pool_map import PoolMapping
 
 DEFAULT_LEASE_MS = 2000   # a daemon that names no default lease
 MIN_HEARTBEAT_S = 0.05   # floor on the heartbeat interval a daemon tells

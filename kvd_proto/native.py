@@ -533,7 +533,7 @@ def py_eventfd_signal(fd: int) -> bool:
 
 def compiled(module: str) -> Any:
     """The compiled extension `module` (e.g. "kvd_proto._native"), or None where it was not
-    built or `KVD_NATIVE=0` forces the pure-Python twins (kvd_server/tiers/block_io.py asks
+    built or `KVD_NATIVE=0` forces the pure-Python twins (kvd_server/tiers/disk/block_io.py asks
     for its own extension the same way)."""
     if os.environ.get("KVD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None

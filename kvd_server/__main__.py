@@ -2,6 +2,6 @@
 
 import sys
 
-from kvd_server.cli import main
+from kvd_server.cli.main import main
 
 sys.exit(main())

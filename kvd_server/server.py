@@ -40,30 +40,32 @@ from kvd_proto.paths import (
     socket_lock_path,
 )
 from kvd_proto.wire import TRANSPORT_MESSAGE_BYTES, channel_options
-from kvd_server import __version__, notify
-from kvd_server.admin_tokens import AdminTokens, TokenFileError, read_token_file
-from kvd_server.attach import AttachServer
-from kvd_server.attach_roles import AttachRoles
-from kvd_server.channel_service import ChannelService
-from kvd_server.channels import ChannelHub
+from kvd_server import __version__
+from kvd_server.attach.roles import AttachRoles
+from kvd_server.attach.server import AttachServer
+from kvd_server.channel.hub import ChannelHub
+from kvd_server.channel.service import ChannelService
 from kvd_server.config import DEFAULT_TENANT, Config, PoolConfig
-from kvd_server.core import KvdCore
-from kvd_server.extents import ExtentAllocator
-from kvd_server.front_door import FrontDoor
-from kvd_server.pool import HostPool, PoolError, check_fits
+from kvd_server.core.core import KvdCore
+from kvd_server.core.sessions import Session
+from kvd_server.memory.extents import ExtentAllocator
+from kvd_server.memory.pool import HostPool, PoolError, check_fits
+from kvd_server.memory.tenant_pools import TenantPools
+from kvd_server.ops import notify
+from kvd_server.ops.snapshot import build_snapshot
+from kvd_server.ops.stats import ChannelStats, DaemonFacts, RestartStats, StatsSnapshot
+from kvd_server.protocols.wiring import EngineProtocols
 from kvd_server.restart.state import StateError
 from kvd_server.restart.warm import WarmRestart
-from kvd_server.service import AdminService, EngineService, RpcRecorder
-from kvd_server.sessions import Session
-from kvd_server.snapshot import build_snapshot
-from kvd_server.stats import ChannelStats, DaemonFacts, RestartStats, StatsSnapshot
-from kvd_server.tenant_pools import TenantPools
+from kvd_server.rpc.admin_tokens import AdminTokens, TokenFileError, read_token_file
+from kvd_server.rpc.front_door import FrontDoor
+from kvd_server.rpc.service import AdminService, EngineService, RpcRecorder
 from kvd_server.tiers.link import TierLink, start_tier
 from kvd_server.units import format_duration, format_size
 
 if TYPE_CHECKING:
-    from kvd_server.metrics import MetricsServer, RpcMetrics
-    from kvd_server.namespaces import Namespace
+    from kvd_server.core.namespaces import Namespace
+    from kvd_server.ops.metrics import MetricsServer, RpcMetrics
 
 log = logging.getLogger(__name__)
 
@@ -354,9 +356,9 @@ class Daemon:
             core.warm = warm
             core.namespaces.files = warm
             warm.adopt(core)
-        core.tier = self._tier = start_tier(cfg, core.namespaces, pools,
-                                            asyncio.get_running_loop(),
-                                            refusing=lambda: core.draining)
+        self._tier = start_tier(cfg, core.namespaces, pools, asyncio.get_running_loop(),
+                                refusing=lambda: core.draining)
+        protocols = EngineProtocols.over(core, self._tier)
         if cfg.server.admin_token_file:
             try:
                 self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))
@@ -366,7 +368,7 @@ class Daemon:
         self._rpc = RpcRecorder(metrics)
 
         server = grpc.aio.server(options=self._server_options())
-        self._engine = EngineService(core, cfg, pool.size, self._rpc)
+        self._engine = EngineService(core, protocols, cfg, pool.size, self._rpc)
         kvd_pb2_grpc.add_KvdEngineServicer_to_server(self._engine, server)
         kvd_pb2_grpc.add_KvdAdminServicer_to_server(
             AdminService(core, cfg, self._rpc, self.snapshot, self.request_drain,
@@ -390,14 +392,14 @@ class Daemon:
             raise StartupError(_bind_problem(cfg.server.socket, exc)) from None
         self._door = door
 
-        service = self._channel_service = ChannelService(core,
+        service = self._channel_service = ChannelService(core, protocols,
                                                          ChannelHeader().down_max_record)
         self._channels = ChannelHub(
             service, heartbeat=core.heartbeat,
             on_broken=lambda s, why: core.close_session(s, why, reaped=True))  # type: ignore
         core.on_session_end.append(self._end_channel)
-        roles = AttachRoles(core, pools, self._tokens, self._channels,
-                            self._rpc.observe_transfer)
+        roles = AttachRoles(core, protocols.fastpath, self._tier, pools, self._tokens,
+                            self._channels, self._rpc.observe_transfer)
         attach = AttachServer(cfg.server.attach_socket, cfg.server.socket_mode, roles,
                               on_exhausted=door.shed)
         try:
@@ -450,7 +452,7 @@ class Daemon:
         cfg = self.config.server
         if not cfg.metrics_port:
             return None
-        from kvd_server import metrics
+        from kvd_server.ops import metrics
 
         registry, rpc_metrics = metrics.build_registry(
             metrics.on_loop(asyncio.get_running_loop(), self.snapshot))

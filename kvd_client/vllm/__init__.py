@@ -3,10 +3,10 @@
 Importing this package imports vLLM; the rest of kvd_client does not.
 """
 
-from .compat import check as _check_vllm
+from kvd_client.vllm.compat import check as _check_vllm
 
 VLLM_VERSION = _check_vllm()        # a clear error at engine start on an unsupported vLLM
 
-from .offloading_spec import KvdOffloadingSpec  # noqa: E402
+from kvd_client.vllm.offloading_spec import KvdOffloadingSpec  # noqa: E402
 
 __all__ = ["VLLM_VERSION", "KvdOffloadingSpec"]

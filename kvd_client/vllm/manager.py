@@ -1,7 +1,7 @@
 """The scheduler side: vLLM's OffloadingManager over kvd's engine-neutral OffloadSession.
 
 vLLM calls the manager synchronously on its scheduler thread. Every answer here is local
-(kvd_client/offload_session.py): lookups read the namespace's shared index, loads are kept
+(kvd_client/offload/session.py): lookups read the namespace's shared index, loads are kept
 safe by the epoch this engine publishes, stores go to slots granted in advance, and everything
 the daemon must hear is sent in the background. No call waits for the daemon, so a slow,
 stopped or dead daemon costs a step nothing (lookups answer MISS, stores are declined, vLLM
@@ -29,13 +29,12 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
-from kvd_client.admission import DEFAULT_MAX_KEYS, OfferCounter
 from kvd_client.dataplane.planner import SKIP
-from kvd_client.offload_session import OffloadSession
+from kvd_client.offload.admission import DEFAULT_MAX_KEYS, OfferCounter
+from kvd_client.offload.session import OffloadSession
+from kvd_client.vllm.offload_stats import OffloadStats
+from kvd_client.vllm.transfer_spec import KvdSlotsSpec
 from kvd_proto.native import key_positions
-
-from .offload_stats import OffloadStats
-from .transfer_spec import KvdSlotsSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class KvdOffloadingManager(OffloadingManager):
     def __init__(self, session: OffloadSession, *, store_threshold: int = 0,
                  max_tracker_size: int = DEFAULT_MAX_KEYS) -> None:
         """`store_threshold` >= 2 stores a block only once it was offered that many times
-        (vLLM's admission filter, counted here: kvd_client/admission.py); below 2, none."""
+        (vLLM's admission filter, counted here: kvd_client/offload/admission.py); below 2, none."""
         self.session = session
         self._admission = OfferCounter(store_threshold, max_tracker_size) \
             if store_threshold >= 2 else None

@@ -15,7 +15,7 @@ wait for the daemon.
   daemon's `kvd_` metrics say that, for every engine);
 - allocation sizes: the new blocks of each store offer that had any, one sample per offer,
   the ones answered None included (as vLLM samples before it tries to make room);
-- stores skipped: new blocks the store-threshold filter held back (kvd_client/admission.py),
+- stores skipped: new blocks the store-threshold filter held back (kvd_client/offload/admission.py),
   declared and reported only with store_threshold >= 2, as vLLM's.
 
 The transfer series (`vllm:kv_offload_load_bytes`, `..._store_bytes`, their times and sizes)
@@ -34,8 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
-from kvd_client.admission import OfferCounter, admission_options
-from kvd_client.offload_session import OffloadSession
+from kvd_client.offload.admission import OfferCounter, admission_options
+from kvd_client.offload.session import OffloadSession
 
 MAX_SAMPLES = 1 << 16       # allocation sizes kept between two reports (vLLM takes them
                             # every step; an engine that never asks loses the excess)

@@ -14,15 +14,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvd_client.admission import admission_options
 from kvd_client.client import KvdClient
 from kvd_client.dataplane.options import CopyOptions
-from kvd_client.offload_session import DEFAULT_RESERVE, OffloadSession
+from kvd_client.offload.admission import admission_options
+from kvd_client.offload.session import DEFAULT_RESERVE, OffloadSession
+from kvd_client.vllm.manager import ANSWERS, KvdOffloadingManager
+from kvd_client.vllm.offload_stats import metric_definitions
+from kvd_client.vllm.sharing import DEFAULT_KEY_BYTES, is_replicated, layout_of, salt_of
 from kvd_proto.paths import default_socket_path
-
-from .manager import ANSWERS, KvdOffloadingManager
-from .offload_stats import metric_definitions
-from .sharing import DEFAULT_KEY_BYTES, is_replicated, layout_of, salt_of
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class KvdOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            from .worker import KvdOffloadingWorker
+            from kvd_client.vllm.worker import KvdOffloadingWorker
 
             parallel = self.config.parallel
             self._worker = KvdOffloadingWorker(

@@ -29,8 +29,7 @@ from kvd_client.dataplane.cpu import CpuBackend
 from kvd_client.dataplane.options import CopyOptions
 from kvd_client.pool_map import PoolMapping
 from kvd_client.transfer_report import TransferReporter
-
-from .transfer_spec import KvdSlotsSpec
+from kvd_client.vllm.transfer_spec import KvdSlotsSpec
 
 log = logging.getLogger(__name__)
 

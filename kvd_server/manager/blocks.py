@@ -2,7 +2,7 @@
 
 No Python object per block (so no per-block allocation, nothing for the garbage collector to
 walk): a block is its slot id, its state is one int32 in `state`, its key lives only in the
-namespace's shared index (kvd_server/shm_index.py), the same arrays engines read. The arrays
+namespace's shared index (kvd_server/memory/shm_index.py), the same arrays engines read. The arrays
 are zero-filled by the kernel on first touch, so a namespace pays only for the slots it uses.
 
 `state[slot]`: ABSENT (0) no block, STORING (1) reserved and being written, READY (2) readable
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvd_server.shm_index import ShmIndex
+from kvd_server.memory.shm_index import ShmIndex
 
 ABSENT = 0
 STORING = 1

@@ -20,8 +20,8 @@ import numpy as np
 
 from kvd_proto.wire import DEFAULT_INDEX_KEY_BYTES
 from kvd_server.errors import NotReady
+from kvd_server.memory.shm_index import ShmIndex
 from kvd_server.policy_names import LRU
-from kvd_server.shm_index import ShmIndex
 
 from .blocks import ABSENT, READY, STORING, BlockTable
 from .events import EventQueue

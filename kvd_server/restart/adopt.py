@@ -32,7 +32,7 @@ from kvd_proto.index_layout import (
     STATE_READY,
     STATE_STORING,
 )
-from kvd_server.shm_index import ShmIndex
+from kvd_server.memory.shm_index import ShmIndex
 
 
 @dataclass(slots=True)

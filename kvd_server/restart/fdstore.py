@@ -1,7 +1,7 @@
 """Warm restart through systemd's file-descriptor store (`restart.store = "systemd"`).
 
 Under systemd with `FileDescriptorStoreMax=` set, the daemon hands every memory file it must
-keep to systemd (`FDSTORE=1` with a name, kvd_server/notify.py), which holds them open while the
+keep to systemd (`FDSTORE=1` with a name, kvd_server/ops/notify.py), which holds them open while the
 daemon restarts (crash, upgrade, `systemctl restart`) and passes them back to the next one
 (`LISTEN_FDS`, `LISTEN_FDNAMES`). Nothing is named in a filesystem, so the pools stay sealed
 memfds, handed to engines of any allowed uid as without warm restart.
@@ -30,8 +30,9 @@ import os
 import re
 from typing import Any
 
-from kvd_server import notify
-from kvd_server.pool import HostPool, PoolError
+from kvd_server.memory.pool import HostPool, PoolError
+from kvd_server.memory.shm_index import ShmIndex
+from kvd_server.ops import notify
 from kvd_server.restart.state import (
     MAX_SESSION_RECORDS,
     Manifest,
@@ -39,7 +40,6 @@ from kvd_server.restart.state import (
     StateError,
     pool_file_name,
 )
-from kvd_server.shm_index import ShmIndex
 
 log = logging.getLogger(__name__)
 

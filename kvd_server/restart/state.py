@@ -39,8 +39,8 @@ from kvd_proto.index_layout import VERSION as INDEX_VERSION
 from kvd_proto.version import __version__
 from kvd_proto.wire import KvLayout
 from kvd_server.config import DEFAULT_TENANT
-from kvd_server.pool import HostPool
-from kvd_server.shm_index import ShmIndex
+from kvd_server.memory.pool import HostPool
+from kvd_server.memory.shm_index import ShmIndex
 
 log = logging.getLogger(__name__)
 

@@ -25,20 +25,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvd_server.extents import ExtentAllocator, slot_geometry
-from kvd_server.namespaces import Held, Namespace
-from kvd_server.peer import process_start, same_process
-from kvd_server.pool import HostPool
+from kvd_server.core.namespaces import Held, Namespace
+from kvd_server.core.peer import process_start, same_process
+from kvd_server.memory.extents import ExtentAllocator, slot_geometry
+from kvd_server.memory.pool import HostPool
+from kvd_server.memory.shm_index import ShmIndex
+from kvd_server.ops.stats import RestartStats
 from kvd_server.restart.adopt import check_index
 from kvd_server.restart.fdstore import FdStore
 from kvd_server.restart.state import Keeper, Manifest, NamespaceRecord, SessionRecord, StateDir
-from kvd_server.shm_index import ShmIndex
-from kvd_server.stats import RestartStats
 
 if TYPE_CHECKING:
     from kvd_server.config import Config
-    from kvd_server.core import KvdCore
-    from kvd_server.sessions import Session
+    from kvd_server.core.core import KvdCore
+    from kvd_server.core.sessions import Session
 
 log = logging.getLogger(__name__)
 

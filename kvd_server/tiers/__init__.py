@@ -8,9 +8,9 @@ namespace id digests tenant, model and layout, so two tenants never share a bloc
 
 - base.py: the interface every tier implements (the local disk now, the cluster tier later),
   its key, its counters and its health.
-- disk.py: the local disk tier: preallocated files, direct I/O with aligned extents, a pool of
-  I/O threads, a checksum per block, LRU eviction, quotas per tenant (disk_space.py), and its
-  own index persisted as a journal (disk_journal.py) so it survives a restart and a reboot.
+- disk/: the local disk tier: preallocated files, direct I/O with aligned extents, a pool of
+  I/O threads, a checksum per block, LRU eviction, quotas per tenant (disk/space.py), and its
+  own index persisted as a journal (disk/journal.py) so it survives a restart and a reboot.
 """
 
 from kvd_server.tiers.base import Tier, TierHealth, TierKey, TierStats

@@ -18,7 +18,7 @@ from typing import Protocol
 @dataclass(frozen=True, slots=True)
 class TierKey:
     """A block's name in every tier: its namespace (a digest of tenant, model and layout,
-    kvd_server/namespaces.py) and its key within it. `tenant` rides along for quotas."""
+    kvd_server/core/namespaces.py) and its key within it. `tenant` rides along for quotas."""
 
     namespace: str
     key: bytes

@@ -16,9 +16,9 @@ from typing import Any
 
 from kvd_proto.below_layout import MAX_PROBE, BelowHeader, buckets_for
 from kvd_proto.native import below_view, key_fingerprint, probe_below
-from kvd_server.shm_index import sealed_shared_file
+from kvd_server.memory.shm_index import sealed_shared_file
 from kvd_server.tiers.base import Tier, TierKey
-from kvd_server.tiers.disk_space import aligned
+from kvd_server.tiers.disk.space import aligned
 
 
 class BelowTable:

@@ -25,8 +25,8 @@ from kvd_server.tiers.below_table import BelowTables
 from kvd_server.tiers.loop_inbox import LoopInbox
 
 if TYPE_CHECKING:
-    from kvd_server.namespaces import Namespace, NamespaceTable
-    from kvd_server.tenant_pools import TenantPools
+    from kvd_server.core.namespaces import Namespace, NamespaceTable
+    from kvd_server.memory.tenant_pools import TenantPools
 
 
 class Demoter:

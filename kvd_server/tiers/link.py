@@ -13,7 +13,7 @@ import dataclasses
 import os
 import socket
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvd_server.tiers.base import Tier, TierHealth, TierKey, TierStats
@@ -23,8 +23,8 @@ from kvd_server.tiers.promotion import Promoter
 
 if TYPE_CHECKING:
     from kvd_server.config import Config
-    from kvd_server.namespaces import Namespace, NamespaceTable
-    from kvd_server.tenant_pools import TenantPools
+    from kvd_server.core.namespaces import Namespace, NamespaceTable
+    from kvd_server.memory.tenant_pools import TenantPools
 
 
 class TierLink:
@@ -61,6 +61,13 @@ class TierLink:
 
     def forget(self, ns: Namespace) -> None:
         self.tables.forget(ns.id)
+
+    def promote(self, ns: Namespace, keys: Sequence[bytes], prefix: bool = False) -> set[bytes]:
+        """Start promoting the keys of `ns` that only the tier below holds (`prefix`: up to
+        the first key held nowhere); the keys being promoted (answered HIT_PENDING)."""
+        if not keys:
+            return set()
+        return self.promoter.promote(ns, keys, prefix)
 
     def table(self, ns_id: str) -> BelowTable | None:
         """The namespace's "held below" table (its fd goes to engines: attach role below)."""
@@ -128,7 +135,7 @@ def start_tier(cfg: Config, namespaces: NamespaceTable, pools: TenantPools,
 
 
 def _disk_tier(cfg: Config) -> Tier:
-    from kvd_server.tiers.disk import DiskTier
+    from kvd_server.tiers.disk.tier import DiskTier
 
     disk = cfg.tiers_disk
     return DiskTier(disk.path, disk.size, extent_bytes=disk.extent_size,
@@ -146,16 +153,16 @@ def node_name(cfg: Config) -> str:
 
 
 def _cluster_tier(cfg: Config) -> Tier:
-    from kvd_server.tiers.cluster import ClusterTier
-    from kvd_server.tiers.cluster_store import StoreConfig
-    from kvd_server.tiers.store_agent import AgentStore
+    from kvd_server.tiers.cluster.store import StoreConfig
+    from kvd_server.tiers.cluster.store_agent import AgentStore
+    from kvd_server.tiers.cluster.tier import ClusterTier
 
     c = cfg.tiers_cluster
     store = StoreConfig(master=c.master, metadata_url=c.metadata_url, protocol=c.protocol,
                         device=c.device, local_hostname=c.local_hostname
                         or socket.gethostname(), segment_bytes=c.segment_size,
                         buffer_bytes=c.buffer_size)
-    factory, threads = "kvd_server.tiers.cluster_store:open_mooncake", 2 * c.io_threads + 2
+    factory, threads = "kvd_server.tiers.cluster.store:open_mooncake", 2 * c.io_threads + 2
     return ClusterTier(lambda: AgentStore(factory, dataclasses.asdict(store), threads=threads),
                        node=node_name(cfg),
                        capacity_bytes=c.size, queue_bytes=c.queue_size,

@@ -24,9 +24,9 @@ import time
 
 import pytest
 
-from kvd_client.channel import Outbox, SessionChannel
 from kvd_client.client import KvdClient
-from kvd_client.offload_session import Lookup
+from kvd_client.link.channel import Outbox, SessionChannel
+from kvd_client.offload.session import Lookup
 from kvd_proto import kvd_pb2
 from kvd_proto import records as rec
 from kvd_proto.channel import DOWN_HEAD, UP_TAIL, record

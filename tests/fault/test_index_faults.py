@@ -20,7 +20,7 @@ import signal
 
 import pytest
 
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload.session import Lookup, OffloadSession
 from tests.fault.summary import record
 from tests.multiproc.offload_engine import (
     EngineProcess,

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvd_client.offload_session import Lookup
+from kvd_client.offload.session import Lookup
 from tests.multiproc.offload_engine import close_session, open_session, read_back, store
 from tests.multiproc.test_disk_tier import POOL, _env
 from tests.support.engine import keys_for

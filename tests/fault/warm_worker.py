@@ -23,7 +23,7 @@ import sys
 import time
 
 from kvd_client.client import KvdClient
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto.wire import KvLayout
 from tests.support.engine import block_bytes_of
 

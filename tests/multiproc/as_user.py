@@ -34,10 +34,8 @@ import kvd_client.attach  # noqa: F401  (everything imported before the uid drop
 import kvd_client.pool_map  # noqa: F401
 from kvd_proto import attach as attach_protocol
 from kvd_proto import kvd_pb2, kvd_pb2_grpc  # noqa: F401
-from kvd_server import (
-    admin_tokens,  # noqa: F401
-    cli,
-)
+from kvd_server.cli import main as cli
+from kvd_server.rpc import admin_tokens  # noqa: F401
 from tests.support.engine import Engine, keys_for
 
 BLOCK = 64 * 1024

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvd_client.client import KvdClient
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
 from tests.support.daemon import PY, ROOT, clean_env

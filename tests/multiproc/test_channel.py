@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvd_client.offload_session import Lookup
+from kvd_client.offload.session import Lookup
 from tests.multiproc.offload_engine import (
     EngineProcess,
     close_session,

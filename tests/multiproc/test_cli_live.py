@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvd_proto import kvd_pb2, paths
-from kvd_server import cli
+from kvd_server.cli import main as cli
 from tests.support.daemon import PY, ROOT, Daemon, clean_env, spawn_daemon
 from tests.support.engine import keys_for
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload.session import Lookup, OffloadSession
 from tests.multiproc.offload_engine import (
     close_session,
     count_blocking_calls,

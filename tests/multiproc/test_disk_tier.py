@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvd_server.tiers import TierKey
-from kvd_server.tiers.disk import DiskTier
+from kvd_server.tiers.disk.tier import DiskTier
 from tests.support.daemon import HEARTBEAT, LIVENESS, clean_env
 from tests.support.engine import BLOCK, Engine, block_bytes_of, keys_for
 from tests.support.waits import wait_until

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvd_client.offload_session import Lookup, OffloadSession
-from kvd_server.tiers.disk import DATA_FILE
+from kvd_client.offload.session import Lookup, OffloadSession
+from kvd_server.tiers.disk.tier import DATA_FILE
 from tests.multiproc.offload_engine import (
     close_session,
     open_session,

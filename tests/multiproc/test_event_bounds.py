@@ -200,7 +200,7 @@ def test_events_nobody_takes_are_bounded_dropped_oldest_and_counted(start_daemon
 def test_a_fast_path_engine_is_told_events_were_dropped(start_daemon, caplog):
     """The channel's EVENTS answer carries the drop: the engine counts it and warns once."""
     from kvd_client.client import KvdClient
-    from kvd_client.offload_session import OffloadSession
+    from kvd_client.offload.session import OffloadSession
     from tests.multiproc.offload_engine import close_session, settle, store
 
     daemon = start_daemon(*POOL)
@@ -212,7 +212,7 @@ def test_a_fast_path_engine_is_told_events_were_dropped(start_daemon, caplog):
         _write(daemon, "channel", 30, warmup=1)
         dropped = _namespace(daemon.stats())["events_dropped_total"]
         assert dropped > 0
-        caplog.set_level(logging.WARNING, logger="kvd_client.offload_session")
+        caplog.set_level(logging.WARNING, logger="kvd_client.offload.session")
         taken: list[Any] = []
         rounds = iter(range(1000))
 

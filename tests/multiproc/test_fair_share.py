@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from tests.fault.summary import record
 from tests.multiproc.offload_engine import (

@@ -328,7 +328,7 @@ def _serve_as_main(argv: list[str]) -> int:
 
     import kvd_server.server  # noqa: F401
     import kvd_server.units  # noqa: F401
-    from kvd_server import cli
+    from kvd_server.cli import main as cli
 
     drop(int(argv[1]), int(argv[1]))
     return cli.main(["serve", *argv[2:]])

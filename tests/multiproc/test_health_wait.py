@@ -19,7 +19,7 @@ from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 
-GIVE_UP_S = 5.0          # kvd_server.cli.NO_DAEMON_S
+GIVE_UP_S = 5.0          # kvd_server.cli.main.NO_DAEMON_S
 BOUND_S = 30.0           # far below the 5-minute default, with room for a loaded machine
 
 

@@ -73,7 +73,7 @@ def test_the_wheel_holds_the_three_packages_the_command_and_the_data(wheel: Path
         assert data in names, data
     entry_points = zipfile.ZipFile(wheel).read(
         f"kvd_offload-{VERSION}.dist-info/entry_points.txt").decode()
-    assert "kvd = kvd_server.cli:main" in entry_points
+    assert "kvd = kvd_server.cli.main:main" in entry_points
 
 
 def _install(tmp_path: Path, script: Path, *args: str) -> tuple[Path, Path]:

@@ -27,7 +27,7 @@ def test_json_log_lines_with_utc_times_and_kvds_debug_only(start_daemon):
         assert record["logger"].startswith("kvd_") or record["level"] in ("WARNING", "ERROR",
                                                                           "CRITICAL"), record
     messages = [r["message"] for r in records]
-    assert any(r["level"] == "DEBUG" and r["logger"] == "kvd_server.attach_roles" for r in records)
+    assert any(r["level"] == "DEBUG" and r["logger"] == "kvd_server.attach.roles" for r in records)
     assert any(m.startswith("serving on ") for m in messages)
     assert messages[-1] == "kvd stopped"
     # gRPC's Python layer logs ~30 debug lines of its own ("Loaded running loop", ...).

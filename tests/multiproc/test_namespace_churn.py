@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from kvd_client.client import KvdClient
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
 from tests.fault.summary import record

@@ -18,7 +18,7 @@ import struct
 import pytest
 
 from kvd_client.client import KvdClient
-from kvd_client.offload_session import Lookup
+from kvd_client.offload.session import Lookup
 from kvd_proto import kvd_pb2
 from tests.multiproc.offload_engine import (
     LAYOUT,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvd_client.offload_session import Lookup, OffloadSession
+from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
-from kvd_server.tiers.disk import DATA_FILE, DiskTier
+from kvd_server.tiers.disk.tier import DATA_FILE, DiskTier
 from tests.multiproc.offload_engine import (
     assert_no_slot_leaked,
     close_session,
@@ -244,9 +244,9 @@ def test_promotions_go_on_past_the_asks_a_session_remembers(start_daemon, tmp_pa
     """A promoted key reads HIT from the index and never comes back to the session's asks;
     they are still forgotten, so the engine keeps promoting past MAX_ASKED keys (it read
     MISS for every later key until has_pending_work happened to sweep them)."""
-    import kvd_client.promotions
+    import kvd_client.offload.promotions
 
-    monkeypatch.setattr(kvd_client.promotions, "MAX_ASKED", BATCH + 8)
+    monkeypatch.setattr(kvd_client.offload.promotions, "MAX_ASKED", BATCH + 8)
     daemon = _daemon_with_a_disk(start_daemon, tmp_path)
     keys = keys_for("many-asks", STORED)
     session = open_session(daemon.socket, MODEL, reserve=64)
@@ -261,6 +261,6 @@ def test_promotions_go_on_past_the_asks_a_session_remembers(start_daemon, tmp_pa
             session.finish_loads(batch)
             session.end_step()
             promoted += len(batch)
-        assert promoted > kvd_client.promotions.MAX_ASKED
+        assert promoted > kvd_client.offload.promotions.MAX_ASKED
     finally:
         close_session(session)

@@ -94,7 +94,7 @@ def _main(argv: list[str]) -> int:
     import kvd_server.server  # noqa: F401
     from kvd_client.client import KvdClient
     from kvd_proto.wire import KvLayout
-    from kvd_server import cli
+    from kvd_server.cli import main as cli
 
     uid, action, *rest = argv
     os.setgroups([])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd_client.offload_session import Lookup
+from kvd_client.offload.session import Lookup
 from kvd_proto import kvd_pb2
 from tests.multiproc.offload_engine import (
     EngineProcess,

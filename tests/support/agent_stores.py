@@ -1,4 +1,4 @@
-"""Stores for the store agent's tests (kvd_server/tiers/store_agent.py), built in the agent's
+"""Stores for the store agent's tests (kvd_server/tiers/cluster/store_agent.py), built in the agent's
 process from a JSON config, each with a fault to show: a set-up that holds the GIL (as
 Mooncake's does against a master that is down), a set-up that fails or never ends, a call that
 never returns, a client that crashes the process."""
@@ -9,7 +9,7 @@ import ctypes
 import threading
 import time
 
-from kvd_server.tiers.cluster_store import StoreError
+from kvd_server.tiers.cluster.store import StoreError
 
 
 class MemoryStore:

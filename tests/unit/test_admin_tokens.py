@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from kvd_server.admin_tokens import (
+from kvd_server.config import ConfigError, load_config
+from kvd_server.rpc.admin_tokens import (
     MAX_ADMIN_TOKENS,
     AdminTokens,
     TokenFileError,
     read_token_file,
 )
-from kvd_server.config import ConfigError, load_config
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The engine-side store-threshold filter (kvd_client/admission.py): vLLM 0.33's admission rule,
+"""The engine-side store-threshold filter (kvd_client/offload/admission.py): vLLM 0.33's admission rule,
 its bound, and its options, without vLLM or a daemon."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from kvd_client.admission import (
+from kvd_client.offload.admission import (
     DEFAULT_MAX_KEYS,
     MAX_KEYS_LIMIT,
     OfferCounter,

@@ -1,5 +1,5 @@
-"""The disk tier's batched block I/O, compiled (kvd_server._blockio) and its pure-Python twin
-(kvd_server/tiers/block_io.py): on the same batches they write the same bytes and give the same
+"""The disk tier's batched block I/O, compiled (kvd_server.tiers.disk._blockio) and its pure-Python twin
+(kvd_server/tiers/disk/block_io.py): on the same batches they write the same bytes and give the same
 results (CRCs, good / corrupt / short / errors), and the compiled one refuses bad input with
 an exception, never a crash. The twin runs everywhere; the compiled one where it was built (in
 CI it is: `make test` builds it)."""
@@ -13,15 +13,15 @@ import zlib
 
 import pytest
 
-from kvd_server.tiers import block_io
+from kvd_server.tiers.disk import block_io
 
 try:
-    from kvd_server import _blockio
+    from kvd_server.tiers.disk import _blockio
 except ImportError:                      # no compiler at install: the twin only
     _blockio = None
 
 KINDS = ["python"] + (["compiled"] if _blockio is not None else [])
-needs_native = pytest.mark.skipif(_blockio is None, reason="kvd_server._blockio was not "
+needs_native = pytest.mark.skipif(_blockio is None, reason="kvd_server.tiers.disk._blockio was not "
                                   "built (no C compiler or Python headers at install)")
 
 
@@ -45,7 +45,7 @@ def test_the_switch_names_what_is_in_use():
 
 _CRC_CHECK = """
 import random, zlib
-from kvd_server import _blockio
+from kvd_server.tiers.disk import _blockio
 rng = random.Random(5)
 big = rng.randbytes(1 << 20)
 for n in list(range(0, 200)) + [4095, 4096, 65536, 65536 + 3, 262144 + 13, 1 << 20]:

@@ -1,6 +1,6 @@
-"""The daemon's end of the channel (kvd_server/channels.py, channel_service.py) over a real
+"""The daemon's end of the channel (kvd_server/channel/hub.py, service.py) over a real
 core, with the engine's end mapped from duplicates of the descriptors an engine receives
-(kvd_client/channel.py): records apply with the StepStream ops' semantics and answer in order;
+(kvd_client/link/channel.py): records apply with the StepStream ops' semantics and answer in order;
 a refused record is answered and skipped; an engine that breaks its ring loses its session and
 nobody else's state; one that reads no answers is not read; a closing session's last records
 still apply."""
@@ -12,20 +12,20 @@ import struct
 
 import pytest
 
-from kvd_client.channel import Outbox, SessionChannel
+from kvd_client.link.channel import Outbox, SessionChannel
 from kvd_proto import records as rec
 from kvd_proto.channel import UP_TAIL, ChannelHeader
-from kvd_server.channel_service import ChannelService
-from kvd_server.channels import ChannelHub
-from kvd_server.sessions import Session
-from tests.unit.test_core import make_core, session, stats
+from kvd_server.channel.hub import ChannelHub
+from kvd_server.channel.service import ChannelService
+from kvd_server.core.sessions import Session
+from tests.support.core import make_core, protocols, session, stats
 
 
 class Harness:
     def __init__(self) -> None:
         self.core, _ = make_core(pool=8 << 20, extent=1 << 20)
         header = ChannelHeader(64 << 10, 8 << 10)          # small rings: easy to fill
-        self.service = ChannelService(self.core, header.down_max_record)
+        self.service = ChannelService(self.core, protocols(self.core), header.down_max_record)
         self.broken: list[tuple[Session, str]] = []
 
         def on_broken(s: object, why: str) -> None:
@@ -173,7 +173,7 @@ def test_the_idle_flag_is_set_only_when_nothing_is_waiting(h):
 def test_what_the_ring_has_no_room_for_waits_in_order_and_bounds_the_outbox(h, monkeypatch):
     """Records put while the daemon is behind wait, by step, in order; their bytes (counted
     when a flush leaves them waiting) are what `overflowing` compares with its bound."""
-    import kvd_client.channel as engine_channel
+    import kvd_client.link.channel as engine_channel
 
     monkeypatch.setattr(engine_channel, "MAX_WAITING_BYTES", 16 << 10)
     s, ch, out = h.engine()

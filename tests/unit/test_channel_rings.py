@@ -201,7 +201,7 @@ def test_the_compiled_append_and_read_all_are_the_python_loops(sizes, batch, sta
        st.integers(0, 300).map(lambda x: 8 * x))
 def test_read_all_with_a_limit_reads_that_many_in_order(compiled, sizes, limit, start):
     """The daemon reads a turn's records in batches no bigger than its answers have room for
-    (kvd_server/channels.py): read_all(limit) returns at most `limit` records, the next call
+    (kvd_server/channel/hub.py): read_all(limit) returns at most `limit` records, the next call
     goes on from there, fillers crossed as without a limit; compiled or the Python loop."""
     if compiled and native.ring_read is None:
         pytest.skip("kvd_proto._native is not built")

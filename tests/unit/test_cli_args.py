@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvd_proto import kvd_pb2
-from kvd_server import admin_client, cli, cli_render
-from kvd_server.stats import StatsSnapshot
+from kvd_server.cli import admin_client
+from kvd_server.cli import main as cli
+from kvd_server.cli import render as cli_render
+from kvd_server.ops.stats import StatsSnapshot
 
 SUBCOMMANDS = ("serve", "stats", "sessions", "reset", "drain", "health", "config")
 CLIENT_COMMANDS = SUBCOMMANDS[1:]

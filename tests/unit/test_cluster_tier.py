@@ -11,8 +11,7 @@ import time
 import pytest
 
 from kvd_server.tiers.base import TierHealth, TierKey
-from kvd_server.tiers.cluster import ClusterTier
-from kvd_server.tiers.cluster_names import (
+from kvd_server.tiers.cluster.names import (
     NODES,
     StoreFormatError,
     block_name,
@@ -24,7 +23,8 @@ from kvd_server.tiers.cluster_names import (
     encode_nodes,
     manifest_name,
 )
-from kvd_server.tiers.cluster_store import TRANSFER_FAIL, StoreError
+from kvd_server.tiers.cluster.store import TRANSFER_FAIL, StoreError
+from kvd_server.tiers.cluster.tier import ClusterTier
 
 BLOCK = 4096
 
@@ -258,7 +258,7 @@ def test_lists_round_trip():
 def test_the_disk_over_the_cluster_store_acts_as_one_tier(make_tier, store, tmp_path):
     """tiers/stack.py: evicted blocks go to the disk, promotions read the disk first and the
     store otherwise, and a block is told dropped only when neither holds it."""
-    from kvd_server.tiers.disk import DiskTier
+    from kvd_server.tiers.disk.tier import DiskTier
     from kvd_server.tiers.stack import TierStack
 
     disk = DiskTier(str(tmp_path / "disk"), 16 << 20, extent_bytes=4 << 20, io_threads=2)

@@ -1,4 +1,4 @@
-"""A session's records on their way out (kvd_client/daemon_link.py): the compiled calls'
+"""A session's records on their way out (kvd_client/offload/daemon_link.py): the compiled calls'
 records (appended straight to `records`) and everything `put` keep one order; they go into the
 outbox as the step's records when staged, essential when one of them is; nothing is kept for
 a client that is degraded or has no channel, nor for a session that ended."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvd_client.channel import Messenger
-from kvd_client.daemon_link import DaemonLink
+from kvd_client.link.channel import Messenger
+from kvd_client.offload.daemon_link import DaemonLink
 
 
 def link() -> tuple[DaemonLink, Messenger, SimpleNamespace]:
@@ -75,7 +75,7 @@ def test_lookup_counts_go_at_most_every_interval_while_stepping_and_at_once_when
     daemon): a step's end reports at most every COUNTS_INTERVAL_S, a forced report (the
     session asked whether work is pending, or closes) at once; each carries the change since
     the last one, so the daemon's totals end up exact."""
-    from kvd_client import daemon_link
+    from kvd_client.offload import daemon_link
     from kvd_proto import records as rec
 
     clock = [100.0]

@@ -1,4 +1,4 @@
-"""DEBUG lines are rate-bounded (kvd_server.logs.DebugBudget): a burst passes, then about
+"""DEBUG lines are rate-bounded (kvd_server.ops.logs.DebugBudget): a burst passes, then about
 DEBUG_RATE a second; the first line after a gap says how many were dropped; INFO and above
 always pass."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import logging
 
-from kvd_server import logs
+from kvd_server.ops import logs
 
 
 class Clock:

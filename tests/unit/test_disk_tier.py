@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kvd_server.tiers import TierHealth, TierKey
-from kvd_server.tiers.disk import DATA_FILE, JOURNAL_FILE, DiskTier
-from kvd_server.tiers.disk_space import DiskSpace
+from kvd_server.tiers.disk.space import DiskSpace
+from kvd_server.tiers.disk.tier import DATA_FILE, JOURNAL_FILE, DiskTier
 
 BLOCK = 64 << 10
 EXTENT = 256 << 10
@@ -272,7 +272,7 @@ def test_promotion_reads_straight_into_an_aligned_slot_and_checks_it_there(tier)
 
 def test_a_backlog_is_written_and_read_in_batches_byte_exact(tier):
     """Many demotions and promotions at once (more than the threads: they go in batches,
-    kvd_server/tiers/io_batches.py) each come back whole and in its own slot."""
+    kvd_server/tiers/disk/io_batches.py) each come back whole and in its own slot."""
     keys = [key(i) for i in range(16)]
     futures = [tier.demote(k, block(i)) for i, k in enumerate(keys)]
     assert all(f is not None and f.result(timeout=10) for f in futures)

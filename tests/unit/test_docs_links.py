@@ -111,7 +111,7 @@ def outside_references() -> dict[tuple[str, str], str]:
 
 def test_the_scan_sees_the_repository():
     names = {p.relative_to(ROOT).as_posix() for p in repo_files()}
-    assert {"README.md", "Makefile", "docs/internals.md", "kvd_server/cli.py",
+    assert {"README.md", "Makefile", "docs/internals.md", "kvd_server/cli/main.py",
             "deploy/systemd/kvd.service"} <= names, "repo_files() misses the repository"
     assert not any(n.startswith((".venv/", ".git/")) for n in names)
 

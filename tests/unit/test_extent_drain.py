@@ -7,9 +7,9 @@ import pytest
 
 from kvd_proto.wire import KvLayout
 from kvd_server.config import TenantsConfig
+from kvd_server.core.namespaces import NamespaceTable
 from kvd_server.errors import KvdError
-from kvd_server.extents import ExtentAllocator, NamespaceSlots
-from kvd_server.namespaces import NamespaceTable
+from kvd_server.memory.extents import ExtentAllocator, NamespaceSlots
 
 PAGE = 4096
 
@@ -114,7 +114,7 @@ def test_a_tenant_at_its_namespace_limit_is_refused_naming_the_setting():
 
 
 def test_slots_at_is_slot_at_for_every_offset():
-    """A record's offsets turned into slots in one call (kvd_server/fastpath.py) answer as
+    """A record's offsets turned into slots in one call (kvd_server/protocols/fastpath.py) answer as
     slot_at does one by one: in-range offsets of extents held, None for any other."""
     pool = ExtentAllocator(4 * 4 * 2 * PAGE, 4 * 2 * PAGE)    # 4 extents x 4 slots of 2 pages
     slots = NamespaceSlots(pool, 2 * PAGE)

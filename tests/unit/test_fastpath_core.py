@@ -9,14 +9,15 @@ from collections.abc import Sequence
 
 from kvd_proto.wire import MAX_GRANTED_SLOTS
 from kvd_proto.wire import KvLayout as Layout
-from kvd_server import fastpath as fastpath_module
 from kvd_server.config import load_config
-from kvd_server.core import KvdCore
-from kvd_server.extents import ExtentAllocator
-from kvd_server.fastpath import StoreGrantedAnswer
+from kvd_server.core.core import KvdCore
+from kvd_server.core.peer import PeerCred
+from kvd_server.core.sessions import EngineInfo, Session
 from kvd_server.manager import Lookup
-from kvd_server.peer import PeerCred
-from kvd_server.sessions import EngineInfo, Session
+from kvd_server.memory.extents import ExtentAllocator
+from kvd_server.protocols import fastpath as fastpath_module
+from kvd_server.protocols.fastpath import StoreGrantedAnswer
+from tests.support.core import protocols
 
 LAYOUT = Layout(block_bytes=8192, num_ranks=2, shard_bytes=4096, tokens_per_block=16,
                 dtype="bf16")
@@ -56,13 +57,13 @@ def key(i: int) -> bytes:
 
 def complete(core: KvdCore, s: Session, keys: Sequence[bytes], req_id: str, epoch: int) -> int:
     """The session's stores of `keys` completed successfully: how many became readable."""
-    return core.completions.complete_store(s, keys, True, req_id, epoch).completed
+    return protocols(core).completions.complete_store(s, keys, True, req_id, epoch).completed
 
 
 def store(core: KvdCore, s: Session, keys: list[bytes], offsets: Sequence[int],
           req_id: str) -> StoreGrantedAnswer:
     """One request of the engine: `keys` stored into granted `offsets`, completed, finished."""
-    answer = core.fastpath.store_granted(s, keys, req_id, None, keys, offsets)
+    answer = protocols(core).fastpath.store_granted(s, keys, req_id, None, keys, offsets)
     assert answer.accepted == len(keys), answer
     assert complete(core, s, keys, req_id, answer.epoch) == len(keys)
     core.request_finished(s, req_id)
@@ -81,7 +82,7 @@ def offset_of(s: Session, k: bytes) -> int:
 
 def test_grants_are_free_distinct_slots_bounded_by_what_is_free():
     core, a, b = two_sessions()
-    fp, ns = core.fastpath, a.ns
+    fp, ns = protocols(core).fastpath, a.ns
     assert ns is b.ns
     mine, theirs = fp.grant(a, 3), fp.grant(b, 3)
     assert len(mine) == len(theirs) == 3
@@ -104,10 +105,10 @@ def test_grants_are_free_distinct_slots_bounded_by_what_is_free():
 def test_a_session_never_holds_more_than_max_granted_slots():
     core = make_core(pool=64 << 20, extent=4 << 20)       # 8192 slots
     a = session(core)
-    offsets = core.fastpath.grant(a, MAX_GRANTED_SLOTS + 904)
+    offsets = protocols(core).fastpath.grant(a, MAX_GRANTED_SLOTS + 904)
     assert len(offsets) == len(set(offsets)) == MAX_GRANTED_SLOTS
     assert a.reserve_target == MAX_GRANTED_SLOTS
-    assert core.fastpath.grant(a, 1) == []
+    assert protocols(core).fastpath.grant(a, 1) == []
     assert len(a.granted) == MAX_GRANTED_SLOTS
 
 
@@ -115,7 +116,7 @@ def test_a_draining_daemon_grants_nothing():
     core = make_core()
     a = session(core)
     assert core.start_drain()
-    assert core.fastpath.grant(a, 4) == [] and not a.granted
+    assert protocols(core).fastpath.grant(a, 4) == [] and not a.granted
 
 
 # --- StoreGranted -----------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def test_a_draining_daemon_grants_nothing():
 
 def test_store_granted_binds_new_keys_into_the_sessions_own_granted_slots():
     core = make_core()
-    fp = core.fastpath
+    fp = protocols(core).fastpath
     a = session(core)
     ns = a.ns
     offsets = fp.grant(a, 3)
@@ -143,7 +144,7 @@ def test_store_granted_binds_new_keys_into_the_sessions_own_granted_slots():
 
 def test_a_key_another_session_stores_is_a_duplicate_whose_slot_settles_at_completion():
     core, a, b = two_sessions()
-    fp, ns = core.fastpath, a.ns
+    fp, ns = protocols(core).fastpath, a.ns
     mine, theirs = fp.grant(a, 1), fp.grant(b, 1)
     first = fp.store_granted(a, [key(1)], "r", None, [key(1)], mine)
     dup = fp.store_granted(b, [key(1)], "r", None, [key(1)], theirs)
@@ -159,7 +160,7 @@ def test_a_key_another_session_stores_is_a_duplicate_whose_slot_settles_at_compl
 
 def test_store_granted_refuses_what_is_not_the_sessions_to_bind_and_applies_none_of_it():
     core, a, b = two_sessions()
-    fp, ns = core.fastpath, a.ns
+    fp, ns = protocols(core).fastpath, a.ns
     mine, theirs = fp.grant(a, 4), fp.grant(b, 1)
 
     def refused(keys: list[bytes], granted: list[bytes], offsets: list[int]) -> int:
@@ -185,7 +186,7 @@ def test_store_granted_refuses_what_is_not_the_sessions_to_bind_and_applies_none
 def test_store_granted_past_the_pending_bound_refuses_the_whole_call(monkeypatch):
     monkeypatch.setattr(fastpath_module, "MAX_PENDING_STORES_PER_SESSION", 2)
     core = make_core()
-    fp = core.fastpath
+    fp = protocols(core).fastpath
     a = session(core)
     offsets = fp.grant(a, 4)
     assert fp.store_granted(a, [key(1), key(2)], "r", None, [key(1), key(2)],
@@ -200,7 +201,7 @@ def test_store_granted_past_the_pending_bound_refuses_the_whole_call(monkeypatch
 
 def test_pin_loads_pins_only_readable_blocks_where_the_engine_read_them_in_its_namespace():
     core = make_core()
-    fp = core.fastpath
+    fp = protocols(core).fastpath
     a, b, other = session(core), session(core), session(core, model="m2")
     ns = a.ns
     offsets = fp.grant(a, 4)
@@ -217,7 +218,7 @@ def test_pin_loads_pins_only_readable_blocks_where_the_engine_read_them_in_its_n
     # Another namespace's session cannot pin blocks of this one, whatever offsets it names.
     assert fp.pin_loads(other, [key(1), key(2)], [o1, o2], "", None) == (0, epoch)
     assert not other.pins and ns.mgr.counts().pinned == 1
-    core.completions.complete_load(b, [key(1)], "", epoch)
+    protocols(core).completions.complete_load(b, [key(1)], "", epoch)
     assert not b.pins and ns.mgr.counts().pinned == 0
 
 
@@ -229,7 +230,7 @@ def test_stores_into_granted_slots_evict_in_lru_order_and_never_a_pinned_block()
     used again by a later request; the session's reserve wants its slots back, so each
     StoreGranted evicts what vLLM's prepare_store would: least recently used first."""
     core, a, b = two_sessions(pool=64 << 10, extent=64 << 10)    # 8 slots
-    fp = core.fastpath
+    fp = protocols(core).fastpath
     offsets = fp.grant(a, 8)
     for i in range(6):
         assert store(core, a, [key(i)], offsets[i:i + 1], f"r{i}").evicted == []
@@ -245,5 +246,5 @@ def test_stores_into_granted_slots_evict_in_lru_order_and_never_a_pinned_block()
     pinned, epoch = fp.pin_loads(b, [key(3)], [offset_of(a, key(3))], "", None)
     assert pinned == 1
     assert stores(2, [key(12), key(13)], "n2") == [key(4), key(5)]     # key 3 is pinned
-    core.completions.complete_load(b, [key(3)], "", epoch)
+    protocols(core).completions.complete_load(b, [key(3)], "", epoch)
     assert stores(2, [key(14), key(15)], "n3") == [key(3), key(1)]

@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from kvd_server.front_door import FrontDoor
+from kvd_server.rpc.front_door import FrontDoor
 
 LINGER_S = 5.0
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from kvd_client.index_reader import STATE_READY, STATE_STORING, IndexReader
-from kvd_server.shm_index import ShmIndex
+from kvd_client.link.index_reader import STATE_READY, STATE_STORING, IndexReader
+from kvd_server.memory.shm_index import ShmIndex
 
 STRIDE = 4096
 PER_EXTENT = 64

@@ -1,4 +1,4 @@
-"""IoBatches (kvd_server/tiers/io_batches.py): an item added while a thread is free runs at
+"""IoBatches (kvd_server/tiers/disk/io_batches.py): an item added while a thread is free runs at
 once and alone; what arrives while every thread is busy goes out in batches shared by the
 threads; every item runs exactly once; what was added before the pool shut down still runs,
 what is added after is cancelled."""
@@ -9,7 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvd_server.tiers.io_batches import IoBatches
+from kvd_server.tiers.disk.io_batches import IoBatches
 
 
 class Recorder:

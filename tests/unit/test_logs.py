@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from kvd_server import logs
+from kvd_server.ops import logs
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_json_lines_carry_utc_time_level_logger_message_and_exception(restore_lo
 def test_debug_shows_kvds_lines_not_other_libraries(restore_logging):
     stream = io.StringIO()
     logs.configure("debug", "text", stream)
-    logging.getLogger("kvd_server.core").debug("why kvd did it")
+    logging.getLogger("kvd_server.core.core").debug("why kvd did it")
     logging.getLogger("kvd_client.client").debug("client detail")
     logging.getLogger("asyncio").debug("Using selector: EpollSelector")
     logging.getLogger("grpc._cython.cygrpc").debug("channel internals")
@@ -56,7 +56,7 @@ def test_debug_shows_kvds_lines_not_other_libraries(restore_logging):
     assert "why kvd did it" in text and "client detail" in text
     assert "EpollSelector" not in text and "channel internals" not in text
     assert "a slow callback" in text
-    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} DEBUG kvd_server.core: why", text)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} DEBUG kvd_server.core.core: why", text)
 
 
 def test_a_higher_level_quiets_everyone(restore_logging):

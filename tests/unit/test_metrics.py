@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client import generate_latest
 
-from kvd_server.metrics import MAX_NAMESPACE_LABELS, build_registry, start_metrics
-from kvd_server.stats import StatsSnapshot
+from kvd_server.ops.metrics import MAX_NAMESPACE_LABELS, build_registry, start_metrics
+from kvd_server.ops.stats import StatsSnapshot
 
 
 def _doc(namespaces: int = 2) -> dict:

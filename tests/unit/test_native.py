@@ -237,7 +237,7 @@ def test_the_compiled_pin_and_its_twin_answer_alike():
 
 
 class _Shared:
-    """A stand-in for kvd_client.stores.Shared (the attributes the fast path reads)."""
+    """A stand-in for kvd_client.offload.stores.Shared (the attributes the fast path reads)."""
 
     def __init__(self, reset_epoch: int, seq: int) -> None:
         self.reset_epoch, self.seq = reset_epoch, seq

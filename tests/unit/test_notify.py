@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvd_server import notify
+from kvd_server.ops import notify
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import pytest
 
 from kvd_client.attach import AttachError, attach
 from kvd_client.pool_map import PoolMapping
-from kvd_server.attach import AttachReply, AttachServer
+from kvd_server.attach.server import AttachReply, AttachServer
 from kvd_server.errors import PermissionDenied
-from kvd_server.extents import ExtentAllocator, NamespaceSlots
-from kvd_server.pool import HostPool, PoolError
+from kvd_server.memory.extents import ExtentAllocator, NamespaceSlots
+from kvd_server.memory.pool import HostPool, PoolError
 
 
 def test_memfd_pool_prefault_progress():

@@ -1,4 +1,4 @@
-"""The promotions an engine asks for (kvd_client/promotions.py): a promoted key reads HIT from
+"""The promotions an engine asks for (kvd_client/offload/promotions.py): a promoted key reads HIT from
 the index and never comes back to `answer`, so its ask must still be forgotten: once
 MAX_ASKED asks are remembered, the settled ones are swept (at most once a step) before a new
 key is refused."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvd_client import promotions as promotions_module
-from kvd_client.index_reader import STATE_READY, STATE_STORING
-from kvd_client.promotions import Promotions
+from kvd_client.link.index_reader import STATE_READY, STATE_STORING
+from kvd_client.offload import promotions as promotions_module
+from kvd_client.offload.promotions import Promotions
 
 
 def held(_key: bytes) -> bool:

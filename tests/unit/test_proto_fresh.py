@@ -26,7 +26,7 @@ def test_generated_code_is_fresh(tmp_path):
 
 def test_every_engine_rpc_is_served():
     from kvd_proto import kvd_pb2
-    from kvd_server.service import AdminService, EngineService
+    from kvd_server.rpc.service import AdminService, EngineService
 
     for service, impl in (("KvdEngine", EngineService), ("KvdAdmin", AdminService)):
         for method in kvd_pb2.DESCRIPTOR.services_by_name[service].methods:

@@ -1,13 +1,13 @@
 """The engine's bookkeeping without a daemon: the reserve of granted slots sizes itself from
-what the engine stores (kvd_client/reserve.py), and the loads in flight decide the epoch the
-engine publishes (kvd_client/loads.py) however the engine finishes them."""
+what the engine stores (kvd_client/offload/reserve.py), and the loads in flight decide the epoch the
+engine publishes (kvd_client/offload/loads.py) however the engine finishes them."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvd_client.loads import LoadTracker
-from kvd_client.reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, DEMAND_WINDOW, StoreReserve
+from kvd_client.offload.loads import LoadTracker
+from kvd_client.offload.reserve import DEFAULT_FLOOR, DEFAULT_INITIAL, DEMAND_WINDOW, StoreReserve
 from kvd_proto.wire import MAX_GRANTED_SLOTS
 
 
@@ -183,7 +183,7 @@ def test_completions_settle_whole_calls_or_key_by_key_with_the_same_answers():
     """A completion of one store call's keys is settled in one go; keys of two calls, a key
     named twice or one not stored take the key-by-key way; either way every completed store
     answers HIT until the daemon has read it and is forgotten after."""
-    from kvd_client.stores import StoreTracker
+    from kvd_client.offload.stores import StoreTracker
 
     t = StoreTracker()
     a, b = [bytes([i]) * 8 for i in range(4)], [bytes([i]) * 8 for i in range(4, 6)]
@@ -201,12 +201,12 @@ def test_completions_settle_whole_calls_or_key_by_key_with_the_same_answers():
 
 
 def test_the_window_max_is_the_max_of_the_last_window_of_values():
-    """The reserve's peak demand and deficit (kvd_client/reserve.py _WindowMax) against
+    """The reserve's peak demand and deficit (kvd_client/offload/reserve.py _WindowMax) against
     max() over the same window, through values that rise, fall and leave the window."""
     import random
     from collections import deque
 
-    from kvd_client.reserve import DEMAND_WINDOW, _WindowMax
+    from kvd_client.offload.reserve import DEMAND_WINDOW, _WindowMax
 
     rng = random.Random(11)
     window = _WindowMax()

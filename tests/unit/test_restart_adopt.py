@@ -1,7 +1,7 @@
 """Warm restart's pure parts: the index check (what may be served of an index a previous daemon
 left, kvd_server/restart/adopt.py), the manager and policies taking over READY blocks, the
 namespace's slots taking over an extent, the state record (kvd_server/restart/state.py) and
-the engine releasing an earlier session with nothing in flight (kvd_client/old_copies.py)."""
+the engine releasing an earlier session with nothing in flight (kvd_client/offload/old_copies.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd_client.old_copies import OldCopies
+from kvd_client.offload.old_copies import OldCopies
 from kvd_proto.index_layout import STATE_FREE
 from kvd_proto.wire import KvLayout
-from kvd_server.extents import ExtentAllocator, NamespaceSlots
+from kvd_server.core.peer import process_start, same_process
 from kvd_server.manager import NamespaceManager
-from kvd_server.peer import process_start, same_process
+from kvd_server.memory.extents import ExtentAllocator, NamespaceSlots
+from kvd_server.memory.shm_index import Reclamation, ShmIndex
 from kvd_server.restart.adopt import check_index
 from kvd_server.restart.state import Manifest, NamespaceRecord, SessionRecord, StateDir
-from kvd_server.shm_index import Reclamation, ShmIndex
 
 CAP = 64
 

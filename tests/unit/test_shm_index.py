@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd_client.index_reader import STATE_READY, STATE_STORING, IndexReader, Marks
+from kvd_client.link.index_reader import STATE_READY, STATE_STORING, IndexReader, Marks
 from kvd_proto.index_layout import HEADER_BYTES, MAX_PROBE, key_hash
-from kvd_server.shm_index import Reclamation, ShmIndex
+from kvd_server.memory.shm_index import Reclamation, ShmIndex
 
 WIDTH = 16                  # key width of the test indexes
 STRIDE = 4096

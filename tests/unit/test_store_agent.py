@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd_server.tiers.cluster_store import StoreError, StoreUnavailable
-from kvd_server.tiers.store_agent import (
+from kvd_server.tiers.cluster.store import StoreError, StoreUnavailable
+from kvd_server.tiers.cluster.store_agent import (
     FRAME,
     MAX_VALUE,
     AgentStore,
@@ -173,7 +173,7 @@ def test_close_lets_the_agent_leave_and_exit():
 def test_the_agent_exits_when_the_daemon_dies():
     """SIGKILL of the process that started it: the agent sees its socket's end of file (or
     its parent change) and exits; no orphan keeps the store's segment."""
-    code = ("import sys; from kvd_server.tiers.store_agent import AgentStore; "
+    code = ("import sys; from kvd_server.tiers.cluster.store_agent import AgentStore; "
             f"s = AgentStore({FACTORY!r}, {{}}); print(s.pid, flush=True); "
             "sys.stdin.read()")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,

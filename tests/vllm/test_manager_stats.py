@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
 
-from kvd_client.admission import OfferCounter
+from kvd_client.offload.admission import OfferCounter
 from tests.support.daemon import Daemon
 from tests.support.waits import wait_until
 

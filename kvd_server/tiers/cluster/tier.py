@@ -1,0 +1,366 @@
+"""The cluster tier: blocks shared between nodes through a Mooncake store.
+
+Every block a namespace stores (`publish = "stored"`, the default) or evicts (`"evicted"`) is
+copied at once and put into the store on the tier's own threads (write-behind, bounded by
+`queue_bytes`: past it publications are refused and counted, the pool never waits). The
+nodes tell each other what they published through manifests (kvd_server/tiers/
+directory.py), so a block any node stored is known to every node whose engines use
+the same namespace (tenant, model and layout: two tenants never share a block). Such a key
+is named in the namespace's "held below" table: an engine's lookup answers HIT_PENDING and
+the daemon promotes it (the tier gets it into the pool slot, checksum verified; a block gone
+or corrupt is a MISS, never served).
+
+The store's client blocks while its master is down (~4 s per call before it gives up), so
+every call runs on the tier's threads: publications and promotions apart (promotions never
+wait behind publications), and a housekeeping thread that connects, syncs manifests and
+checks the store. A failed call degrades the tier (one WARNING, counted, `kvd health` says
+so): it refuses work for `retry_s`, then checks the store again; on recovery it forgets what
+it knew (a restarted master has lost it) and learns it again from the nodes' manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvd_server.tiers.base import HELD_ALREADY, TierHealth, TierKey, TierStats
+from kvd_server.tiers.cluster.directory import Directory
+from kvd_server.tiers.cluster.names import (
+    BLOCK_HEADER,
+    StoreFormatError,
+    block_name,
+    check_block,
+    encode_block,
+    manifest_name,
+    namespace_prefix,
+)
+from kvd_server.tiers.cluster.store import Store, StoreError, replica_lost
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 10.0
+SYNC_S = 1.0
+CLOSE_WAIT_S = 5.0      # the daemon's stop waits this long for the client to leave the store
+
+
+class ClusterTier:
+    """One daemon's view of the cluster store (see the module doc)."""
+
+    name = "cluster"
+
+    def __init__(self, connect: Callable[[], Store], *, node: str, capacity_bytes: int,
+                 block_bytes_hint: int = 64 << 10, queue_bytes: int = 256 << 20,
+                 io_threads: int = 4, sync_s: float = SYNC_S, retry_s: float = RETRY_S,
+                 publish_stored: bool = True, where: str = "",
+                 shares: Callable[[str], bool] = lambda tenant: True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`connect` makes the store's client (on the tier's thread: it may block for
+        seconds); `capacity_bytes` bounds how many blocks the tier names (at
+        `block_bytes_hint` each); `publish_stored`: every block as it is stored (the
+        demoter hands them over), else only the blocks the pool evicts; `shares(tenant)`:
+        whether a tenant's namespaces use the store (`tiers.cluster.tenants`)."""
+        self.publishes_stored = publish_stored
+        self.shares = shares
+        self._connect = connect
+        self._store: Store | None = None
+        self.queue_bytes = queue_bytes
+        self.sync_s = sync_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.directory = Directory(node, max(1, capacity_bytes // max(1, block_bytes_hint)))
+        self._stats = TierStats(self.name, health=TierHealth.OPENING,
+                                capacity_bytes=capacity_bytes, directory=where)
+        self.on_dropped: Callable[[list[TierKey]], None] | None = None
+        # Keys named or no longer named because of other nodes (True: found), for the
+        # engines' tables; set by the daemon.
+        self.on_named: Callable[[list[TierKey], bool], None] | None = None
+        self._in_flight = 0
+        self._pending: set[TierKey] = set()
+        self._retry_at = 0.0
+        self._puts = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-put")
+        self._gets = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-get")
+        self._closed = threading.Event()
+        self._keeper = threading.Thread(target=self._keep, name="kvd-cluster", daemon=True)
+        self._keeper.start()
+
+    # ----------------------------------------------------------------- health
+    def _degrade(self, reason: str) -> None:
+        with self._lock:
+            st = self._stats
+            if st.health is not TierHealth.DEGRADED or st.reason != reason:
+                log.warning("cluster tier degraded (%s): publications and promotions refused "
+                            "for %.0fs; the pool carries on without it", reason, self.retry_s)
+            st.health, st.reason = TierHealth.DEGRADED, reason
+            self._retry_at = self._clock() + self.retry_s
+
+    def _failed(self, exc: Exception) -> None:
+        """A call failed: counted; the tier degrades unless it failed for its object alone
+        (`replica_lost`: a node died holding that object's place)."""
+        with self._lock:
+            self._stats.failures_total += 1
+        if not replica_lost(exc):
+            self._degrade(f"store: {exc}")
+
+    @property
+    def readable(self) -> bool:
+        return self._store is not None and self._stats.health is TierHealth.OK
+
+    def _usable(self) -> bool:
+        return self.readable and not self._closed.is_set()
+
+    # ---------------------------------------------------------------- queries
+    def contains(self, key: TierKey) -> bool:
+        return self.directory.known(key.namespace, key.key)
+
+    def join_namespace(self, namespace: str, tenant: str) -> None:
+        """A namespace of this daemon (its engines use it): read the other nodes' blocks of it
+        from the next sync on, if its tenant shares through the store."""
+        if self.shares(tenant):
+            self.directory.watch(namespace)
+
+    def keys(self, namespace: str) -> list[bytes]:
+        return self.directory.keys(namespace) if self.readable else []
+
+    # ------------------------------------------------------------ publication
+    def demote(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
+        """Publish a block (stored or evicted): copied now, put on the tier's threads. A block
+        the store holds already (this node's or another's, a promoted one) is not put again."""
+        if self.contains(key):
+            return HELD_ALREADY
+        if not self.shares(key.tenant):
+            return None                 # the tenant's blocks never leave the node
+        length = len(data) + BLOCK_HEADER.size
+        with self._lock:
+            st = self._stats
+            if key in self._pending:
+                return None                                 # being put already
+            if not self._usable() or self._in_flight + length > self.queue_bytes:
+                st.demotions_refused_total += 1
+                return None
+            self._in_flight += length
+            self._pending.add(key)
+            st.queue_depth += 1
+        block = bytes(data)     # the copy: the slot may be reused from now on
+        return self._puts.submit(self._put, key, block)
+
+    publish = demote        # what the demoter hands over as blocks are stored
+
+    def _put(self, key: TierKey, block: bytes) -> bool:
+        """On a put thread: checksum, header and the store's put (off the event loop)."""
+        t0 = time.perf_counter()
+        store, error = self._store, None
+        value = encode_block(block)
+        del block
+        try:
+            if store is None:
+                raise StoreError("not connected")
+            store.put(block_name(key.namespace, key.key), value)
+        except Exception as exc:  # noqa: BLE001 - any failure of the store is the tier's
+            error = exc
+        with self._lock:
+            st = self._stats
+            self._in_flight -= len(value)
+            self._pending.discard(key)
+            st.queue_depth -= 1
+            st.write_seconds_total += time.perf_counter() - t0
+            if error is None:
+                st.demotions_total += 1
+                st.demoted_bytes_total += len(value) - BLOCK_HEADER.size
+        if error is not None:
+            self._failed(error)
+            return False
+        self.directory.published(key.namespace, key.key)
+        return True
+
+    # -------------------------------------------------------------- promotion
+    def promote(self, key: TierKey, dest: memoryview) -> Future[bool] | None:
+        known = self.contains(key)
+        with self._lock:       # readable and counted at once: see _tend's reconnection
+            if not known or not self.readable:
+                self._stats.misses_total += 1
+                return None
+            self._stats.queue_depth += 1
+        return self._gets.submit(self._get, key, dest)
+
+    def _get(self, key: TierKey, dest: memoryview) -> bool:
+        t0 = time.perf_counter()
+        store, good, error, corrupt = self._store, False, None, False
+        try:
+            if store is None:
+                raise StoreError("not connected")
+            value = store.get(block_name(key.namespace, key.key))
+            if value is not None:
+                data = check_block(value)
+                if len(data) > len(dest):
+                    raise StoreFormatError(f"a block of {len(data)} bytes for a "
+                                           f"{len(dest)}-byte slot")
+                dest[:len(data)] = data
+                good = True
+        except StoreFormatError as exc:
+            corrupt = True
+            log.warning("cluster tier: a block of %s failed its check (%s): dropped, not "
+                        "served", key.namespace[:12], exc)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        with self._lock:
+            st = self._stats
+            st.queue_depth -= 1
+            st.read_seconds_total += time.perf_counter() - t0
+            if good:
+                st.hits_total += 1
+                st.promotions_total += 1
+                st.promoted_bytes_total += len(data)
+            elif corrupt:
+                st.corrupt_total += 1
+            elif error is None:
+                st.misses_total += 1             # gone from the store (evicted, node left)
+        if error is not None:
+            self._failed(error)
+        elif not good:
+            self._lost([key])
+        return good
+
+    def _lost(self, keys: list[TierKey]) -> None:
+        """Blocks the store no longer holds: forgotten, and told (own ones as dropped, so
+        their removed events go out; others' only leave the engines' tables)."""
+        mine = [k for k in keys if self.directory.mine(k.namespace, k.key)]
+        for k in keys:
+            self.directory.forget(k.namespace, k.key)
+        others = [k for k in keys if k not in mine]
+        if mine and self.on_dropped is not None:
+            self.on_dropped(mine)
+        if others and self.on_named is not None:
+            self.on_named(others, False)
+
+    # ---------------------------------------------------------------- removal
+    def remove(self, key: TierKey) -> bool:
+        """Forget `key` here (the store keeps it for the other nodes; it evicts by itself)."""
+        known = self.contains(key)
+        self.directory.forget(key.namespace, key.key)
+        return known
+
+    def remove_namespace(self, namespace: str) -> int:
+        """A reset: the namespace's blocks are dropped from the store (every node: the same
+        tenant, model and layout), on the tier's thread."""
+        n = len(self.directory.keys(namespace))
+        self.directory.forget_namespace(namespace)
+        with self._lock:
+            if not self._usable():
+                return n        # the store is down: a restarted master has lost them anyway
+            self._stats.queue_depth += 1
+        self._puts.submit(self._remove_namespace, namespace)
+        return n
+
+    def _remove_namespace(self, namespace: str) -> None:
+        store, error = self._store, None
+        try:
+            if store is not None:
+                store.remove_prefix(namespace_prefix(namespace))
+                store.remove_prefix(manifest_name(namespace, ""))
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        with self._lock:
+            self._stats.queue_depth -= 1
+        if error is not None:
+            self._failed(error)
+
+    # ------------------------------------------------------------ housekeeping
+    def _keep(self) -> None:
+        """Connect, sync the manifests every sync_s, check a degraded store every retry_s."""
+        while not self._closed.is_set():
+            try:
+                self._tend()
+            except Exception:  # noqa: BLE001 - the thread must go on
+                log.exception("cluster tier: housekeeping failed")
+            self._closed.wait(self.sync_s)
+
+    def _tend(self) -> None:
+        """One round of the housekeeping thread. A degraded tier, once retry_s passed and its
+        calls in flight ended, drops its client and connects anew (a restarted master knows
+        neither this node's segment nor any block: the client mounts its segment again, and
+        what the tier knew is forgotten)."""
+        st = self._stats
+        if st.health is TierHealth.DEGRADED:
+            if self._clock() < self._retry_at:
+                return
+            with self._lock:
+                if st.queue_depth:
+                    return               # calls still run on the old client: wait for them
+                old, self._store = self._store, None
+            if old is not None:
+                self._close_store(old)
+                self._forget_all()
+        if self._store is None:
+            try:
+                store = self._connect()
+            except Exception as exc:  # noqa: BLE001 - not installed, master unreachable
+                self._degrade(str(exc))
+                return
+            if self._closed.is_set():           # the daemon stopped while it connected
+                self._close_store(store, CLOSE_WAIT_S)
+                return
+            with self._lock:
+                self._store = store
+            log.info("cluster tier: connected to the store (node %s)", self.directory.node)
+        try:
+            result = self.directory.sync(self._store)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+            return
+        with self._lock:
+            if st.health is not TierHealth.OK:
+                log.info("cluster tier: serving (was %s%s)", st.health,
+                         f": {st.reason}" if st.reason else "")
+                st.health, st.reason = TierHealth.OK, ""
+        self._tell(result.found, True)
+        self._tell(result.gone, False)
+
+    @staticmethod
+    def _close_store(store: Store, wait_s: float | None = None) -> None:
+        """Close a client (`wait_s`: give up waiting after that long: Mooncake's close tells
+        the master it leaves, ~15 s when the master is down; the process may exit meanwhile)."""
+        def close() -> None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                log.exception("cluster tier: closing the store's client")
+
+        if wait_s is None:
+            close()
+            return
+        closer = threading.Thread(target=close, name="kvd-cluster-close", daemon=True)
+        closer.start()
+        closer.join(wait_s)
+
+    def _forget_all(self) -> None:
+        known = self.directory.clear()
+        keys = [TierKey(ns, k) for ns, ks in known.items() for k in ks]
+        if keys and self.on_named is not None:
+            self.on_named(keys, False)
+
+    def _tell(self, by_ns: dict[str, list[bytes]], found: bool) -> None:
+        if by_ns and self.on_named is not None:
+            self.on_named([TierKey(ns, k) for ns, ks in by_ns.items() for k in ks], found)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> TierStats:
+        with self._lock:
+            st = self._stats
+            st.blocks = self.directory.count
+            return dataclasses.replace(st)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._puts.shutdown(wait=True, cancel_futures=True)   # a call in flight: ~4 s at most
+        self._gets.shutdown(wait=True, cancel_futures=True)
+        self._keeper.join(timeout=10)
+        store, self._store = self._store, None
+        if store is not None:
+            self._close_store(store, CLOSE_WAIT_S)
