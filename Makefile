@@ -23,9 +23,10 @@ $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-# setup.py and the C source: an editable install builds kvd_proto._native in place, so a
-# changed source must be rebuilt (a stale build would run old code).
-NATIVE := setup.py kvd_proto/_native.c kvd_proto/_records.c kvd_proto/_records.h kvd_proto/_steps.c kvd_proto/_lookups.h kvd_proto/_rings.c kvd_proto/_rings.h kvd_server/tiers/disk/_blockio.c
+# setup.py and the C source it names (its extensions' sources and depends, read from it, so
+# that a file added there is rebuilt when edited): an editable install builds the extensions in
+# place, so a changed source must be rebuilt (a stale build would run old code).
+NATIVE := setup.py $(shell grep -o '"kvd_[a-z_/]*\.[ch]"' setup.py | tr -d '"')
 
 $(VENV)/.stamp-run: pyproject.toml $(NATIVE) | $(BIN)/activate
 	$(PIP) install -e .
@@ -94,8 +95,9 @@ image: ## build the daemon image ghcr.io/kvd/kvd:VERSION from deploy/Containerfi
 engine-image: ## build vLLM 0.33.0's image with kvd_client added, from deploy/engine.Containerfile
 	$(CONTAINER) build -f deploy/engine.Containerfile -t $(ENGINE_IMAGE) .
 
-lint: $(VENV)/.stamp-test ## ruff
+lint: $(VENV)/.stamp-test ## ruff over the tree, mypy over kvd_proto and kvd_client (pyproject.toml)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 fmt: $(VENV)/.stamp-test
 	$(BIN)/ruff check --fix .

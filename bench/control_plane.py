@@ -35,7 +35,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,6 +47,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from daemon import start_daemon  # noqa: E402
 from traces import Request, chat  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.vllm.harness import Engine
 
 MAX_TOKENS = 4000
 SLOT = 4096            # the harness's chunk (1 KiB), rounded up to the daemon's alignment
@@ -118,7 +123,7 @@ class ManagerClock:
         return spent
 
 
-def _engine(socket_path: str, extra: dict, max_num_seqs: int):
+def _engine(socket_path: str, extra: dict, max_num_seqs: int) -> Engine:
     """One side's engine, its heap frozen as vLLM's EngineCore freezes it once built
     (vllm.utils.gc_utils.freeze_gc_heap): the harness builds the scheduler without EngineCore.
     Without it, where the cyclic collector's pauses land (inside a manager call or between)
@@ -136,7 +141,8 @@ def _engine(socket_path: str, extra: dict, max_num_seqs: int):
     return engine
 
 
-def _replay(engine, requests: list[Request], model_step_s: float, in_flight: int) -> dict:
+def _replay(engine: Engine, requests: list[Request], model_step_s: float, in_flight: int
+            ) -> dict:
     clock = ManagerClock(engine.manager)
     per_step: list[float] = []
     queue = list(requests)
@@ -187,7 +193,7 @@ def _replay(engine, requests: list[Request], model_step_s: float, in_flight: int
                           for name, (t, c) in sorted(clock.by_method.items()) if c}}
 
 
-def _count_blocking_calls(client) -> list[int]:
+def _count_blocking_calls(client: Any) -> list[int]:
     """Calls to the daemon made on the calling (scheduler) thread."""
     main = threading.get_ident()
     count = [0]
@@ -196,7 +202,7 @@ def _count_blocking_calls(client) -> list[int]:
         if fn is None:
             continue
 
-        def wrapped(*args, _fn=fn, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def wrapped(*args: Any, _fn: Callable[..., Any] = fn, **kwargs: Any) -> Any:
             if threading.get_ident() == main:
                 count[0] += 1
             return _fn(*args, **kwargs)
@@ -217,7 +223,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _messages(session) -> int:
+def _messages(session: Any) -> int:
     """Messages the engine's session handed to the daemon so far (batches or ring records)."""
     for name in ("messages_sent", "_seq"):
         value = getattr(session, name, None)
@@ -322,7 +328,8 @@ def _cell_in_process(sessions: int, turns: int, capacity: int, policy: str,
 
 
 def grid(sessions: int = 1000, turns: int = 8, capacity: int = 65536,
-         cells: list[tuple[float, int, str]] | None = None, log=print) -> list[dict]:
+         cells: list[tuple[float, int, str]] | None = None,
+         log: Callable[[str], None] = print) -> list[dict]:
     """Every cell of the grid (model step x max_num_seqs x policy) on one trace, each cell in
     a process of its own (`_cell_in_process`)."""
     requests = len(trace(sessions, turns))

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -288,7 +289,7 @@ def stream_rtt(s: Session, n: int = 2000) -> float:
 
     requests: queue.Queue = queue.Queue()
 
-    def gen():
+    def gen() -> Iterator[kvd_pb2.SessionStreamRequest]:
         while True:
             item = requests.get()
             if item is None:

@@ -13,8 +13,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvd_client.dataplane import EngineTensor, GroupRef, make_layout, plan_transfer  # noqa: E402
-from kvd_client.dataplane.cpu import execute  # noqa: E402
+from kvd_client.dataplane import EngineTensor, GroupRef, make_layout, plan_transfer
+from kvd_client.dataplane.cpu import execute
 
 PAGE = 32 << 10
 

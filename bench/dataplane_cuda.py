@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 OUT = Path(__file__).resolve().parent / "results" / "gpu.json"

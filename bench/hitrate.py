@@ -18,12 +18,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from belady import belady_hits  # noqa: E402
-from traces import SHAPES, block_keys, generate  # noqa: E402
+from belady import belady_hits
+from traces import SHAPES, block_keys, generate
 
-from kvd_server.manager.namespace import NamespaceManager  # noqa: E402
-from kvd_server.manager.slots import FixedSlots  # noqa: E402
-from kvd_server.manager.types import Lookup  # noqa: E402
+from kvd_server.manager.namespace import NamespaceManager
+from kvd_server.manager.slots import FixedSlots
+from kvd_server.manager.types import Lookup
 
 FRACTIONS = (0.05, 0.1, 0.25, 0.5)
 

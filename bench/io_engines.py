@@ -24,6 +24,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -114,12 +115,13 @@ def _uring_problem() -> str:
         ring = L.Ring()
         L.io_uring_queue_init(8, ring)
         L.io_uring_queue_exit(ring)
-    except Exception as exc:  # the kernel refuses (io_uring_disabled, seccomp)
+    except Exception as exc:  # noqa: BLE001 - the kernel refuses (io_uring_disabled, seccomp): reported as the cell's reason
         return f"the kernel refused io_uring: {exc}"
     return ""
 
 
-def _cell(run, fd: int, write: bool, block: int, offsets: list[int]) -> dict:
+def _cell(run: Callable[[int, bool, int, list[int]], object], fd: int, write: bool, block: int,
+          offsets: list[int]) -> dict:
     wall0, cpu0 = time.perf_counter(), time.process_time()
     run(fd, write, block, offsets)
     if write:

@@ -14,7 +14,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -23,22 +25,25 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from daemon import start_daemon  # noqa: E402
-from traces import generate  # noqa: E402
+from traces import Request, generate  # noqa: E402
 
 from kvd_client.offload.session import DEFAULT_RESERVE  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.vllm.harness import Engine
 
 MAX_TOKENS = 4000
 SLOT = 4096          # harness page (1 KiB) rounded up to the daemon's slot alignment
 RESERVE = DEFAULT_RESERVE     # the engine's reserve (kvd_reserve's default), on top of capacity
 
 
-def _engine(socket_path: str, extra: dict | None):
+def _engine(socket_path: str, extra: dict | None) -> Engine:
     from tests.vllm.harness import Engine
 
     return Engine(socket_path, num_gpu_blocks=512, extra=extra)
 
 
-def _replay(engine, requests) -> dict:
+def _replay(engine: Engine, requests: list[Request]) -> dict:
     """Replay; per step, the whole step's time and the scheduler thread's share of it.
 
     The scheduler thread's share is `schedule()` + `update_from_output()`: where the offloading
@@ -51,8 +56,8 @@ def _replay(engine, requests) -> dict:
     sched = engine.scheduler
     spent = [0.0]
 
-    def charged(fn):
-        def wrapper(*args, **kwargs):
+    def charged(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -63,7 +68,7 @@ def _replay(engine, requests) -> dict:
     sched.schedule = charged(sched.schedule)
     sched.update_from_output = charged(sched.update_from_output)
 
-    def timed():
+    def timed() -> Any:
         spent[0] = 0.0
         t0 = time.perf_counter()
         out = original()
@@ -122,7 +127,7 @@ def run(shape: str = "chat", size: str = "small", capacity_chunks: int = 600) ->
     }
 
 
-def _busy_steps(manager, n: int) -> list[bool]:
+def _busy_steps(manager: object, n: int) -> list[bool]:
     # Steps in which the manager had something to send are exactly those with a round trip;
     # the idle-step check runs separately in run_all (steps with no requests at all).
     return [True] * n

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,9 +39,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import grpc  # noqa: E402
 from daemon import start_daemon  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from traces import generate  # noqa: E402
+from traces import Request, generate  # noqa: E402
 
 from kvd_proto.paths import grpc_target  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.vllm.harness import Engine
 
 BLOCK = 64 << 10
 EXTENT = 64 << 20
@@ -133,13 +137,13 @@ def serving(pool_gib: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _engine(sock: str):
+def _engine(sock: str) -> Engine:
     from tests.vllm.harness import Engine
 
     return Engine(sock, num_gpu_blocks=512, extra={})
 
 
-def _pass(engine, requests) -> int:
+def _pass(engine: Engine, requests: list[Request]) -> int:
     hits = 0
     for i, req in enumerate(requests):
         rid = f"r{i}-{time.monotonic_ns()}"
@@ -149,7 +153,7 @@ def _pass(engine, requests) -> int:
     return hits
 
 
-def _reconnected(engine) -> None:
+def _reconnected(engine: Engine) -> None:
     manager = engine.manager
     assert manager.client.wait_available(30), "the engine did not reconnect"
     session = manager.session

@@ -193,7 +193,7 @@ class Daemon:
 
 
 def open_session(socket: str, block: int, model: str) -> OffloadSession:
-    """An engine's OffloadSession with the defaults (as tests/multiproc/offload_engine.py)."""
+    """An engine's OffloadSession with the defaults (as tests/support/offload_engine.py)."""
     layout = KvLayout(block, 1, block, HR_TOKENS_PER_BLOCK, "bfloat16")
     client = KvdClient(socket, model=model, layout=layout, engine_id=f"bench-tiers-{os.getpid()}",
                        engine_kind="bench")

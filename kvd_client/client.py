@@ -24,7 +24,7 @@ import grpc
 
 from kvd_client.attach import AttachError, AttachInfo, attach
 from kvd_client.pool_map import PoolMapping
-from kvd_client.register import DEFAULT_LEASE_MS, RegisterFailed, register, session_fds
+from kvd_client.register import RegisterFailed, register, session_fds
 from kvd_client.step_stream import StepStream, StepStreamClosed, status_code
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
 from kvd_proto.attach import ROLE_BELOW, ROLE_CHANNEL, ROLE_DATAPLANE, ROLE_INDEX
@@ -84,7 +84,6 @@ class KvdClient:
         # The generation whose on_reconnect set-up has run (wait_available waits for it).
         self._ready_generation = 0
         self.heartbeat_interval_s = 1.0
-        self.default_lease_ms = DEFAULT_LEASE_MS
 
         self._lock = threading.RLock()
         self._queue: deque[kvd_pb2.StepOp] = deque()
@@ -297,7 +296,6 @@ class KvdClient:
             self.namespace_id = reg.namespace_id
             self.previous_session_id, self.session_id = self.session_id, reg.session_id
             self.heartbeat_interval_s = reg.heartbeat_interval_s
-            self.default_lease_ms = reg.default_lease_ms
             self.draining = False
             self.available = True
             self.generation += 1

@@ -21,7 +21,6 @@ from kvd_proto.attach import ROLE_ENGINE, AttachRequest, exchange
 from kvd_proto.paths import closed_directory, grpc_target
 from kvd_proto.wire import SESSION_TOKEN_METADATA, KvLayout, align_up, channel_options
 
-DEFAULT_LEASE_MS = 2000   # a daemon that names no default lease
 MIN_HEARTBEAT_S = 0.05   # floor on the heartbeat interval a daemon tells
 
 
@@ -46,7 +45,6 @@ class Registration:
     epoch: int
     slot_bytes: int
     heartbeat_interval_s: float
-    default_lease_ms: int
 
 
 def register(socket_path: str, *, engine: kvd_pb2.EngineIdentity, model: str, layout: KvLayout,
@@ -98,8 +96,7 @@ def register(socket_path: str, *, engine: kvd_pb2.EngineIdentity, model: str, la
         channel=channel, stub=stub, metadata=md, pool=pool, pool_id=info.pool_id,
         pool_bytes=info.pool_bytes, instance_id=info.instance_id, session_id=reg.session_id,
         namespace_id=reg.namespace_id, epoch=reg.epoch, slot_bytes=reg.slot_bytes,
-        heartbeat_interval_s=max(reg.heartbeat_interval_ms / 1000.0, MIN_HEARTBEAT_S),
-        default_lease_ms=reg.default_lease_ms or DEFAULT_LEASE_MS)
+        heartbeat_interval_s=max(reg.heartbeat_interval_ms / 1000.0, MIN_HEARTBEAT_S))
 
 
 def session_fds(socket_path: str, role: str, token: str, timeout: float, count: int = 2

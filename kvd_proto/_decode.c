@@ -21,11 +21,6 @@
 
 #include "_records.h"
 
-#define KIND_STORE 1           /* kvd_proto/records.py STORE */
-#define KIND_COMPLETE_STORE 2  /* COMPLETE_STORE */
-#define KIND_PIN 3             /* PIN */
-#define KIND_COMPLETE_LOAD 4   /* COMPLETE_LOAD */
-
 typedef struct {
     const unsigned char *data;
     Py_ssize_t len, at;

@@ -46,7 +46,8 @@ typedef struct {
     Py_ssize_t hit_n, hit_cap;
     Py_ssize_t pin_cursor;   /* where the last pin's keys ended in the log */
     PyObject *hits;      /* dict: key -> offset, HITs moved out of the log */
-    PyObject *stores;    /* dict: key -> the engine's own stores in flight */
+    PyObject *stores;    /* dict: key -> the engine's own store in flight (a Store tuple,
+                          * kvd_proto/native.py; _steps.c reads and changes it) */
     PyObject *miss, *hit;
     PyObject *fallback;  /* callable(key): every other case */
     Below below;         /* the namespace's "held below" table, when bound */
@@ -82,7 +83,8 @@ uint64_t lookups_offset(const Lookups *self, uint64_t slot);
  * request, answered one after another, are found in one pass. */
 int lookups_hit_find(Lookups *self, PyObject *key, Py_ssize_t *hint, uint64_t *offset);
 
-/* kvd_proto/_steps.c */
+/* kvd_proto/_steps.c: the scheduler's steps (their one Python twin is the session's own path,
+ * kvd_client/offload/) */
 PyObject *Lookups_store(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Lookups_pin(Lookups *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t nargs);

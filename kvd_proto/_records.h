@@ -3,6 +3,28 @@
 #define KVD_RECORDS_H
 #include <Python.h>
 
+/* The channel's record kinds (docs/attach.md, "The channel"): defined here once for the C code;
+ * kvd_proto/record_kinds.py is their Python side, held equal to these by
+ * tests/unit/test_record_kinds_one_source.py. Up: engine -> daemon. */
+#define KIND_STORE 1
+#define KIND_COMPLETE_STORE 2
+#define KIND_PIN 3
+#define KIND_COMPLETE_LOAD 4
+#define KIND_TOUCH 5
+#define KIND_REQUEST_FINISHED 6
+#define KIND_RESERVE 7
+#define KIND_RESET 8
+#define KIND_TAKE_EVENTS 9
+#define KIND_COUNTERS 10
+#define KIND_RELEASE_HELD 11
+#define KIND_RETURN_SLOTS 12
+#define KIND_PROMOTE 13
+/* Down: daemon -> engine. */
+#define KIND_GRANTED 1
+#define KIND_RESET_DONE 2
+#define KIND_EVENTS 3
+#define KIND_REJECTED 4
+
 PyObject *native_keys_block(PyObject *self, PyObject *keys);
 PyObject *native_keys_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* The strict decoder of the keyed up records (kvd_proto/_decode.c). */

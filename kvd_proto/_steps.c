@@ -6,19 +6,26 @@
  * and cost 15-25 us. Each method here does a call's common case in one pass over the keys,
  * with the same effects on the same Python containers the session's Python code keeps (its
  * stores dict, the reserve's slot list; this step's HITs are the Lookups' own), and answers
- * None for anything else: the caller then takes its Python path, which decides every case (and is the twin:
- * kvd_proto/native.py's PyLookups.store / pin, run by the tests with KVD_NATIVE=0).
+ * None for anything else: the caller then takes its Python path, which decides every case. That
+ * path is these methods' one Python twin (kvd_client/offload/transfers.py, stores.py, loads.py:
+ * on the common case it answers, changes the containers and writes the records exactly as they
+ * do; tests/unit/test_steps_differential.py drives both through random sequences).
+ *
+ * The containers are read by position; their shapes are named in kvd_proto/native.py:
+ *   Store       a stores dict value: (offset, shared[, call]), an exact tuple
+ *   StoreCall   call: (the COMPLETE_STORE record of the call's whole success, its key count)
+ *   StepShared  shared: the object whose attributes `reset_epoch` and `seq` are read by name
+ *   SettleEntry (seq, keys, stores[, hashes]): what `complete` answers and `settle` reads
  *
  *   store(keys, positions, req_id, slots, shared, per_record, room)
  *       The keys neither stored by this engine nor in the index are new: take as many slots
  *       from the end of `slots`, record each as the engine's store (stores[key] = (offset,
- *       shared, (the COMPLETE_STORE record of the call's whole success, its key count)), or
- *       (offset, shared) while `shared.reset_epoch` is not known) and encode the STORE
- *       record. -> (new, offsets, record or None when nothing
- *       is new), or None: lookups not enabled (no index, a reset on its way), no key, more
- *       keys than one record carries (`per_record`), a key named twice, a key not bytes, more
- *       new keys than `room` (the tracker's bound) or than `slots` holds (the reserve is
- *       short: the Python path declines and counts it).
+ *       shared, call), or (offset, shared) while `shared.reset_epoch` is not known) and encode
+ *       the STORE record. -> (new, offsets, record or None when nothing is new), or None:
+ *       lookups not enabled (no index, a reset on its way), no key, more keys than one record
+ *       carries (`per_record`), a key named twice, a key not bytes, more new keys than `room`
+ *       (the tracker's bound) or than `slots` holds (the reserve is short: the Python path
+ *       declines and counts it).
  *   pin(keys, positions, req_id, per_record, epoch)
  *       Every key a HIT of this step: (offsets, frozenset(keys), the PIN record, the
  *       COMPLETE_LOAD record of reset epoch `epoch` its whole completion will send), or None
@@ -26,7 +33,7 @@
  *
  * `positions` is used when it has one entry per key (else the record carries none), as the
  * Python path does. Nothing is changed before the record is encoded: an error leaves the
- * containers as they were.
+ * containers as they were. The record kinds are _records.h's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,11 +42,6 @@
 
 #include "_lookups.h"
 #include "_records.h"
-
-#define KIND_STORE 1           /* kvd_proto/records.py STORE */
-#define KIND_COMPLETE_STORE 2  /* kvd_proto/records.py COMPLETE_STORE */
-#define KIND_PIN 3             /* kvd_proto/records.py PIN */
-#define KIND_COMPLETE_LOAD 4   /* kvd_proto/records.py COMPLETE_LOAD */
 
 const char LOOKUPS_STORE_DOC[] =
     "store(keys, positions, req_id, slots, shared, per_record, room) -> (new, offsets, record "
@@ -110,8 +112,8 @@ static int parse_size(PyObject *obj, Py_ssize_t *out) {
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* (COMPLETE_STORE record, key count) for the stores of one call, made while their keys are
- * in the cache: what their whole successful completion sends (`complete`). None where the
+/* The StoreCall (COMPLETE_STORE record, key count) of one call's stores, made while their keys
+ * are in the cache: what their whole successful completion sends (`complete`). None where the
  * stores' reset epoch is not known yet (`shared.reset_epoch` < 0, or no such attribute). */
 static PyObject *completion_of(PyObject *shared, PyObject *req_id, PyObject *new) {
     PyObject *epoch_obj = PyObject_GetAttrString(shared, "reset_epoch");
@@ -410,12 +412,12 @@ fail:
 /* complete(keys, completed, req_id, per_record) -> ((seq, keys, stores, hashes), record) or None
  *
  * Stores of `keys` finished, the common case: every key a store in flight of this engine
- * (stores[key]), all sharing one record (`shared`: made in one step, of a known reset epoch),
- * distinct, no more than one record carries. Each key goes into `completed` (a dict: key ->
- * None; its lookups answer HIT from now on); the answer is the entry the session keeps until
- * the daemon has read the completion (the step its stores were told in, the keys, their
- * stores, the keys' hashes as bytes) and the COMPLETE_STORE record (successful) to send: the
- * one `store` made with the keys when they are exactly its call's, else encoded here. None:
+ * (stores[key], a Store), all sharing one StepShared (made in one step, of a known reset
+ * epoch), distinct, no more than one record carries. Each key goes into `completed` (a dict:
+ * key -> None; its lookups answer HIT from now on); the answer is the SettleEntry the session
+ * keeps until the daemon has read the completion (the step its stores were told in, the keys,
+ * their stores, the keys' hashes as bytes) and the COMPLETE_STORE record (successful) to send:
+ * the StoreCall's record when the keys are exactly that call's, else encoded here. None:
  * anything else (the Python path decides it). */
 PyObject *Lookups_complete(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
@@ -499,10 +501,11 @@ done:
 
 /* settle(entries, completed) -> None
  *
- * Completed stores the daemon has read: for each (seq, keys, stores[, hashes]) entry, every
- * key whose store in flight is still that one is forgotten (stores and `completed`): the
- * index answers for it from now on. A key stored again since (a newer store) is left alone.
- * `hashes` (what `complete` kept) spares reading the keys again. */
+ * Completed stores the daemon has read: for each SettleEntry (seq, keys, stores[, hashes]),
+ * every key whose store in flight is still that one (the same tuple) is forgotten (stores and
+ * `completed`): the index answers for it from now on. A key stored again since (a newer store)
+ * is left alone. `hashes` (what `complete` kept) spares reading the keys again. Its Python twin
+ * is kvd_client/offload/stores.py's forgetting (`StoreTracker._forget`). */
 PyObject *Lookups_settle(Lookups *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyDict_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "settle(entries, completed: dict)");

@@ -62,8 +62,8 @@ class AttachError(Exception):
 class TransferReport:
     """What a data-plane worker moved since its last report (role `report`).
 
-    The worker has no session, so this rides on the attach socket instead of the gRPC
-    TransferReport; the daemon adds it to the same `kvd_transfer_*` totals and histogram.
+    The worker has no session, so this rides on the attach socket; the daemon adds it to the
+    `kvd_transfer_*` totals and histogram.
     """
 
     load_bytes: int = 0

@@ -338,7 +338,7 @@ class ReleaseHeldResponse(_message.Message):
     def __init__(self, released_pins: _Optional[int] = ..., released_slots: _Optional[int] = ...) -> None: ...
 
 class StepOp(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held", "grant", "store_granted", "pin")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "release_held", "grant", "store_granted", "pin")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -348,7 +348,6 @@ class StepOp(_message.Message):
     REQUEST_FINISHED_FIELD_NUMBER: _ClassVar[int]
     TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HELD_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     STORE_GRANTED_FIELD_NUMBER: _ClassVar[int]
@@ -362,15 +361,14 @@ class StepOp(_message.Message):
     request_finished: RequestFinishedRequest
     take_events: TakeEventsRequest
     reset: ResetRequest
-    transfer_report: TransferReport
     release_held: ReleaseHeldRequest
     grant: GrantRequest
     store_granted: StoreGrantedRequest
     pin: PinRequest
-    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldRequest, _Mapping]] = ..., grant: _Optional[_Union[GrantRequest, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedRequest, _Mapping]] = ..., pin: _Optional[_Union[PinRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldRequest, _Mapping]] = ..., grant: _Optional[_Union[GrantRequest, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedRequest, _Mapping]] = ..., pin: _Optional[_Union[PinRequest, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "transfer_report", "release_held", "grant", "store_granted", "pin")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "release_held", "grant", "store_granted", "pin")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -380,7 +378,6 @@ class StepResult(_message.Message):
     REQUEST_FINISHED_FIELD_NUMBER: _ClassVar[int]
     TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HELD_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     STORE_GRANTED_FIELD_NUMBER: _ClassVar[int]
@@ -394,12 +391,11 @@ class StepResult(_message.Message):
     request_finished: RequestFinishedResponse
     take_events: TakeEventsResponse
     reset: ResetResponse
-    transfer_report: TransferReportResponse
     release_held: ReleaseHeldResponse
     grant: GrantResponse
     store_granted: StoreGrantedResponse
     pin: PinResponse
-    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReportResponse, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldResponse, _Mapping]] = ..., grant: _Optional[_Union[GrantResponse, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedResponse, _Mapping]] = ..., pin: _Optional[_Union[PinResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldResponse, _Mapping]] = ..., grant: _Optional[_Union[GrantResponse, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedResponse, _Mapping]] = ..., pin: _Optional[_Union[PinResponse, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("ops",)
@@ -418,26 +414,6 @@ class StepResponse(_message.Message):
     error_code: int
     error_message: str
     def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., epoch: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
-
-class TransferReport(_message.Message):
-    __slots__ = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "load_sizes", "store_sizes")
-    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
-    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    STORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    LOAD_SIZES_FIELD_NUMBER: _ClassVar[int]
-    STORE_SIZES_FIELD_NUMBER: _ClassVar[int]
-    load_bytes: int
-    load_seconds: float
-    store_bytes: int
-    store_seconds: float
-    load_sizes: _containers.RepeatedScalarFieldContainer[int]
-    store_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, load_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., store_bytes: _Optional[int] = ..., store_seconds: _Optional[float] = ..., load_sizes: _Optional[_Iterable[int]] = ..., store_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class TransferReportResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class SessionHeartbeat(_message.Message):
     __slots__ = ("seq",)

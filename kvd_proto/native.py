@@ -13,21 +13,29 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
   the namespace's "held below" table names: kvd_proto/below_layout.py, bound with
   `bind_below`); `find(key)`, `below(key)` and `find_new(keys, use_index)` probe without
   answering.
+- The scheduler's steps, compiled only (kvd_proto/_steps.c: `store`, `pin`, `complete`,
+  `settle`, methods of the compiled `Lookups`; `CompiledSteps` below, `steps_of` finds them):
+  each does one call's common case on the engine's own containers, whose shapes are named
+  here (`Store`, `StoreCall`, `SettleEntry`, `StepShared`: the C reads them by position). Their
+  one Python twin is the session's own path (kvd_client/offload/transfers.py, stores.py,
+  loads.py), which decides every case and, on the common one, answers and records exactly as
+  the C does (tests/unit/test_steps_differential.py holds the two equal); `PyLookups` has no
+  copy of them.
 - `IndexTable`: the daemon's find / insert / set_ready / remove / key_of on its writable
   mapping.
 - `keys_block`, `keys_record`: the channel's records that carry keys (a store, a pin, a
   completion: one per offload call of the scheduler, with up to hundreds of keys), encoded in
   one pass (kvd_proto/records.py has the layout).
 """
-
 from __future__ import annotations
 
 import importlib
+import mmap
 import os
 import struct
 from array import array
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Protocol, cast
 
 from kvd_proto.below_layout import MAX_PROBE as BELOW_MAX_PROBE
 from kvd_proto.below_layout import BelowHeader, fingerprint
@@ -145,22 +153,186 @@ class _Regions:
             view.release()
 
 
-_MAX_EPOCH = 2**63 - 1  # a reset epoch the compiled path reads (a C long long)
-STORE_KIND = 1         # kvd_proto/records.py STORE (records imports this module)
-COMPLETE_STORE_KIND = 2  # kvd_proto/records.py COMPLETE_STORE
-PIN_KIND = 3           # kvd_proto/records.py PIN
-COMPLETE_LOAD_KIND = 4  # kvd_proto/records.py COMPLETE_LOAD
+# --- The engine's containers the compiled steps read and change --------------------------------
+# kvd_client/offload/ keeps them (stores.py, loads.py) and kvd_proto/_steps.c reads them by
+# position: they stay plain tuples (the C takes a store only when it is exactly a tuple, so a
+# NamedTuple would send every call down the Python path). Named here, once, for both sides.
+
+MAX_EPOCH = 2**63 - 1
+"""The largest reset epoch the compiled steps read (a C long long): a store call of a larger
+one makes no `StoreCall`, as the C's does not."""
 
 
-def _positions_for(positions: Sequence[int] | None, n: int) -> Sequence[int] | None:
-    """`positions` when it has one entry per key, else None (the record then carries none)."""
-    return positions if positions is not None and n and len(positions) == n else None
+class StepShared(Protocol):
+    """What the stores made in one step under one reset epoch share (kvd_client/offload/
+    stores.py `Shared`). The C reads the attributes by name: `reset_epoch` (< 0: a reset's
+    answer still on its way) and `seq` (the step whose records told the daemon of them)."""
+
+    reset_epoch: int
+    seq: int
+
+
+StoreCall = tuple[bytes, int]
+"""One store call's (COMPLETE_STORE record of its whole success, its key count): made by the
+store while the keys are at hand, sent by a completion of exactly those keys. The C reads [0]
+and [1]."""
+
+Store = tuple[int, StepShared] | tuple[int, StepShared, StoreCall]
+"""A store of the engine in flight, a value of the stores dict (key -> Store): (slot offset, its
+step's `StepShared`[, its call's `StoreCall`: only where the reset epoch was known]). The C
+reads it by position and identity (`settle` forgets a key only while its store is that very
+tuple)."""
+
+SettleEntry = (tuple[int, tuple[bytes, ...], tuple[Store, ...]]
+               | tuple[int, tuple[bytes, ...], tuple[Store, ...], bytes])
+"""Completed stores to forget once the daemon has read step `seq`: (seq, keys, their stores[,
+the keys' hashes as native Py_hash_t bytes, which the compiled `complete` keeps]); `settle`
+reads it by position."""
+
+StoreAnswer = tuple[list[bytes], list[int], bytes | None]
+"""`store`'s answer: (the new keys, their slots' offsets, the STORE record; None when no key
+is new)."""
+
+PinAnswer = tuple[list[int], frozenset[bytes], bytes, bytes]
+"""`pin`'s answer: (the keys' offsets, their set, the PIN record, the COMPLETE_LOAD record of
+the whole pin); the session's LoadTracker keeps the set and that record per pin."""
+
+CompleteAnswer = tuple[SettleEntry, bytes]
+"""`complete`'s answer: (the entry to settle, the COMPLETE_STORE record)."""
+
+
+class CompiledSteps(Protocol):
+    """The scheduler's steps of the compiled `Lookups` (kvd_proto/_steps.c says what each does
+    and when it answers None: the caller's Python path then decides)."""
+
+    def store(self, keys: Sequence[bytes], positions: Sequence[int] | None, req_id: str,
+              slots: list[int], shared: StepShared, per_record: int, room: int
+              ) -> StoreAnswer | None: ...
+
+    def pin(self, keys: Sequence[bytes], positions: Sequence[int] | None, req_id: str,
+            per_record: int, epoch: int) -> PinAnswer | None: ...
+
+    def complete(self, keys: Collection[bytes], completed: dict[bytes, None], req_id: str,
+                 per_record: int) -> CompleteAnswer | None: ...
+
+    def settle(self, entries: Sequence[SettleEntry], completed: dict[bytes, None]) -> None: ...
+
+
+Mapped = mmap.mmap | memoryview
+"""A mapped index or table file, as the lookups and the daemon's writes bind it."""
+
+
+class IndexLookups(Protocol):
+    """A session's lookups over its namespace's index: the compiled `_native.Lookups` or its
+    twin `PyLookups` (the module doc says what each call does). `lookup` answers the `miss` or
+    `hit` object it was made with, or whatever `fallback(key)` answers for the keys the index
+    alone cannot decide."""
+
+    enabled: int
+    lookups: int
+    hits: int
+    misses: int
+
+    @property
+    def bound(self) -> bool: ...
+
+    def bind(self, mapping: Mapped, /, *geometry: int) -> None: ...
+
+    def unbind(self) -> None: ...
+
+    def bind_below(self, mapping: Mapped, /) -> None: ...
+
+    def unbind_below(self) -> None: ...
+
+    def below(self, key: bytes, /) -> bool: ...
+
+    def find(self, key: bytes, /) -> tuple[int, int] | None: ...
+
+    def lookup(self, key: bytes, context: object = None, /) -> Any: ...
+
+    def hit(self, key: bytes, offset: int, /) -> None: ...
+
+    def hit_offset(self, key: bytes, /) -> int | None: ...
+
+    def clear_hits(self) -> None: ...
+
+    def recorded(self) -> dict[bytes, int]: ...
+
+    def find_new(self, keys: Sequence[bytes], use_index: bool, /) -> list[bytes]: ...
+
+
+class LookupsType(Protocol):
+    """`Lookups(stores, miss, hit, fallback)`: over the session's stores dict (key -> `Store`),
+    answering `miss` / `hit`, and `fallback(key)` for the rest."""
+
+    def __call__(self, stores: dict[bytes, Store], miss: Any, hit: Any,
+                 fallback: Callable[[bytes], Any], /) -> IndexLookups: ...
+
+
+class IndexWrites(Protocol):
+    """The daemon's writes into a namespace's index: the compiled `_native.IndexTable` or its
+    twin `PyIndexTable` (a slot's key, then its meta word, then its bucket; to free: meta,
+    then bucket)."""
+
+    overflows: int
+
+    def find(self, key: bytes, /) -> int: ...
+
+    def insert(self, slot: int, key: bytes, /) -> bool: ...
+
+    def remove(self, slot: int, /) -> None: ...
+
+    def key_of(self, slot: int, /) -> bytes: ...
+
+    def set_ready(self, slot: int, /) -> None: ...
+
+    def reachable(self, slots: bytes, /) -> bytes: ...
+
+    def release(self) -> None: ...
+
+
+class IndexTableType(Protocol):
+    """`IndexTable(mapping, *geometry)`: over a writable mapping of the index file."""
+
+    def __call__(self, mapping: Mapped, /, *geometry: int) -> IndexWrites: ...
+
+
+KeysRecord = Callable[[int, bytes, "str | None", Sequence[bytes], bool, "Sequence[int] | None",
+                       "Sequence[int] | None", "Sequence[int] | None"], bytes]
+"""`keys_record(kind, prefix, req_id, keys, with_positions, positions, index, offsets)`: one
+channel record of a kind that carries keys (records.py's encoders)."""
+
+RingWrite = Callable[[memoryview, int, int, int, Sequence[bytes]], "tuple[int, int] | None"]
+"""`ring_write(data, tail, free, max_record, records)`: (records written, the new tail), or
+None where the ring has no room (kvd_proto/channel.py's RingWriter)."""
+
+RingRead = Callable[[memoryview, int, int, int, bool, int],
+                    "tuple[list[tuple[int, bytes]], int, str | None]"]
+"""`ring_read(data, head, tail, max_record, strict, limit)`: ([(kind, payload)], the new head,
+the error that stopped the read or None) (kvd_proto/channel.py's RingReader)."""
+
+DecodeKeyed = Callable[[int, bytes, int, int, int], "tuple[Any, ...] | None"]
+"""`decode_keyed(kind, payload, max_string, max_keys, max_key)`: the fields of a STORE, PIN or
+completion record in its NamedTuple's order, or None for anything the strict decoder would
+refuse (kvd_proto/records.py then decodes it in Python and says why)."""
+
+KeyPositions = Callable[[Callable[[bytes], "int | None"] | dict[bytes, int], Sequence[bytes]],
+                        "Sequence[int] | None"]
+"""`key_positions(position, keys)`: the keys' token positions, a range for consecutive chunks,
+None where one is unknown."""
+
+
+def steps_of(lookups: object) -> CompiledSteps | None:
+    """`lookups` where it carries the compiled steps, None for the twin (`PyLookups` has no
+    copy of them: the session's Python path is their one Python implementation)."""
+    return None if isinstance(lookups, PyLookups) else lookups  # type: ignore[return-value]
 
 
 class PyLookups:
-    """The Python twin of `_native.Lookups` (see the module doc)."""
+    """The Python twin of `_native.Lookups` (see the module doc), less the scheduler's steps
+    (`store`, `pin`, `complete`, `settle`): their twin is the session's own Python path."""
 
-    def __init__(self, stores: dict[bytes, Any], miss: Any, hit: Any,
+    def __init__(self, stores: dict[bytes, Store], miss: Any, hit: Any,
                  fallback: Callable[[bytes], Any]) -> None:
         self._hits: dict[bytes, int] = {}          # this step's HITs -> offset
         self._stores = stores
@@ -243,111 +415,10 @@ class PyLookups:
     def recorded(self) -> dict[bytes, int]:
         return dict(self._hits)
 
-    def _offsets_of(self, keys: Sequence[bytes]) -> list[int] | None:
-        offsets = list(map(self._hits.get, keys))
-        return None if None in offsets else offsets  # type: ignore[return-value]
-
     def find_new(self, keys: Sequence[bytes], use_index: bool) -> list[bytes]:
         stores, regions = self._stores, self._regions
         find = regions.find if use_index and regions is not None else None
         return [k for k in keys if k not in stores and (find is None or find(k) is None)]
-
-    def store(self, keys: Sequence[bytes], positions: Sequence[int] | None, req_id: str,
-              slots: list[int], shared: Any, per_record: int, room: int
-              ) -> tuple[list[bytes], list[int], bytes | None] | None:
-        """A store call's common case (kvd_proto/_steps.c says what it does and when it
-        answers None instead)."""
-        if type(slots) is not list:
-            raise TypeError("slots must be a list")
-        n = len(keys)
-        regions = self._regions
-        if not self.enabled or regions is None or not 0 < n <= per_record or \
-                any(type(k) is not bytes for k in keys) or len(set(keys)) != n:
-            return None
-        stores = self._stores
-        index = [i for i, k in enumerate(keys) if k not in stores and regions.find(k) is None]
-        m = len(index)
-        if m > room or m > len(slots):
-            return None
-        new = [keys[i] for i in index]
-        taken = slots[len(slots) - m:]
-        if not m:
-            return new, taken, None
-        record = keys_record(STORE_KIND, b"", req_id, keys, True,
-                             _positions_for(positions, n), index, taken)
-        epoch = getattr(shared, "reset_epoch", -1)
-        if isinstance(epoch, int) and 0 <= epoch <= _MAX_EPOCH:
-            call = (keys_record(COMPLETE_STORE_KIND, struct.pack("<QB", epoch, True), req_id,
-                                new, False, None, None, None), m)
-            stores.update(zip(new, ((offset, shared, call) for offset in taken), strict=True))
-        else:
-            stores.update(zip(new, ((offset, shared) for offset in taken), strict=True))
-        del slots[len(slots) - m:]
-        return new, taken, record
-
-    def pin(self, keys: Sequence[bytes], positions: Sequence[int] | None, req_id: str,
-            per_record: int, epoch: int
-            ) -> tuple[list[int], frozenset[bytes], bytes, bytes] | None:
-        """A load call's common case, with the completion its whole pin will send
-        (kvd_proto/_steps.c)."""
-        n = len(keys)
-        if not 0 < n <= per_record:
-            return None
-        offsets = self._offsets_of(keys)
-        if offsets is None:
-            return None
-        keyset = frozenset(keys)
-        if len(keyset) != n:
-            return None
-        record = keys_record(PIN_KIND, b"", req_id, keys, True, _positions_for(positions, n),
-                             None, offsets)
-        done = keys_record(COMPLETE_LOAD_KIND, struct.pack("<Q", epoch), req_id, keys, False,
-                           None, None, None)
-        return offsets, keyset, record, done
-
-    def complete(self, keys: Sequence[bytes], completed: dict[bytes, None], req_id: str,
-                 per_record: int) -> tuple[tuple[Any, tuple[bytes, ...], tuple[Any, ...], bytes],
-                                           bytes] | None:
-        """A successful completion's common case (kvd_proto/_steps.c)."""
-        if not isinstance(completed, dict):
-            raise TypeError("completed must be a dict")
-        keys = tuple(keys)
-        n = len(keys)
-        if not 0 < n <= per_record:
-            return None
-        stores = self._stores
-        got = tuple(stores.get(k) for k in keys)
-        if any(type(g) is not tuple or len(g) < 2 for g in got):
-            return None
-        shared = got[0][1]
-        if any(g[1] is not shared for g in got) or len(set(keys)) != n:
-            return None
-        epoch, seq = shared.reset_epoch, shared.seq
-        if epoch < 0:
-            return None
-        calls = {id(g[2]) if len(g) > 2 else None for g in got}
-        call = got[0][2] if len(got[0]) > 2 and len(calls) == 1 else None
-        if call is not None and call[1] == n:
-            record = call[0]
-        else:
-            record = keys_record(COMPLETE_STORE_KIND, struct.pack("<QB", epoch, True), req_id,
-                                 keys, False, None, None, None)
-        completed.update(dict.fromkeys(keys))
-        hashes = array("q", map(hash, keys)).tobytes()
-        return (seq, keys, got, hashes), record
-
-    def settle(self, entries: Sequence[tuple[Any, ...]], completed: dict[bytes, None]) -> None:
-        """Forget the completed stores the daemon has read (kvd_proto/_steps.c)."""
-        if not isinstance(completed, dict):
-            raise TypeError("settle(entries, completed: dict)")
-        stores = self._stores
-        for entry in entries:
-            if len(entry) not in (3, 4) or len(entry[1]) != len(entry[2]):
-                raise TypeError("an entry is (seq, keys, stores[, hashes]), one store per key")
-            for key, store in zip(entry[1], entry[2], strict=True):
-                if stores.get(key) is store:
-                    del stores[key]
-                    completed.pop(key, None)
 
 
 class PyIndexTable:
@@ -502,16 +573,17 @@ def py_key_positions(position: Callable[[bytes], int | None] | dict[bytes, int],
     eviction order. The keys of one call are almost always consecutive chunks: then three
     reads (first, middle, last) give them all, as a range; otherwise every key is read. None
     when a key has none."""
-    if type(position) is dict:
-        position = position.get
+    # A dict is read directly (exactly a dict, as the compiled one reads it); else called.
+    get = position.get if type(position) is dict else \
+        cast(Callable[[bytes], int | None], position)
     n = len(keys)
     if n >= 3:
-        first, middle, last = position(keys[0]), position(keys[n // 2]), position(keys[-1])
+        first, middle, last = get(keys[0]), get(keys[n // 2]), get(keys[-1])
         if first is not None and last is not None and middle is not None:
             step, rest = divmod(last - first, n - 1)
             if step > 0 and not rest and middle == first + step * (n // 2):
                 return range(first, last + 1, step)
-    positions = list(map(position, keys))
+    positions = list(map(get, keys))
     return None if None in positions else positions  # type: ignore[return-value]
 
 
@@ -545,26 +617,26 @@ def compiled(module: str) -> Any:
 
 _native = compiled("kvd_proto._native")
 NATIVE = _native is not None
-Lookups: Any = _native.Lookups if _native is not None else PyLookups
-IndexTable: Any = _native.IndexTable if _native is not None else PyIndexTable
+Lookups: LookupsType = _native.Lookups if _native is not None else PyLookups
+IndexTable: IndexTableType = _native.IndexTable if _native is not None else PyIndexTable
 crc32: Callable[[bytes], int] = _native.crc32 if _native is not None else key_hash
 key_fingerprint: Callable[[bytes], int] = \
     _native.fingerprint if _native is not None else fingerprint
 keys_block: Callable[[Sequence[bytes]], bytes] = \
     _native.keys_block if _native is not None else py_keys_block
-keys_record: Callable[..., bytes] = \
+keys_record: KeysRecord = \
     _native.keys_record if _native is not None else py_keys_record
 # A ring's appends and reads in one pass (kvd_proto/_rings.c); None: kvd_proto/channel.py's
 # Python loops (its RingWriter._write_runs and RingReader.read are the twins).
-ring_write: Callable[..., tuple[int, int] | None] | None = \
+ring_write: RingWrite | None = \
     _native.ring_write if _native is not None else None
-ring_read: Callable[..., tuple[list[tuple[int, bytes]], int, str | None]] | None = \
+ring_read: RingRead | None = \
     _native.ring_read if _native is not None else None
 # The daemon's strict decoding of the keyed up records in one pass (kvd_proto/_decode.c);
 # None: kvd_proto/records.py's decode_up (the twin, and what says why a record is refused).
-decode_keyed: Callable[..., tuple | None] | None = \
+decode_keyed: DecodeKeyed | None = \
     _native.decode_keyed if _native is not None else None
-key_positions: Callable[..., Sequence[int] | None] = \
+key_positions: KeyPositions = \
     _native.key_positions if _native is not None else py_key_positions
 same_set: Callable[[object, object], bool] = \
     _native.same_set if _native is not None else py_same_set

@@ -22,6 +22,27 @@ from typing import NamedTuple
 
 from kvd_proto.channel import record
 from kvd_proto.native import decode_keyed, keys_block, keys_record
+from kvd_proto.record_kinds import (
+    COMPLETE_LOAD,
+    COMPLETE_STORE,
+    COUNTERS,
+    DOWN_KINDS,
+    EVENTS,
+    GRANTED,
+    PIN,
+    PROMOTE,
+    REJECTED,
+    RELEASE_HELD,
+    REQUEST_FINISHED,
+    RESERVE,
+    RESET,
+    RESET_DONE,
+    RETURN_SLOTS,
+    STORE,
+    TAKE_EVENTS,
+    TOUCH,
+    UP_KINDS,
+)
 from kvd_proto.wire import (
     MAX_EVENTS,
     MAX_GRANTED_SLOTS,
@@ -29,34 +50,6 @@ from kvd_proto.wire import (
     MAX_KEYS_PER_CALL,
     MAX_STRING_BYTES,
 )
-
-# --- up: engine -> daemon ---------------------------------------------------------------------
-STORE = 1             # StoreGranted: offered keys, which granted slots hold which new keys
-COMPLETE_STORE = 2
-PIN = 3               # loads the engine started from its own lookups
-COMPLETE_LOAD = 4
-TOUCH = 5
-REQUEST_FINISHED = 6
-RESERVE = 7           # the slots this session wants held for its stores (flag 1: evict now)
-RESET = 8             # reset the namespace (answered by RESET_DONE with the same token)
-TAKE_EVENTS = 9
-COUNTERS = 10         # lookups, hits and misses answered locally since the last COUNTERS
-RELEASE_HELD = 11     # an earlier session of this process has no copies in flight any more
-RETURN_SLOTS = 12     # granted slots the engine will not use (never written)
-PROMOTE = 13          # keys the engine answered HIT_PENDING from the "held below" table
-UP_KINDS = {STORE: "store", COMPLETE_STORE: "complete_store", PIN: "pin",
-            COMPLETE_LOAD: "complete_load", TOUCH: "touch",
-            REQUEST_FINISHED: "request_finished", RESERVE: "reserve", RESET: "reset",
-            TAKE_EVENTS: "take_events", COUNTERS: "counters", RELEASE_HELD: "release_held",
-            RETURN_SLOTS: "return_slots", PROMOTE: "promote"}
-
-# --- down: daemon -> engine -------------------------------------------------------------------
-GRANTED = 1           # slots granted to the reserve, whenever the daemon has them free
-RESET_DONE = 2        # answers RESET: token, the namespace's new epoch, blocks dropped
-EVENTS = 3            # answers TAKE_EVENTS: stored / removed events, and whether more wait
-REJECTED = 4          # an up record the daemon refused: its kind, a status name, a message
-DOWN_KINDS = {GRANTED: "granted", RESET_DONE: "reset_done", EVENTS: "events",
-              REJECTED: "rejected"}
 
 MAX_COUNTER_DELTA = 1 << 40
 _U8 = struct.Struct("<B")

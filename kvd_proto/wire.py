@@ -7,7 +7,18 @@ proto's comments say the same numbers.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class BlockState(enum.IntEnum):
+    """What a lookup answers for a block: the wire's `kvd.v1.BlockState` (its numbers; a test
+    holds them equal), and the one enum behind both sides' `Lookup` (the daemon's is this one,
+    the client's has the same members by name)."""
+
+    MISS = 1
+    HIT = 2
+    HIT_PENDING = 3     # being stored or promoted: not readable yet (vLLM's name)
 
 # --- gRPC metadata keys ---------------------------------------------------------------------
 SESSION_TOKEN_METADATA = "kvd-session-token"   # every KvdEngine call: the attach token

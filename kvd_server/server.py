@@ -53,7 +53,13 @@ from kvd_server.memory.pool import HostPool, PoolError, check_fits
 from kvd_server.memory.tenant_pools import TenantPools
 from kvd_server.ops import notify
 from kvd_server.ops.snapshot import build_snapshot
-from kvd_server.ops.stats import ChannelStats, DaemonFacts, RestartStats, StatsSnapshot
+from kvd_server.ops.stats import (
+    ChannelStats,
+    ConnectionStats,
+    DaemonFacts,
+    RestartStats,
+    StatsSnapshot,
+)
 from kvd_server.protocols.wiring import EngineProtocols
 from kvd_server.restart.state import StateError
 from kvd_server.restart.warm import WarmRestart
@@ -265,7 +271,7 @@ class Daemon:
             prefault_bytes_done=self.pool.prefaulted_bytes, mlocked=self.pool.mlocked,
             step_calls_total=engine.step_calls if engine else 0,
             step_ops_total=engine.step_ops if engine else 0, rpc=self._rpc.counts,
-            channels=self._channel_stats(),
+            channels=self._channel_stats(), connections=self._connection_stats(),
             restart=self._warm.stats if self._warm is not None else RestartStats(),
             tiers=self._tier.stats() if self._tier is not None else []))
 
@@ -277,6 +283,16 @@ class Daemon:
                             records_total=dict(sorted(service.records.items())),
                             rejected_total=service.rejected_total,
                             broken_total=hub.broken_total)
+
+    def _connection_stats(self) -> ConnectionStats:
+        """The front door's and the attach server's counts (zero before they start)."""
+        door, attach = self._door, self._attach
+        return ConnectionStats(
+            open=door.connections if door is not None else 0,
+            refused_total=door.refused_total if door is not None else 0,
+            idle_closed_total=door.idle_closed_total if door is not None else 0,
+            shed_total=door.shed_total if door is not None else 0,
+            attach_refused_total=attach.refusals_total if attach is not None else 0)
 
     def request_drain(self, timeout: float | None = None,
                       answered: asyncio.Future[None] | None = None) -> bool:

@@ -98,6 +98,7 @@ class Pinner:
                         self.table.finish(job, Registration(False, False))
                     self._cond.notify_all()
                     return
+            assert job is not None          # the loop above waits until one or a stop
             started = time.perf_counter()
             try:
                 result = self._register(job.address, job.size)

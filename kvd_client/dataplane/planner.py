@@ -37,7 +37,7 @@ def chunks_for_group(group_size: int, block_index: int, blocks_per_chunk: int) -
 
 
 def plan_transfer(layout: SlotLayout, tensors: Sequence[EngineTensor], *, pool_base: int,
-                  rank: int, slot_offsets: Sequence[int], block_ids: Sequence[int],
+                  rank: int, slot_offsets: Sequence[int] | np.ndarray, block_ids: Sequence[int],
                   group_sizes: Sequence[int], block_indices: Sequence[int],
                   to_pool: bool) -> CopyPlan:
     """Plan a store (`to_pool`) or load of `block_ids` against the chunks at `slot_offsets`.

@@ -1,1 +1,1 @@
-"""The session's link to the daemon: the channel's rings, the shared index's read-only mapping, the records an engine sends, and the connection that sets them up."""
+"""The transport to the daemon: the channel's rings, the shared index's read-only mapping, the records an engine sends, and the connection that sets them up (the session's one link object, which applies the daemon's answers to the offload trackers, is kvd_client/offload/daemon_link.py)."""

@@ -7,7 +7,8 @@ answers from the down ring. No engine thread, lock or system call is needed in t
 case, so a scheduler that never leaves the GIL still reaches the daemon at once.
 
 The `Outbox` keeps records the ring had no room for (the daemon is behind, stopped or gone) in
-order, up to a bound, and says which step's records the daemon has read (`acked`).
+order, up to a bound, and says which step's records the daemon has read (`acked`). What the
+records mean, and the daemon's answers, are the session's (kvd_client/offload/daemon_link.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import contextlib
 import logging
 import mmap
 import os
-import time
 from collections import deque
 
 from kvd_proto.channel import UP_HEAD, ChannelHeader, ChannelView, fence
 from kvd_proto.native import eventfd_signal
-from kvd_proto.records import UP_KINDS, DownRecord, RecordError, Rejected, decode_down
+from kvd_proto.records import DownRecord, RecordError, decode_down
 
 log = logging.getLogger(__name__)
 
@@ -193,70 +193,3 @@ class Outbox:
         self._waiting_bytes = 0
         self._written.clear()
 
-
-class Messenger:
-    """A session's side of its channel for one connection: the records of the step being
-    made (`seq`), put in order and flushed at its end; what the daemon has read (`acked`);
-    and its answers. Without a channel (not connected) records are dropped: a new session
-    starts from scratch."""
-
-    def __init__(self) -> None:
-        self.outbox = Outbox()
-        self.channel: SessionChannel | None = None
-        self.seq = 0                  # the step whose records are being made
-        self.acked = -1               # the last step whose records the daemon has read
-        self.essential = False        # this step made a record the engine waits for
-        self.rejected = 0             # records the daemon refused (a bug here, or stale)
-        self._last_warning = 0.0
-
-    @property
-    def sent(self) -> int:
-        return self.outbox.sent
-
-    def attach(self, channel: SessionChannel | None) -> None:
-        """A new connection's channel (None: none); what was waiting for the old is gone."""
-        self.outbox.clear()
-        self.channel = channel
-
-    def put(self, records: list[bytes], essential: bool = True) -> None:
-        if self.channel is None:
-            return
-        self.outbox.put_many(self.seq, records, essential)
-        self.essential |= essential
-
-    def flush(self) -> bool:
-        """Into the ring what fits; False when so much waits that the daemon cannot be
-        reading (the caller restarts the session)."""
-        if self.channel is None:
-            return True
-        self.outbox.flush(self.channel)
-        return not self.outbox.overflowing
-
-    def next_step(self) -> None:
-        self.seq += 1
-        self.essential = False
-
-    def receive(self) -> list[DownRecord]:
-        """The daemon's answers since the last call; `acked` moves with what it read. A
-        refused record is counted and logged (at most every 10 s): the rest goes on."""
-        if self.channel is None:
-            return []
-        answers = self.channel.receive()
-        self.acked = self.outbox.acked(self.channel, self.seq)
-        for answer in answers:
-            if isinstance(answer, Rejected):
-                self.rejected += 1
-                now = time.monotonic()
-                if now - self._last_warning > 10:
-                    self._last_warning = now
-                    log.warning("kvd rejected a %s message: %s: %s (%d so far)",
-                                UP_KINDS.get(answer.kind, answer.kind), answer.code,
-                                answer.message, self.rejected)
-        return answers
-
-    def unread(self) -> bool:
-        """Records the engine waits for that the daemon has not read (flushing any that
-        were waiting for room)."""
-        if self.channel is not None and self.outbox.waiting():
-            self.outbox.flush(self.channel)
-        return self.outbox.unread(self.channel)

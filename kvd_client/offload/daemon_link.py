@@ -1,11 +1,16 @@
-"""What an offload session tells its daemon and what it hears back, on the scheduler thread.
+"""A session's one link to its daemon, on the scheduler thread: what it tells the daemon and
+what it hears back.
 
-`OffloadSession` (kvd_client/offload/session.py) decides; this puts its records into the
-channel's outbox (dropped while the client is degraded: a new session starts from scratch),
-flushes them at a step's end, applies the daemon's answers (grants, events, reset answers;
-completed stores it has read) and reports the lookup counts the daemon's stats show. Nothing
-here waits for the daemon either: a daemon that stops reading is noticed by the outbox
-overflowing, and the session is restarted.
+`OffloadSession` (kvd_client/offload/session.py) decides; this holds the current connection's
+channel (kvd_client/link/channel.py, the transport: rings and the outbox of records the ring
+had no room for), puts the session's records into the outbox as the step's (`seq`; dropped
+while the client is degraded or not connected: a new session starts from scratch), flushes
+them at a step's end, follows which steps the daemon has read (`acked`), applies its answers
+(grants, events, reset answers; completed stores it has read; refusals counted and logged)
+and reports the lookup counts the daemon's stats show. Nothing here waits for the daemon
+either: a daemon that stops reading is noticed by the outbox overflowing, and the session is
+restarted. Here and not in link/ because the answers go to the offload trackers (link/ never
+imports offload/).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import time
 
 from kvd_client.client import KvdClient
-from kvd_client.link.channel import Messenger
+from kvd_client.link.channel import Outbox, SessionChannel
 from kvd_client.offload.event_inbox import EventInbox
 from kvd_client.offload.reserve import StoreReserve
 from kvd_client.offload.resets import Resets
@@ -28,20 +33,27 @@ log = logging.getLogger(__name__)
 # record of most quiet steps, and each one woke an idle daemon (a write to its eventfd, and
 # its process scheduled) for figures no one reads that often.
 COUNTS_INTERVAL_S = 0.25
+REJECTED_LOG_INTERVAL_S = 10.0     # refused records are logged at most this often
 
 
 class DaemonLink:
-    """One session's records and answers (see the module doc). `msgs` is the session's
-    Messenger: its step (`seq`), what the daemon has read (`acked`) and the channel."""
+    """One session's records, channel and answers (see the module doc): the step whose records
+    are being made (`seq`), the last one whose records the daemon has read (`acked`), the
+    current connection's `channel` (None: not connected)."""
 
-    def __init__(self, client: KvdClient, msgs: Messenger, reserve: StoreReserve,
-                 events: EventInbox, resets: Resets, stores: StoreTracker) -> None:
+    def __init__(self, client: KvdClient, reserve: StoreReserve, events: EventInbox,
+                 resets: Resets, stores: StoreTracker) -> None:
         self.client = client
-        self.msgs = msgs
         self._reserve = reserve
         self._events = events
         self._resets = resets
         self._stores = stores
+        self.outbox = Outbox()
+        self.channel: SessionChannel | None = None
+        self.seq = 0                  # the step whose records are being made
+        self.acked = -1               # the last step whose records the daemon has read
+        self.rejected = 0             # records the daemon refused (a bug here, or stale)
+        self._rejected_logged_at = 0.0
         self._reported = (0, 0, 0)        # lookups, hits, misses the daemon has heard of
         self._reported_at = 0.0
         # The records made since the last `stage`, in order. The scheduler's compiled calls
@@ -50,11 +62,22 @@ class DaemonLink:
         # the list is only ever changed in place. `_optional`: how many are not essential.
         self.records: list[bytes] = []
         self._optional = 0
+        self._staged_essential = False    # this step staged a record the engine waits for
+
+    @property
+    def sent(self) -> int:
+        """Records written into the channel so far (every connection)."""
+        return self.outbox.sent
+
+    def attach(self, channel: SessionChannel | None) -> None:
+        """A new connection's channel (None: none); what waited for the old one is gone."""
+        self.outbox.clear()
+        self.channel = channel
 
     def put(self, records: list[bytes], essential: bool = True) -> None:
         """Queue records for the step being made (essential: ones the engine waits for);
         dropped while the client is degraded or has no channel."""
-        if records and self.client.available and self.msgs.channel is not None:
+        if records and self.client.available and self.channel is not None:
             self.records += records
             if not essential:
                 self._optional += len(records)
@@ -62,17 +85,17 @@ class DaemonLink:
     @property
     def essential(self) -> bool:
         """Whether the step being made has a record the engine waits for."""
-        return len(self.records) > self._optional or self.msgs.essential
+        return len(self.records) > self._optional or self._staged_essential
 
     def stage(self) -> None:
         """The records made so far into the outbox, as the current step's (dropped while the
         client is degraded or has no channel: a new session starts from scratch)."""
-        records, msgs = self.records, self.msgs
+        records = self.records
         if records:
-            if self.client.available and msgs.channel is not None:
+            if self.client.available and self.channel is not None:
                 essential = len(records) > self._optional
-                msgs.outbox.put_many(msgs.seq, records, essential)
-                msgs.essential |= essential
+                self.outbox.put_many(self.seq, records, essential)
+                self._staged_essential |= essential
             records.clear()
         self._optional = 0
 
@@ -81,31 +104,69 @@ class DaemonLink:
         self.records.clear()
         self._optional = 0
 
+    def discard(self) -> None:
+        """Forget every record the daemon has not read, staged or not (none of them will be
+        read: the client is degraded)."""
+        self.drop()
+        self.outbox.clear()
+
     def unread(self) -> bool:
         """Records the engine waits for that the daemon has not read (staging and flushing
         what waits)."""
         self.stage()
-        return self.msgs.unread()
+        channel = self.channel
+        if channel is not None and self.outbox.waiting():
+            self.outbox.flush(channel)
+        return self.outbox.unread(channel)
 
-    def flush(self) -> None:
-        """Into the ring what fits; a daemon that reads none of it restarts the session."""
+    def flush(self, *, restart: bool = True) -> None:
+        """Stage, and into the ring what fits. With `restart`, a daemon that reads none of it
+        (so much waits that it cannot be reading) restarts the session."""
         self.stage()
-        if not self.msgs.flush():
+        channel = self.channel
+        if channel is None:
+            return
+        self.outbox.flush(channel)
+        if restart and self.outbox.overflowing:
             log.error("kvd daemon reads none of this engine's messages (%d waiting); "
-                      "restarting the session", self.msgs.outbox.waiting())
-            self.msgs.attach(self.msgs.channel)
+                      "restarting the session", self.outbox.waiting())
+            self.outbox.clear()
             self.client.drop_session("the daemon does not keep up with this engine's messages")
 
+    def next_step(self) -> None:
+        """The step's records are out: the next step's begin."""
+        self.seq += 1
+        self._staged_essential = False
+
     def receive(self, per_record: int) -> None:
-        """Apply what the daemon answered since the last call."""
-        for answer in self.msgs.receive():
-            if isinstance(answer, rec.Granted):
-                self._reserve.granted(answer.offsets)
-            elif isinstance(answer, rec.Events):
-                self._events.add(answer)
-            elif isinstance(answer, rec.ResetDone) or answer.kind == rec.RESET:
-                self._resets.answered(answer, self.put, per_record)
-        self._stores.settle(self.msgs.acked)
+        """Apply what the daemon answered since the last call (`acked` moves with what it
+        read). A refused record is counted and logged (at most every
+        REJECTED_LOG_INTERVAL_S): the rest goes on."""
+        channel = self.channel
+        if channel is not None:
+            answers = channel.receive()
+            self.acked = self.outbox.acked(channel, self.seq)
+            for answer in answers:
+                if isinstance(answer, rec.Granted):
+                    self._reserve.granted(answer.offsets)
+                elif isinstance(answer, rec.Events):
+                    self._events.add(answer)
+                elif isinstance(answer, rec.Rejected):
+                    self._refused(answer)
+                    if answer.kind == rec.RESET:
+                        self._resets.answered(answer, self.put, per_record)
+                elif isinstance(answer, rec.ResetDone):
+                    self._resets.answered(answer, self.put, per_record)
+        self._stores.settle(self.acked)
+
+    def _refused(self, answer: rec.Rejected) -> None:
+        self.rejected += 1
+        now = time.monotonic()
+        if now - self._rejected_logged_at > REJECTED_LOG_INTERVAL_S:
+            self._rejected_logged_at = now
+            log.warning("kvd rejected a %s message: %s: %s (%d so far)",
+                        rec.UP_KINDS.get(answer.kind, answer.kind), answer.code,
+                        answer.message, self.rejected)
 
     def report_counts(self, counts: tuple[int, int, int], at_once: bool = True) -> None:
         """The lookups, hits and misses answered so far: what the daemon has not heard of

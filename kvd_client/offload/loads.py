@@ -9,10 +9,11 @@ counts loads per reclaim epoch, so the floor to publish is one min() over a hand
 
 An engine finishes a load with the keys it started (vLLM does, in any order): that finds its
 pin among its request's pins (the newest of the same size holding every key: one membership
-test per key, nothing built) and ends it whole; a pin the compiled path made carries the
-COMPLETE_LOAD record its whole end sends (`finish_whole`: encoded at the pin, while its keys
-were in the cache). Anything else (a part of a pin, keys of several pins, no request named)
-goes key by key.
+test per key, nothing built) and ends it whole; a pin of one record's distinct HITs (what the
+compiled pin takes, kvd_proto/_steps.c, or the session's Python path, its twin, on the same
+call) carries the COMPLETE_LOAD record its whole end sends (`finish_whole`: encoded at the
+pin, while its keys were in the cache, in the pin's order). Anything else (a part of a pin,
+keys of several pins, no request named) goes key by key.
 """
 
 from __future__ import annotations
@@ -74,12 +75,14 @@ class LoadTracker:
             return step_epoch
         return min(step_epoch, *self._epochs, *self._stale_epochs)
 
-    def start(self, loaded: Sequence[bytes], epochs: Load) -> bool:
+    def start(self, loaded: Sequence[bytes], epochs: Load, done: bytes | None = None) -> bool:
         """Loads of `loaded` started under `epochs` (a key named twice loads once); whether
-        the keys were distinct."""
+        the keys were distinct. `done`: the COMPLETE_LOAD record of the whole pin, kept for
+        `finish_whole` when they were."""
         keys = frozenset(loaded)
-        self.start_distinct(keys, epochs)
-        return len(keys) == len(loaded)
+        distinct = len(keys) == len(loaded)
+        self.start_distinct(keys, epochs, done if distinct else None)
+        return distinct
 
     def start_distinct(self, keys: frozenset[bytes], epochs: Load,
                        done: bytes | None = None) -> None:
@@ -104,7 +107,7 @@ class LoadTracker:
         """End and return the newest pin of `req_id` that `keys` are exactly (vLLM's job set,
         built from the list the pin's set was: one pass over both tables, kvd_proto native
         `same_set`; else one membership test per key; nothing built; with `recorded`, only one
-        the compiled pin made with its completion record). None: no such pin, or a key named
+        made with its completion record). None: no such pin, or a key named
         twice (key by key then)."""
         pins = self._pins.get(req_id)
         if not pins:
@@ -126,8 +129,8 @@ class LoadTracker:
 
     def finish_whole(self, keys: Sequence[bytes], req_id: str) -> bytes | None:
         """The common finish: `keys` are exactly a pin of `req_id` made with its completion
-        record (the compiled pin path): that pin ends, and its record is what to send (its
-        keys were read while they were in the cache). None: not so (`finish` decides)."""
+        record (`start`'s `done`): that pin ends, and its record is what to send (its keys
+        were read while they were in the cache). None: not so (`finish` decides)."""
         pin = self._take_whole(keys, req_id, recorded=True)
         return None if pin is None else pin.done
 

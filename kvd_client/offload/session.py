@@ -19,8 +19,8 @@ of that from local state, on the scheduler thread itself:
 - everything the daemon must hear (pins for its eviction order, stores, completions, request
   ends, grant requests, lookup counts, event pulls) is written as records into the session's
   channel at the step's end (kvd_client/link/channel.py: shared-memory rings, no system call in
-  the common case), and the daemon's answers are read from it at the next step's start
-  (kvd_client/offload/daemon_link.py).
+  the common case), and the daemon's answers are read from it at the next step's start, both
+  through the session's one link to its daemon (kvd_client/offload/daemon_link.py).
 
 A dead, stopped or slow daemon costs a step nothing: lookups answer MISS and stores are
 declined until the client is back. The vLLM plug-in (kvd_client/vllm/manager.py) only
@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvd_client.client import KvdClient
 from kvd_client.link import messages
-from kvd_client.link.channel import Messenger
 from kvd_client.link.connection import Handoff, connect
 from kvd_client.link.index_reader import STATE_READY, BelowMap, IndexReader, Marks
 from kvd_client.offload.daemon_link import DaemonLink
@@ -48,16 +47,25 @@ from kvd_client.offload.resets import Resets
 from kvd_client.offload.stores import StoreTracker
 from kvd_client.offload.transfers import SessionTransfers
 from kvd_proto import records as rec
-from kvd_proto.native import Lookups
+from kvd_proto.native import Lookups, steps_of
+from kvd_proto.wire import BlockState
 
 DEFAULT_RESERVE = 0             # 0: sized from the store rate; N > 0: never below N slots
 MAX_EVENTS_PER_ASK = 65536
 
 
-class Lookup(enum.Enum):
-    MISS = "miss"
-    HIT = "hit"
-    HIT_PENDING = "hit_pending"  # being stored or promoted: not readable yet (vLLM's name)
+# What `OffloadSession.lookup` answers by default: the wire's block states (kvd_proto's
+# BlockState: MISS, HIT, HIT_PENDING, being stored or promoted and not readable yet, vLLM's
+# name), made from them and valued by their lower-case names, as engines print them. A type
+# checker reads the same members spelled out (tests/unit/test_wire_shelf.py holds the two equal).
+if TYPE_CHECKING:
+    class Lookup(enum.Enum):
+        MISS = "miss"
+        HIT = "hit"
+        HIT_PENDING = "hit_pending"
+else:
+    Lookup = enum.Enum("Lookup", [(state.name, state.name.lower()) for state in BlockState],
+                       module=__name__)
 
 
 class OffloadSession(SessionTransfers):
@@ -88,14 +96,15 @@ class OffloadSession(SessionTransfers):
         self._in_step = False
         self._step_epoch = 0
         self._finished: list[str] = []            # requests that ended this step
-        self._msgs = Messenger()      # this step's records, what the daemon read, answers
         self._loads = LoadTracker()
         self._stores = StoreTracker()
         self._events = EventInbox()
         self._promotions = Promotions()
         self._resets = Resets(self._stores, self._loads)      # a reset asked for, its epoch
         self._old = OldCopies()       # copies of ended sessions, until the daemon may release
-        self._link = DaemonLink(client, self._msgs, self._reserve, self._events, self._resets,
+        # The one link to the daemon: this step's records (`seq`), the channel, what the
+        # daemon has read (`acked`), its answers applied.
+        self._link = DaemonLink(client, self._reserve, self._events, self._resets,
                                 self._stores)
         self._put = self._link.put    # records for the daemon, sent at the step's end
         self._post = self._link.records.append    # one record of a compiled call, in order
@@ -103,8 +112,13 @@ class OffloadSession(SessionTransfers):
         # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
         # there, and the daemon hears the counts.
         self._lookups = Lookups(self._stores.stores, self._miss, self._hit, self._lookup_slow)
-        self.lookup = self._lookups.lookup        # vLLM calls it once per chunk
-        self._stores.forget = self._lookups.settle
+        # vLLM: once per chunk, straight into the lookups (the context passed by position)
+        self.lookup = self._lookups.lookup  # type: ignore[method-assign,assignment]
+        # The scheduler's steps compiled (kvd_proto/_steps.c) where built; else None, and the
+        # Python path of transfers.py, stores.py and loads.py, their one twin, does it all.
+        self._steps = steps_of(self._lookups)
+        if self._steps is not None:
+            self._stores.forget = self._steps.settle
         self._handoff = Handoff()                 # what the connecting thread set up
         self._closed = False
         client.on_reconnect = self._on_connect
@@ -134,12 +148,12 @@ class OffloadSession(SessionTransfers):
     @property
     def acked_steps(self) -> int:
         """Steps whose every record the daemon has read (as of the last answers read)."""
-        return self._msgs.acked + 1
+        return self._link.acked + 1
 
     @property
     def messages_sent(self) -> int:
         """Records written to the daemon so far (every session of this engine)."""
-        return self._msgs.sent
+        return self._link.sent
 
     def _sync(self) -> None:
         """A new session (reconnect) replaces everything learned from the old one."""
@@ -167,7 +181,7 @@ class OffloadSession(SessionTransfers):
         if handoff is None:
             return
         self._index, self._marks, self._below = handoff.index, handoff.marks, handoff.below
-        self._msgs.attach(handoff.channel)
+        self._link.attach(handoff.channel)
         self._lookups.bind(handoff.index.mapping, *handoff.index.header.geometry)
         if handoff.below is not None:
             self._lookups.bind_below(handoff.below.mapping)
@@ -180,11 +194,11 @@ class OffloadSession(SessionTransfers):
 
     def _close_connection(self) -> None:
         self._lookups.unbind()
-        for part in (self._index, self._marks, self._msgs.channel, self._below):
+        for part in (self._index, self._marks, self._link.channel, self._below):
             if part is not None:
                 part.close()
         self._index = self._marks = self._below = None
-        self._msgs.attach(None)
+        self._link.attach(None)
 
     def _begin(self) -> None:
         """The first call of a step: apply the daemon's answers, then publish the epoch this
@@ -229,9 +243,9 @@ class OffloadSession(SessionTransfers):
         if found is not None and found[0] == STATE_READY:
             own: int | None | bool = found[1]
         else:
-            own = self._stores.answer(key, found, self._msgs.acked)
+            own = self._stores.answer(key, found, self._link.acked)
         if own is None and found is None and self._promotions.answer(
-                key, self._msgs.seq, self._msgs.acked, counts.below, counts.find):
+                key, self._link.seq, self._link.acked, counts.below, counts.find):
             own = True                               # held below: promoted on request
         if own is True:
             return self._pending
@@ -308,8 +322,7 @@ class OffloadSession(SessionTransfers):
         self._lookups.clear_hits()
         self._publish_idle()
         if not self.available:
-            self._link.drop()
-            self._msgs.attach(self._msgs.channel)     # drops what waits: none will be read
+            self._link.discard()                  # none of it will be read
             self._finished.clear()
             return
         if self._finished:
@@ -323,7 +336,7 @@ class OffloadSession(SessionTransfers):
         if self.enable_events and self._link.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
         self._link.flush()
-        self._msgs.next_step()
+        self._link.next_step()
 
     def has_pending_work(self) -> bool:
         """Records not yet read by the daemon, a reset not yet answered, or a promotion not
@@ -332,7 +345,7 @@ class OffloadSession(SessionTransfers):
         if self.available:
             self._link.report_counts(self._counts())     # the daemon's stats catch up
         return bool(self._resets.pending or self._finished) or self._link.unread() or \
-            self._promotions.waiting(self._msgs.acked, self._lookups.find)
+            self._promotions.waiting(self._link.acked, self._lookups.find)
 
     def _counts(self) -> tuple[int, int, int]:
         """The lookups answered so far (every session of this engine), for the daemon's stats."""
@@ -356,10 +369,9 @@ class OffloadSession(SessionTransfers):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._msgs.channel is not None and self.client.available:
+            if self._link.channel is not None and self.client.available:
                 self._put(list(map(rec.encode_request_finished, self._finished)))
                 self._link.report_counts(self._counts())
-                self._link.stage()
-                self._msgs.flush()                    # its last completions and counts
+                self._link.flush(restart=False)       # its last completions and counts
             self._close_connection()
             self._handoff.close()

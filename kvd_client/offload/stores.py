@@ -13,18 +13,23 @@ A store that failed is gone for the engine at once: until the daemon has read th
 index still shows the key being stored into that slot, and `failed` says that this state is
 the engine's own dead store (its lookups answer MISS, a new offer of the key stores it again).
 
-The common store, completion and settling run compiled (kvd_proto/_steps.c, through the
-session's `Lookups`) on these same containers; the methods here decide every other case.
+The common store, completion and settling run compiled where they were built
+(kvd_proto/_steps.c, through the session's `Lookups`) on these same containers, whose shapes
+kvd_proto/native.py names (`Store`, `StoreCall`, `SettleEntry`: the C reads them by position).
+The methods here decide every case, and are the compiled steps' one Python twin: on the common
+case they leave the containers as the C does (a store call's `StoreCall`, one `SettleEntry`
+per step's stores completed together) and give the same records.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvd_client.link.index_reader import STATE_READY
+from kvd_proto import records as rec
+from kvd_proto.native import MAX_EPOCH, SettleEntry, Store, StoreCall
 
 MAX_LOCAL_STORES = 1 << 16
 UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
@@ -32,15 +37,11 @@ UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to th
 
 @dataclass(slots=True)
 class Shared:
-    """What the stores made in one step (under one reset epoch) share."""
+    """What the stores made in one step (under one reset epoch) share: a
+    kvd_proto.native.StepShared (the compiled steps read both attributes by name)."""
 
     reset_epoch: int
     seq: int                    # the step whose records told the daemon about them
-
-
-# A store in flight: (slot offset, its step's record), and, made by the compiled store path,
-# (its call's COMPLETE_STORE record, the call's key count) third.
-Store = tuple[Any, ...]
 
 
 class StoreTracker:
@@ -49,19 +50,22 @@ class StoreTracker:
         # of those, the copies that finished (a dict used as a set: the compiled paths reach
         # it by a key's hash without reading the key)
         self.completed: dict[bytes, None] = {}
-        # completed stores in completion order, (seq, keys, their stores[, their hashes]) per
-        # completion, to forget once the daemon has read them
-        self._settling: collections.deque[tuple[Any, ...]] = collections.deque()
+        # completed stores in completion order, one entry per completion call and step its
+        # stores were told in, to forget once the daemon has read that step
+        self._settling: collections.deque[SettleEntry] = collections.deque()
         self._stale: dict[int, list[bytes]] = {}   # reset epoch -> keys in flight at a reset
         self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
         # key -> the slot of its store that failed, until the daemon has read the failure
         self.failed: dict[bytes, int] = {}
         self._failing: collections.deque[tuple[int, bytes, int]] = collections.deque()
         self._shared: Shared | None = None
-        self.forget: Callable[[list, set[bytes]], None] = self._forget
+        # `settle`'s forgetting: the compiled one (kvd_proto/_steps.c) where the session has
+        # it, else its twin below
+        self.forget: Callable[[list[SettleEntry], dict[bytes, None]], None] = self._forget
 
-    def _forget(self, entries: list[tuple], completed: dict[bytes, None]) -> None:
-        """`settle`'s forgetting, where no compiled one was given (the same effects)."""
+    def _forget(self, entries: list[SettleEntry], completed: dict[bytes, None]) -> None:
+        """Forget each entry's keys whose store is still that very one (the compiled
+        `settle`'s Python twin)."""
         stores = self.stores
         for entry in entries:
             for key, store in zip(entry[1], entry[2], strict=True):
@@ -81,12 +85,23 @@ class StoreTracker:
         return shared
 
     def add(self, new: Sequence[bytes], slots: Sequence[int], reset_epoch: int,
-            seq: int) -> None:
-        """Stores of `new` into `slots`, told to the daemon with step `seq`'s records."""
+            seq: int, call_of: str | None = None) -> None:
+        """Stores of `new` into `slots`, told to the daemon with step `seq`'s records.
+        `call_of`: the request of a store call the compiled store takes (one record's distinct
+        keys): as it does, the record the call's whole successful completion sends is made
+        now, while the keys are at hand (a `StoreCall`: `call_record`), where the epoch is
+        known and the tracker holds them all."""
         stores = self.stores
         shared = self.shared(reset_epoch, seq)
         if len(new) <= MAX_LOCAL_STORES - len(stores):
-            stores.update(zip(new, zip(slots, [shared] * len(new), strict=True), strict=True))
+            if call_of is not None and 0 <= reset_epoch <= MAX_EPOCH:
+                call: StoreCall = (rec.encode_complete_store(new, True, call_of, reset_epoch),
+                                   len(new))
+                stores.update(zip(new, [(offset, shared, call) for offset in slots],
+                                  strict=True))
+            else:
+                stores.update(zip(new, zip(slots, [shared] * len(new), strict=True),
+                                  strict=True))
         else:
             for key, offset in zip(new[:max(0, MAX_LOCAL_STORES - len(stores))], slots,
                                    strict=False):
@@ -129,15 +144,35 @@ class StoreTracker:
                 out.append(key)
         return out
 
-    def complete(self, keys: Sequence[bytes], req_id: str, success: bool, seq: int = 0
+    def call_record(self, keys: Collection[bytes]) -> bytes | None:
+        """The COMPLETE_STORE record made with one store call (`add`'s `call_of`) when `keys`
+        are exactly that call's, each once, still in flight: what their whole successful
+        completion sends, as the compiled completion does. None otherwise."""
+        stores = self.stores
+        call: StoreCall | None = None
+        for key in keys:
+            store = stores.get(key)
+            if store is None or len(store) < 3:
+                return None
+            if call is None:
+                call = store[2]
+            elif store[2] is not call:
+                return None
+        if call is None or call[1] != len(keys) or len(set(keys)) != len(keys):
+            return None
+        return call[0]
+
+    def complete(self, keys: Collection[bytes], req_id: str, success: bool, seq: int = 0
                  ) -> tuple[dict[int, list[bytes]], int]:
         """Stores of `keys` finished: (keys per reset epoch to complete at the daemon; keys
         that were no store of this session). Those of an unknown epoch wait (`reset_done`).
         `seq`: the step whose records tell the daemon (a failure is the engine's own until
-        then, see the module doc)."""
+        then, see the module doc). Successful ones settle together, one entry per run of
+        keys whose stores were told in one step (as the compiled completion keeps them)."""
         by_reset: dict[int, list[bytes]] = {}
-        stores, completed, settling = self.stores, self.completed, self._settling
+        stores, completed = self.stores, self.completed
         unknown = 0
+        run: tuple[int, list[bytes], list[Store]] | None = None   # the entry being made
         for key in keys:
             store = stores.get(key)
             if store is None:
@@ -146,7 +181,11 @@ class StoreTracker:
             shared = store[1]
             if success:
                 completed[key] = None        # lookups answer HIT from now on
-                settling.append((shared.seq, (key,), (store,)))
+                if run is None or run[0] != shared.seq:
+                    self._settle_later(run)
+                    run = (shared.seq, [], [])
+                run[1].append(key)
+                run[2].append(store)
             else:
                 del stores[key]
                 completed.pop(key, None)
@@ -157,9 +196,14 @@ class StoreTracker:
                 self._deferred.append((key, req_id, success))
                 continue
             by_reset.setdefault(shared.reset_epoch, []).append(key)
+        self._settle_later(run)
         return by_reset, unknown
 
-    def completing(self, entry: tuple[Any, ...]) -> None:
+    def _settle_later(self, run: tuple[int, list[bytes], list[Store]] | None) -> None:
+        if run is not None:
+            self._settling.append((run[0], tuple(run[1]), tuple(run[2])))
+
+    def completing(self, entry: SettleEntry) -> None:
         """Stores completed by the compiled path (kvd_proto/_steps.c `complete`, which put
         their keys in `completed`): (the step that told the daemon of them, keys, stores, the
         keys' hashes)."""

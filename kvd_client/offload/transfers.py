@@ -2,13 +2,17 @@
 the part of the session a vLLM step calls a few times each: start and finish loads of this
 step's HITs, take granted slots for new keys, complete stores.
 
-Each call's common case runs compiled in one pass over its keys (kvd_proto/_steps.c, methods
-of the session's `Lookups`: `pin`, `store`, `complete`), on the same containers the Python
-trackers keep (loads.py, stores.py, reserve.py beside it); everything else (a key that was no
-HIT, a key named twice, a failed store, a reset on its way, more keys than one record carries,
-a short reserve) goes the Python way below, which decides every case and is the compiled
-paths' twin. Nothing here waits for the daemon: what it must hear is put with the step's
-records.
+Where the extension was built, each call's common case runs compiled in one pass over its keys
+(kvd_proto/_steps.c, methods of the session's `Lookups`: `pin`, `store`, `complete`), on the
+same containers the Python trackers keep (loads.py, stores.py, reserve.py beside it);
+everything else (a key that was no HIT, a key named twice, a failed store, a reset on its way,
+more keys than one record carries, a short reserve) goes the Python way below. That way
+decides every case, and it is the compiled steps' one Python twin (there is no other: the
+session on the twins, KVD_NATIVE=0, runs only it): on the common case it answers, leaves the
+containers and writes the records exactly as the C does, the one record a call's whole
+completion sends included (made at its store or pin), which
+tests/unit/test_steps_differential.py holds it to. Nothing here waits for the daemon: what it
+must hear is put with the step's records.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from typing import Any
 from kvd_client.client import KvdClient
 from kvd_client.link import messages
 from kvd_client.link.index_reader import IndexReader
+from kvd_client.offload.daemon_link import DaemonLink
 from kvd_client.offload.loads import LoadTracker
 from kvd_client.offload.old_copies import OldCopies
 from kvd_client.offload.reserve import StoreReserve
 from kvd_client.offload.resets import Resets
 from kvd_client.offload.stores import MAX_LOCAL_STORES, StoreTracker
+from kvd_proto import records as rec
+from kvd_proto.native import CompiledSteps, IndexLookups
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +41,13 @@ class SessionTransfers:
     session's (set by its constructor and its connection's adoption)."""
 
     client: KvdClient
-    _lookups: Any                    # kvd_proto.native.Lookups
+    _lookups: IndexLookups
+    _steps: CompiledSteps | None     # the same, where its steps are compiled
     _loads: LoadTracker
     _stores: StoreTracker
     _reserve: StoreReserve
     _resets: Resets
-    _msgs: Any                       # kvd_client.link.channel.Messenger
+    _link: DaemonLink
     _old: OldCopies
     _index: IndexReader | None
     _in_step: bool
@@ -63,12 +71,15 @@ class SessionTransfers:
         if not keys:
             return []
         reset = self._resets.epoch
-        pinned = self._lookups.pin(keys, positions, req_id, self._per_record, reset)
-        if pinned is not None:      # the common case, compiled (kvd_proto/_steps.c)
-            offsets, keyset, record, done = pinned
-            self._loads.start_distinct(keyset, (self._step_epoch, reset, req_id), done)
-            self._post(record)
-            return offsets
+        epochs = (self._step_epoch, reset, req_id)
+        steps = self._steps
+        if steps is not None:       # the common case, compiled (kvd_proto/_steps.c)
+            pinned = steps.pin(keys, positions, req_id, self._per_record, reset)
+            if pinned is not None:
+                found, keyset, record, completion = pinned
+                self._loads.start_distinct(keyset, epochs, completion)
+                self._post(record)
+                return found
         offsets: list[Any] = list(map(self._lookups.hit_offset, keys))
         loaded = [k for k, o in zip(keys, offsets, strict=True) if o is not None]
         loaded_offsets = [o for o in offsets if o is not None]
@@ -82,7 +93,13 @@ class SessionTransfers:
                 offsets = [missing if o is None else o for o in offsets]
             if not loaded:
                 return offsets
-        distinct = self._loads.start(loaded, (self._step_epoch, self._resets.epoch, req_id))
+            done: bytes | None = None
+        else:
+            # Every key a HIT: the pin's whole completion is made now, while the keys are at
+            # hand, as the compiled pin makes it (kept where they are one record's, distinct).
+            done = rec.encode_complete_load(loaded, req_id, reset) \
+                if len(loaded) <= self._per_record else None
+        distinct = self._loads.start(loaded, epochs, done)
         self._put(messages.pin(loaded, req_id, pos, loaded_offsets, self._per_record, distinct))
         return offsets
 
@@ -118,18 +135,20 @@ class SessionTransfers:
         store spec wants), or None when the reserve cannot hold them all now."""
         if not self._in_step:
             self._begin()
-        if self._lookups.enabled and not self._stores.failed and self.client.available:
+        stores = self._stores
+        steps = self._steps
+        if steps is not None and self._lookups.enabled and not stores.failed and \
+                self.client.available:
             # The common case in one compiled pass (kvd_proto/_steps.c); None: this path.
-            stores = self._stores
-            done = self._lookups.store(keys, positions, req_id, self._reserve.slots,
-                                       stores.shared(self._resets.store_epoch, self._msgs.seq),
-                                       self._per_record, MAX_LOCAL_STORES - len(stores.stores))
+            done = steps.store(keys, positions, req_id, self._reserve.slots,
+                               stores.shared(self._resets.store_epoch, self._link.seq),
+                               self._per_record, MAX_LOCAL_STORES - len(stores.stores))
             if done is not None:
-                new, slots, record = done
+                new, taken, record = done
                 self._reserve.took(len(new))
                 if record is not None:
                     self._post(record)
-                return new, slots
+                return new, taken
         if self._index is None or not self.client.available:
             return [], []
         new = self.new_keys(keys)
@@ -138,9 +157,14 @@ class SessionTransfers:
             return None
         if not new:
             return new, slots
-        # During a reset this session asked for, the stores' epoch is the reset's answer:
-        # UNKNOWN_EPOCH until it arrives.
-        self._stores.add(new, slots, self._resets.store_epoch, self._msgs.seq)
+        # A call the compiled store takes (one record's distinct keys, no failed store of
+        # this engine waiting) makes, as it does, the record of its whole completion. During
+        # a reset this session asked for, the stores' epoch is the reset's answer:
+        # UNKNOWN_EPOCH until it arrives (and no such record is made).
+        one_call = not stores.failed and len(keys) <= self._per_record and \
+            all(type(key) is bytes for key in keys) and len(set(keys)) == len(keys)
+        stores.add(new, slots, self._resets.store_epoch, self._link.seq,
+                   req_id if one_call else None)
         pos = positions if positions and len(positions) == len(keys) else None
         self._put(messages.store(keys, req_id, pos, new, slots, self._per_record))
         return new, slots
@@ -176,15 +200,21 @@ class SessionTransfers:
                        success: bool = True) -> None:
         """Stores of `keys` finished (every worker wrote its share). A failed one is gone for
         this engine at once: its lookups answer MISS and an offer stores it again."""
-        if success:                 # the common case, compiled (kvd_proto/_steps.c)
-            done = self._lookups.complete(keys, self._stores.completed, req_id,
-                                          self._per_record)
+        stores = self._stores
+        steps = self._steps
+        if success and steps is not None:   # the common case, compiled (kvd_proto/_steps.c)
+            done = steps.complete(keys, stores.completed, req_id, self._per_record)
             if done is not None:
                 entry, record = done
-                self._stores.completing(entry)
+                stores.completing(entry)
                 self._post(record)
                 return
-        by_reset, unknown = self._stores.complete(keys, req_id, success, self._msgs.seq)
+        # Exactly one store call's keys: the record made with it, as the compiled one sends.
+        whole = stores.call_record(keys) if success else None
+        by_reset, unknown = stores.complete(keys, req_id, success, self._link.seq)
+        if whole is not None:
+            self._put([whole])
+            return
         if unknown:
             self._put(self._old.finished_records(unknown))
         for reset, group in by_reset.items():

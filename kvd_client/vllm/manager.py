@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
+from kvd_client.client import KvdClient
 from kvd_client.dataplane.planner import SKIP
 from kvd_client.offload.admission import DEFAULT_MAX_KEYS, OfferCounter
 from kvd_client.offload.session import OffloadSession
@@ -53,10 +54,11 @@ class KvdOffloadingManager(OffloadingManager):
         self._stats = OffloadStats(session, self._admission)
         # vLLM's scheduler calls lookup(key, req_context) once per chunk: straight into the
         # session, which answers in vLLM's LookupResult (see OffloadSession's `answers`).
-        self.lookup = session.lookup  # type: ignore[method-assign]
+        self.lookup = session.lookup  # type: ignore[method-assign,assignment]  # vLLM names the context req_context: passed by position
 
     @property
-    def client(self):  # noqa: ANN201 - the KvdClient, for tests and benchmarks
+    def client(self) -> KvdClient:
+        """The session's client, for tests and benchmarks."""
         return self.session.client
 
     @staticmethod

@@ -71,7 +71,7 @@ class AttachRoles:
             # A data-plane worker has no session: its transfer totals come this way.
             core.sessions.check_peer(peer)
             r = request.report
-            core.transfer_report(None, TransferStats(
+            core.transfer_report(TransferStats(
                 load_bytes=r.load_bytes, load_seconds=r.load_seconds,
                 store_bytes=r.store_bytes, store_seconds=r.store_seconds))
             self.observe_transfer(r.load_sizes, r.store_sizes)

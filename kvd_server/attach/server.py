@@ -71,8 +71,7 @@ class AttachServer:
         # Insertion-ordered: when too many peers sit silent, the one silent longest is dropped,
         # so silent or slow peers can never keep a real engine from attaching.
         self._waiting: dict[asyncio.Task[None], None] = {}
-        self.attaches_total = 0
-        self.refusals_total = 0
+        self.refusals_total = 0          # requests refused (`kvd stats`: connections)
 
     async def start(self) -> None:
         clear_stale_socket(self.path)
@@ -159,7 +158,6 @@ class AttachServer:
         sent = await _send_with_fds(loop, conn, payload, fds)
         if sent < len(payload):
             await loop.sock_sendall(conn, payload[sent:])
-        self.attaches_total += 1
         if request.role != ROLE_REPORT and log.isEnabledFor(logging.DEBUG):
             log.debug("attach: pid %d uid %d gid %d as %s%s: %d descriptor(s), %s", peer.pid,
                       peer.uid, peer.gid, request.role,

@@ -73,7 +73,6 @@ class Channel:
         self._buf = memoryview(self._map)
         self.view = ChannelView(self._buf, header, engine=False)
         self.last_record = time.monotonic()
-        self.records_total = 0
         self.closed = False
 
     def pending(self) -> int:
@@ -255,7 +254,6 @@ class ChannelHub:
             reader.commit()
             writer.publish()
         if n:
-            channel.records_total += n
             self._heartbeat(channel.session)
         return n
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from google.protobuf.message import Message
 
     from kvd_proto import kvd_pb2
-    from kvd_server.ops.stats import RestartStats, StatsSnapshot, TierStats
+    from kvd_server.ops.stats import ConnectionStats, RestartStats, StatsSnapshot, TierStats
 
 WIDTH = 80
 
@@ -67,6 +67,16 @@ def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
         ("evictions_total", t.evictions_total),
         ("trouble", f"{t.corrupt_total} corrupt blocks dropped, {t.failures_total} I/O errors"),
         ("queue_depth", t.queue_depth),
+    ]
+
+
+def _connection_rows(c: ConnectionStats) -> list[tuple[str, Any]]:
+    """The sockets at a glance: gRPC connections now, and those turned away or closed."""
+    return [
+        ("open", f"{c.open} to the gRPC socket"),
+        ("refused_total", f"{c.refused_total} (a uid at server.max_connections_per_uid)"),
+        ("closed", f"{c.idle_closed_total} idle, {c.shed_total} shed at the descriptor limit"),
+        ("attach_refused_total", c.attach_refused_total),
     ]
 
 
@@ -159,6 +169,7 @@ def render_stats(snap: StatsSnapshot) -> str:
         ("index loops", "compiled" if channels.native else "pure Python (no C compiler at "
                                                             "install: slower)"),
     ])
+    lines += [""] + _rows("connections", _connection_rows(snap.connections))
     lines += [""] + _rows("restart", _restart_rows(snap.restart))
     for tier in snap.tiers:
         lines += [""] + _rows(f"tier {tier.name}", _tier_rows(tier))

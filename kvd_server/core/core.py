@@ -225,9 +225,9 @@ class KvdCore:
         if not self.sessions.remove(s, reaped=reaped):
             return
         ns = s.ns
-        pins = [(epoch, key) for (epoch, key), n in s.pins.items() for _ in range(n)]
-        pins += [(epoch, key) for key, (_, epoch) in s.leases.items()]
-        held = Held(ns, s.id, s.peer.pid, self.clock(), [], pins, s.reader) \
+        refs = [(epoch, key) for (epoch, key), n in s.pins.items() for _ in range(n)]
+        refs += [(epoch, key) for key, (_, epoch) in s.leases.items()]
+        held = Held(ns, s.id, s.peer.pid, self.clock(), [], refs, s.reader) \
             if ns is not None else None
         if ns is not None and held is not None:
             mgr = ns.mgr
@@ -249,7 +249,7 @@ class KvdCore:
                 what = "released"
             self.namespaces.leave(ns)
             log.info("session %s ended (%s): %s %d pins and leases and %d unfinished stores",
-                     s.id, reason, what, len(held.pins), len(held.slots))
+                     s.id, reason, what, len(held.refs), len(held.slots))
         else:
             log.info("session %s ended (%s) before registering", s.id, reason)
         self.leases.drop(s)
@@ -347,7 +347,7 @@ class KvdCore:
         for s in self.sessions:
             if s.ns is ns and s.leases:
                 self.leases.release(s, ns.mgr)
-        NamespaceTable.maybe_release(ns)
+        ns.release_extents()
         self.resets_total += 1
         log.info("namespace %s reset: %d blocks dropped, epoch %d -> %d", ns.id, dropped, old,
                  ns.epoch)
@@ -358,8 +358,8 @@ class KvdCore:
         dropped = sum(self._reset(ns) for ns in targets)
         return AdminResetAnswer(dropped, len(targets))
 
-    def transfer_report(self, s: Session | None, report: TransferStats) -> None:
-        """Add a client's transfer totals; `s` is None for a data-plane worker's report."""
+    def transfer_report(self, report: TransferStats) -> None:
+        """Add a data-plane worker's transfer totals (the attach role `report`)."""
         t = self.transfers
         t.load_bytes += report.load_bytes
         t.load_seconds += max(0.0, report.load_seconds)

@@ -1,10 +1,11 @@
 """Lookup leases of the call protocol: a HIT held readable for a while, without a pin yet.
 
-A client that looks keys up with `lease_ms` gets each HIT pinned under a lease until it loads
-it (PrepareLoad turns the lease into its pin), gives it back (CompleteLoad without a load) or
-the lease expires (the sweep, on 100 ms ticks). A lease is per (session, key), renewed by a
-later lookup, and dies with its epoch at a reset. The engines on the shared-index protocol
-need none: their published epoch keeps what they found readable.
+A client that looks keys up with `lease_ms` gets each HIT held under a lease (one ref on its
+block, `NamespaceManager.lease`) until it loads it (PrepareLoad turns the lease into its load
+pin), gives it back (CompleteLoad without a load) or the lease expires (the sweep, on 100 ms
+ticks). A lease is per (session, key), renewed by a later lookup, and dies with its epoch at a
+reset. The engines on the shared-index protocol need none: their published epoch keeps what
+they found readable.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ class Leases:
                 raise ResourceExhausted(f"session holds {len(s.leases)} leases already; load "
                                         "or let them expire")
             if current is not None:  # a lease from an older epoch: release its zombie ref
-                mgr.unpin(key, current[1])
+                mgr.release_lease(key, current[1])
                 self._timers.discard(s.token, key, current[0])
-            if not mgr.pin(key):
+            if not mgr.lease(key):
                 s.leases.pop(key, None)
                 return None
             s.leases[key] = (expiry, epoch)
@@ -107,7 +108,7 @@ class Leases:
             return False
         del s.leases[key]
         self._timers.discard(s.token, key, lease[0])
-        mgr.unpin(key, epoch)
+        mgr.release_lease(key, epoch)
         return True
 
     def drop(self, s: Session) -> None:
@@ -119,13 +120,11 @@ class Leases:
     def release(self, s: Session, mgr: NamespaceManager) -> None:
         """Release every lease of `s` (a reset: they die with the epoch)."""
         for key, (_, epoch) in s.leases.items():
-            mgr.unpin(key, epoch)
+            mgr.release_lease(key, epoch)
         self.drop(s)
 
     def expire(self, now: float, session_of: Callable[[str], Session | None]) -> None:
         """Release the leases whose deadline passed (unless renewed meanwhile)."""
-        from kvd_server.core.namespaces import NamespaceTable
-
         for token, key in self._timers.due(now):
             s = session_of(token)
             if s is None:
@@ -138,6 +137,6 @@ class Leases:
                 continue
             del s.leases[key]
             if s.ns is not None:
-                s.ns.mgr.unpin(key, lease[1])
-                NamespaceTable.maybe_release(s.ns)
+                s.ns.mgr.release_lease(key, lease[1])
+                s.ns.release_extents()
             self.expired_total += 1

@@ -112,6 +112,27 @@ class Namespace:
         loses nothing but its counters."""
         return not self.sessions and self.mgr.is_empty() and not self.slots.in_use
 
+    def release_extents(self) -> None:
+        """Give its extents back to the pool when it holds no block (after whatever may have
+        emptied it: a reset, the end of a session, a lease or a load), so that other
+        namespaces may grow; nothing while any slot is in use (granted, held, in limbo)."""
+        if self.slots.extents_held() and self.mgr.is_empty():
+            self.slots.collect()
+            self.slots.release_extents()
+
+    def close(self) -> int:
+        """It is forgotten (unused): its extents go back to the pool, its reclamation and
+        index close; the index's bytes given back."""
+        self.slots.closed = True         # an extent draining for it goes to the pool
+        self.slots.release_extents()
+        if self.reclaim is not None:
+            self.reclaim.close()
+        if self.index is None:
+            return 0
+        freed = self.index.header.file_bytes
+        self.index.close()
+        return freed
+
 
 def namespace_id(model: str, layout: KvLayout, salt: str, tenant: str) -> str:
     """Digest of everything that must match for two engines to share blocks.
@@ -185,7 +206,7 @@ class NamespaceTable:
 
     def leave(self, ns: Namespace) -> None:
         ns.sessions -= 1
-        self.maybe_release(ns)
+        ns.release_extents()
 
     def _create(self, ns_id: str, model: str, layout: KvLayout, salt: str,
                 tenant: str) -> Namespace:
@@ -286,13 +307,7 @@ class NamespaceTable:
         freed = 0
         for ns in gone:
             del self._namespaces[ns.id]
-            ns.slots.closed = True         # an extent draining for it goes to the pool
-            ns.slots.release_extents()
-            if ns.reclaim is not None:
-                ns.reclaim.close()
-            if ns.index is not None:
-                freed += ns.index.header.file_bytes
-                ns.index.close()
+            freed += ns.close()
             if self.files is not None:
                 self.files.forgotten(ns)
             for hook in self.on_forgotten:
@@ -359,13 +374,6 @@ class NamespaceTable:
                 return True
         return False
 
-    @staticmethod
-    def maybe_release(ns: Namespace) -> None:
-        """Give an empty namespace's extents back to the pool."""
-        if ns.slots.extents_held() and ns.mgr.is_empty():
-            ns.slots.collect()
-            ns.slots.release_extents()
-
 
 @dataclass(slots=True)
 class Held:
@@ -376,7 +384,8 @@ class Held:
     pid: int
     since: float
     slots: list[int]                    # slots of unfinished stores it may still be writing
-    pins: list[tuple[int, bytes]]       # (epoch, key) refs of blocks it may still be reading
+    refs: list[tuple[int, bytes]]       # (epoch, key) of its load pins and lookup leases:
+                                        # blocks it may still be reading
     reader: bool = False                # its published index epoch still holds back reuse
     start: int = 0                      # its process's start time (0: unknown, pid alone)
 
@@ -409,7 +418,7 @@ class SlotQuarantine:
                    for q in self._held)
 
     def hold(self, held: Held) -> None:
-        if held.slots or held.pins or held.reader:
+        if held.slots or held.refs or held.reader:
             self._held.append(held)
 
     def release_due(self) -> None:
@@ -424,24 +433,26 @@ class SlotQuarantine:
 
     def release_session(self, session_id: str, pid: int) -> tuple[int, int] | None:
         """Give back what the ended session `session_id` of process `pid` held, at the word of
-        a later session of that process; (pins, slots) released, None if none such is held."""
+        a later session of that process; (pins and leases, slots) released, None if none such
+        is held."""
         for i, q in enumerate(self._held):
             if q.session_id == session_id and q.pid == pid:
                 del self._held[i]
                 self.release(q)
-                return len(q.pins), len(q.slots)
+                return len(q.refs), len(q.slots)
         return None
 
     @staticmethod
     def release(q: Held) -> None:
         """Give back one session's holdings to its namespace."""
-        for epoch, key in q.pins:
-            q.ns.mgr.unpin(key, epoch)
+        mgr = q.ns.mgr
+        for epoch, key in q.refs:         # a pin or a lease: one ref, released alike
+            mgr.complete_load((key,), None, epoch)
         for slot in q.slots:
             q.ns.slots.free(slot)
         if q.reader and q.ns.reclaim is not None:
             q.ns.reclaim.release_reader(q.session_id)
-        NamespaceTable.maybe_release(q.ns)
+        q.ns.release_extents()
 
     def __bool__(self) -> bool:
         return bool(self._held)
@@ -449,8 +460,9 @@ class SlotQuarantine:
     def slots_held(self) -> int:
         return sum(len(q.slots) for q in self._held)
 
-    def pins_held(self) -> int:
-        return sum(len(q.pins) for q in self._held)
+    def refs_held(self) -> int:
+        """Load pins and lookup leases ended sessions hold (blocks they may still read)."""
+        return sum(len(q.refs) for q in self._held)
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,8 +1,9 @@
 """One namespace's offload index: vLLM 0.33 CPUOffloadingManager semantics plus what a shared
-daemon needs (lease pins, epochs, zombies).
+daemon needs (lookup leases, epochs, zombies).
 
 Block states: storing (invisible to lookups as HIT) -> ready (unpinned, evictable) -> pinned
-(being loaded or leased); kept per slot in a `BlockTable`, keys in the shared index. Eviction
+(held by a load's pin or a lookup's lease: one ref each); kept per slot in a `BlockTable`,
+keys in the shared index. Eviction
 is all-or-nothing and never touches storing, pinned or offered blocks. `reset()` drops every
 block at once; a block still being copied (pinned or storing) keeps its slot as a zombie of
 the old epoch (manager/zombies.py) until the copy's completion with that epoch arrives, so no
@@ -12,7 +13,7 @@ is recorded apart (manager/requests.py), so are the events (manager/events.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,8 @@ from .events import EventQueue
 from .policies import RequestState, make_policy
 from .requests import RecencyBudget, RequestLog
 from .types import (
+    NO_BELOW,
+    BelowPort,
     BlockCounts,
     Lookup,
     OfferResult,
@@ -40,13 +43,15 @@ from .zombies import Zombies
 
 @dataclass(slots=True)
 class ManagerCounters:
+    """A namespace's block counters, each shown in its row of the stats (ops/snapshot.py):
+    a counter kept here and shown nowhere would cost the hot path for no reader."""
+
     evictions_total: int = 0
     stores_started_total: int = 0
     stores_completed_total: int = 0
     stores_failed_total: int = 0
     store_rejections_total: int = 0
     events_dropped_total: int = 0
-    resets_total: int = 0
 
 
 class NamespaceManager:
@@ -73,14 +78,16 @@ class NamespaceManager:
         self._evictable = 0
         self._zombies = Zombies()
         self.requests = RequestLog(self.policy, budget)
-        # A tier below the pool (kvd_server/tiers/demotion.py): given the evicted (key, slot)
-        # pairs before their slots are freed, it copies what it takes and returns those keys
-        # (their removed events wait until no tier holds them: `lost_below`).
-        self.below: Callable[[Sequence[tuple[bytes, int]]], Collection[bytes]] | None = None
-        self.below_reset: Callable[[], None] | None = None
-        # Told of blocks as they become readable, (keys, slots): a tier that publishes every
-        # stored block (the cluster tier) copies them from there.
-        self.on_stored: Callable[[Sequence[bytes], Sequence[int]], None] | None = None
+        # The tiers under the pool (a BelowPort): evicted blocks go down before their slots
+        # are freed (their removed events wait until no tier holds them: `lost_below`),
+        # stored blocks are told, a reset drops what is held below; NO_BELOW without a tier.
+        self.below: BelowPort = NO_BELOW
+
+    def attach_below(self, below: BelowPort) -> None:
+        """The tier's port, set once when a tier joins the namespace (kvd_server/tiers/
+        demotion.py): the tier link joins namespaces the table has made already, so the port
+        cannot be handed to the constructor."""
+        self.below = below
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -144,25 +151,23 @@ class NamespaceManager:
         """Pin readable blocks found in `slots`, and record the request's access to them."""
         state = self.requests.opened(req, keys, positions)
         blocks = self.table.state
-        for slot in slots:                          # `_pin` of each
+        for slot in slots:                          # a pin: one ref each
             if blocks[slot] == READY:
                 self._evictable -= 1
             blocks[slot] += 1
         self.requests.record(keys, state, reused=keys,
                              slot_of=dict(zip(keys, slots, strict=True)))
 
-    def _pin(self, slot: int) -> None:
+    def lease(self, key: bytes) -> bool:
+        """A lookup's lease (kvd_server/core/leases.py): one more ref on a readable block,
+        without recency effects (a lease is no access); False when it is not readable."""
+        slot = self.table.find(key)
         blocks = self.table.state
+        if slot < 0 or blocks[slot] == STORING:
+            return False
         if blocks[slot] == READY:
             self._evictable -= 1      # the policy sees it is no longer READY
         blocks[slot] += 1
-
-    def pin(self, key: bytes) -> bool:
-        """A lease: one more ref on a ready block, without recency effects."""
-        slot = self.table.find(key)
-        if slot < 0 or self.table.state[slot] == STORING:
-            return False
-        self._pin(slot)
         return True
 
     def complete_load(self, keys: Sequence[bytes], req: Hashable | None = None,
@@ -185,8 +190,9 @@ class NamespaceManager:
             self._evictable += len(unpinned)
             self.policy.mark_evictable_many(unpinned)
 
-    def unpin(self, key: bytes, epoch: int | None = None) -> None:
-        """Release a lease taken with pin()."""
+    def release_lease(self, key: bytes, epoch: int | None = None) -> None:
+        """Release a lease taken with lease() in `epoch` (its ref, as a load's completion
+        releases its pin)."""
         self.complete_load((key,), None, epoch)
 
     def _free_or_hold(self, slot: int, hold: list[int] | None) -> None:
@@ -237,7 +243,7 @@ class NamespaceManager:
         if victims is None:
             return None
         self._evictable -= len(victims)
-        kept = self.below(victims) if self.below is not None else ()
+        kept = self.below.demote(victims)
         evicted = [key for key, _ in victims]
         slots = [slot for _, slot in victims]
         self.table.drop_many(slots)
@@ -351,8 +357,7 @@ class NamespaceManager:
                 self.policy.mark_evictable_many(ready_slots)
                 self.counters.stores_completed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=False))
-                if self.on_stored is not None:
-                    self.on_stored(changed, ready_slots)
+                self.below.stored(changed, ready_slots)
             else:
                 self.counters.stores_failed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))
@@ -396,8 +401,7 @@ class NamespaceManager:
         if not slots:
             return True
         keys = tuple(self.table.key_of(slot) for slot in slots)
-        kept = self.below(list(zip(keys, slots, strict=True))) if self.below is not None \
-            else ()
+        kept = self.below.demote(list(zip(keys, slots, strict=True)))
         for slot in slots:
             self.policy.remove(slot)
             self.table.drop(slot)
@@ -427,8 +431,7 @@ class NamespaceManager:
         """Drop every block; blocks still being copied become zombies. Returns blocks dropped."""
         table = self.table
         dropped = len(table)
-        if self.below_reset is not None:         # a reset drops what the tiers hold too
-            self.below_reset()
+        self.below.reset()          # a reset drops what the tiers hold too
         freed = self._zombies.take_over(self.epoch, table)
         self.policy.clear()
         table.clear()
@@ -441,5 +444,4 @@ class NamespaceManager:
         self.requests.new_generation()
         self.epoch += 1
         self.index.reset_epoch = self.epoch
-        self.counters.resets_total += 1
         return dropped

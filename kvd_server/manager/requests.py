@@ -49,8 +49,7 @@ class RequestLog:
     def __init__(self, policy: Policy, budget: RecencyBudget | None) -> None:
         self.policy = policy
         self._requests: dict[Hashable, RequestState] = {}
-        if hasattr(policy, "open_requests"):
-            policy.open_requests = self._requests.values()  # type: ignore[attr-defined]
+        policy.open_requests = self._requests.values()
         self._tracked = 0                     # keys recorded by the open requests
         self._budget = budget
         self.generation = 0

@@ -1,23 +1,20 @@
-"""Records and the contract shared by the offload manager, its policies and the daemon core.
+"""Records and the contracts shared by the offload manager, its policies and the daemon core.
 
 The manager is pure logic (no I/O, no clock): one `NamespaceManager` per namespace holds the
-index key -> block and applies vLLM 0.33's CPUOffloadingManager semantics over a `SlotSource`.
+index key -> block and applies vLLM 0.33's CPUOffloadingManager semantics over a `SlotSource`,
+with a `BelowPort` to what lies under the pool (`NO_BELOW` without a tier).
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvd_proto.wire import BlockState
 
-class Lookup(enum.IntEnum):
-    """Answer of a lookup; values equal the wire enum kvd.v1.BlockState."""
-
-    MISS = 1
-    HIT = 2
-    HIT_PENDING = 3
+# Answer of a lookup: the wire's block states (kvd_proto/wire.py), MISS / HIT / HIT_PENDING.
+Lookup = BlockState
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,3 +101,41 @@ class SlotSource(Protocol):
         """Try to grow by at least `n` slots at someone else's expense (another namespace
         giving back an extent); True when free_count() grew."""
         ...
+
+
+class BelowPort(Protocol):
+    """What a namespace's manager needs of the tiers under the pool: one port, the tier's
+    demoter bound to the namespace (kvd_server/tiers/demotion.py), or `NO_BELOW`. Called on
+    the event loop; a port never calls back into the manager from these."""
+
+    def demote(self, victims: Sequence[tuple[bytes, int]]) -> Collection[bytes]:
+        """Evicted (key, slot) blocks, before their slots are freed: the tier copies what it
+        takes now; the keys it took (their removed events wait until no tier holds them)."""
+        ...
+
+    def stored(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Blocks that just became readable, in their slots (a tier that publishes every
+        stored block copies them from there)."""
+        ...
+
+    def reset(self) -> None:
+        """The namespace is reset: what the tiers hold of it goes too."""
+        ...
+
+
+class NoBelow:
+    """The `BelowPort` of a namespace without a tier: nothing is kept below, nothing told."""
+
+    __slots__ = ()
+
+    def demote(self, victims: Sequence[tuple[bytes, int]]) -> Collection[bytes]:
+        return ()
+
+    def stored(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+
+NO_BELOW: BelowPort = NoBelow()

@@ -45,7 +45,6 @@ class TenantPools:
         self._pools: dict[str, HostPool] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-pool")
         self.extent_bytes = 0       # set by the daemon once the extent size is known
-        self.moves_total = 0
 
     @property
     def backing(self) -> str:
@@ -78,7 +77,6 @@ class TenantPools:
 
     def relocate(self, extent: int, old: str | None, new: str) -> None:
         """ExtentAllocator.on_move: extent `extent` now belongs to `new`; move its pages."""
-        self.moves_total += 1
         source = self._pools.get(old) if old is not None else None
         target = self.for_tenant(new)
         offset, length = extent * self.extent_bytes, self.extent_bytes

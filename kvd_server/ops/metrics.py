@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from kvd_server.ops.stats import (
     BlockStats,
     ChannelStats,
+    ConnectionStats,
     NamespaceStats,
     PoolStats,
     RestartStats,
@@ -141,6 +142,7 @@ class StatsCollector(Collector):
         yield from _tenants(snap.tenants)
         yield from _transfers(snap.transfers)
         yield from _channels(snap.channels)
+        yield from _connections(snap.connections)
         yield from _restart(snap.restart)
         yield from _tiers(snap.tiers)
 
@@ -324,6 +326,20 @@ def _channels(channels: ChannelStats) -> Iterator[Metric]:
                    channels.broken_total)
     yield _gauge("kvd_native", "1 when the shared index's loops run compiled (kvd_proto."
                  "_native), 0 on the pure-Python twins.", 1 if channels.native else 0)
+
+
+def _connections(connections: ConnectionStats) -> Iterator[Metric]:
+    yield _gauge("kvd_connections", "Connections to the gRPC socket piped to the server now.",
+                 connections.open)
+    yield _counter("kvd_connections_refused", "Connections refused: their uid held "
+                   "server.max_connections_per_uid already.", connections.refused_total)
+    yield _counter("kvd_connections_idle_closed", "Connections closed after "
+                   "server.idle_timeout without traffic (or sending nothing at all).",
+                   connections.idle_closed_total)
+    yield _counter("kvd_connections_shed", "Connections closed, the idlest first, at the "
+                   "daemon's descriptor limit.", connections.shed_total)
+    yield _counter("kvd_attach_refused", "Requests on the attach socket refused (not allowed, "
+                   "draining, a limit, malformed).", connections.attach_refused_total)
 
 
 _TIER_COUNTERS = (

@@ -29,7 +29,7 @@ from kvd_server.ops.stats import (
     TransferTotals,
 )
 
-# The manager's counters a namespace row carries as they are (its resets_total is the core's).
+# The manager's counters a namespace row carries as they are.
 MANAGER_COUNTERS = tuple(f.name for f in dataclasses.fields(ManagerCounters)
                          if f.name in NAMESPACE_COUNTERS)
 
@@ -77,7 +77,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
                        extents_free=ext.free_extents(),
                        prefault_bytes_done=facts.prefault_bytes_done, mlocked=facts.mlocked,
                        quarantined_slots=core.quarantine.slots_held(),
-                       quarantined_pins=core.quarantine.pins_held()),
+                       quarantined_pins=core.quarantine.refs_held()),
         blocks=blocks,
         sessions=len(sessions),
         clients=ClientStats(active=len(sessions), attached_total=sessions.attached_total,
@@ -94,6 +94,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
             load_bytes_total=t.load_bytes, load_seconds_total=t.load_seconds,
             store_bytes_total=t.store_bytes, store_seconds_total=t.store_seconds),
         channels=facts.channels,
+        connections=facts.connections,
         restart=facts.restart,
         tiers=list(facts.tiers),
         rpc=dict(sorted(facts.rpc.items())),

@@ -42,7 +42,8 @@ class PoolStats:
     prefault_bytes_done: int = 0
     mlocked: bool = False
     quarantined_slots: int = 0     # slots ended sessions may still be writing
-    quarantined_pins: int = 0      # blocks ended sessions may still be reading
+    quarantined_pins: int = 0      # load pins and leases of ended sessions (blocks they may
+                                   # still be reading)
 
 
 @dataclass(slots=True)
@@ -168,6 +169,18 @@ class ChannelStats:
 
 
 @dataclass(slots=True)
+class ConnectionStats:
+    """The daemon's sockets: connections to the gRPC socket (its front door, which owns the
+    socket and pipes each connection to gRPC) and requests on the attach socket."""
+
+    open: int = 0                        # gRPC connections piped now
+    refused_total: int = 0               # their uid held server.max_connections_per_uid
+    idle_closed_total: int = 0           # no traffic for server.idle_timeout (or none at all)
+    shed_total: int = 0                  # the idlest closed at the descriptor limit
+    attach_refused_total: int = 0        # attach requests refused (the answer says why)
+
+
+@dataclass(slots=True)
 class RestartStats:
     """Warm restart (kvd_server/restart/): what this daemon adopted from its predecessor."""
 
@@ -202,6 +215,7 @@ class StatsSnapshot:
     stats: Totals = field(default_factory=Totals)
     transfers: TransferTotals = field(default_factory=TransferTotals)
     channels: ChannelStats = field(default_factory=ChannelStats)
+    connections: ConnectionStats = field(default_factory=ConnectionStats)
     restart: RestartStats = field(default_factory=RestartStats)
     tiers: list[TierStats] = field(default_factory=list)     # below the pool (disk)
     rpc: dict[str, RpcCount] = field(default_factory=dict)
@@ -219,8 +233,8 @@ class StatsSnapshot:
 
 @dataclass(slots=True, frozen=True)
 class DaemonFacts:
-    """What only the assembled daemon knows: its sockets, the pool's backing and progress, the
-    RPC layer's counts."""
+    """What only the assembled daemon knows: its sockets (and their connections), the pool's
+    backing and progress, the RPC layer's counts."""
 
     socket: str = ""
     attach_socket: str = ""
@@ -232,6 +246,7 @@ class DaemonFacts:
     step_ops_total: int = 0
     rpc: dict[str, RpcCount] = field(default_factory=dict)
     channels: ChannelStats = field(default_factory=ChannelStats)
+    connections: ConnectionStats = field(default_factory=ConnectionStats)
     restart: RestartStats = field(default_factory=RestartStats)
     tiers: list[TierStats] = field(default_factory=list)
 

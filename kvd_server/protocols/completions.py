@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvd_server.core.namespaces import NamespaceTable
 from kvd_server.errors import FailedPrecondition
 
 if TYPE_CHECKING:
@@ -69,7 +68,7 @@ class Completions:
             core.completed_load_bytes += len(released) * ns.layout.block_bytes
         stale = epoch < ns.epoch
         if stale:
-            NamespaceTable.maybe_release(ns)
+            ns.release_extents()
         return stale
 
     def complete_store(self, s: Session, keys: Sequence[bytes], success: bool, req_id: str,
@@ -117,12 +116,12 @@ class Completions:
             ns.mgr.complete_store(late_keys, False, None, bound, slots=late_slots)
         if epoch < ns.epoch:
             ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
-            NamespaceTable.maybe_release(ns)
+            ns.release_extents()
             return CompleteStoreResult(True, 0, mismatched)
         completed = ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
         core.completed_store_bytes += completed * ns.layout.block_bytes
         if not success:
-            NamespaceTable.maybe_release(ns)
+            ns.release_extents()
         return CompleteStoreResult(False, completed, mismatched)
 
     @staticmethod

@@ -186,7 +186,6 @@ class WarmRestart:
         if previous is None or manifest is None:
             return
         started = time.monotonic()
-        table = core.namespaces
         checked: list[tuple[Namespace, np.ndarray]] = []
         for record in previous.namespaces.values():
             ns = self._adopt_index(core, record)
@@ -206,7 +205,7 @@ class WarmRestart:
         self.dir.write(manifest)
         self._take_over_sessions(core, {ns.id: ns for ns, _ in checked})
         for ns, _ in checked:
-            table.maybe_release(ns)
+            ns.release_extents()
         self.stats.adopted = True
         self.stats.adopted_at = time.time()
         self.stats.adopt_seconds = time.monotonic() - started

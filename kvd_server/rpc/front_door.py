@@ -142,6 +142,8 @@ class FrontDoor:
         self._tasks: list[asyncio.Task[None]] = []
         self._conns: set[_Connection] = set()
         self._by_uid: Counter[int] = Counter()
+        # Connections refused at the per-uid limit, closed idle, shed at the descriptor
+        # limit (`kvd stats`: connections).
         self.refused_total = 0
         self.idle_closed_total = 0
         self.shed_total = 0

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -36,14 +35,13 @@ from kvd_proto.wire import (
     MAX_OPS_PER_STEP,
     MAX_SESSIONS_LIMIT,
     MAX_STRING_BYTES,
-    MAX_TRANSFER_SAMPLES,
     SESSION_TOKEN_METADATA,
     SLOT_ALIGNMENT,
     KvLayout,
 )
 from kvd_server import __version__
 from kvd_server.config import Config
-from kvd_server.core.core import DaemonState, KvdCore, TransferStats
+from kvd_server.core.core import DaemonState, KvdCore
 from kvd_server.core.sessions import EngineInfo, Session, SessionView
 from kvd_server.errors import (
     InvalidArgument,
@@ -117,13 +115,6 @@ def _check_positions(positions: Sequence[int], n: int) -> list[int] | None:
         raise InvalidArgument(f"positions has {len(positions)} entries for {n} keys (must be "
                               "empty or one per key)")
     return list(positions)
-
-
-def _check_samples(samples: Sequence[int], field: str) -> list[int]:
-    if len(samples) > MAX_TRANSFER_SAMPLES:
-        raise InvalidArgument(f"{field} has {len(samples)} samples, more than "
-                              f"{MAX_TRANSFER_SAMPLES}")
-    return list(samples)
 
 
 def _op_keys(op: kvd_pb2.StepOp) -> int:
@@ -363,20 +354,6 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         answer = self._core.reset_namespace(s)
         return kvd_pb2.ResetResponse(epoch=answer.epoch, dropped_blocks=answer.dropped)
 
-    def _transfer_report(self, s: Session, req: kvd_pb2.TransferReport
-                         ) -> kvd_pb2.TransferReportResponse:
-        load_sizes = _check_samples(req.load_sizes, "load_sizes")
-        store_sizes = _check_samples(req.store_sizes, "store_sizes")
-        for name in ("load_seconds", "store_seconds"):
-            value = getattr(req, name)
-            if not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
-        self._core.transfer_report(s, TransferStats(
-            load_bytes=req.load_bytes, load_seconds=req.load_seconds,
-            store_bytes=req.store_bytes, store_seconds=req.store_seconds))
-        self._rpc.observe_transfer(load_sizes, store_sizes)
-        return kvd_pb2.TransferReportResponse()
-
     def _release_held(self, s: Session, req: kvd_pb2.ReleaseHeldRequest
                       ) -> kvd_pb2.ReleaseHeldResponse:
         pins, slots = self._core.release_held(s, _check_str(req.session_id, "session_id"))
@@ -423,7 +400,6 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         "request_finished": _request_finished,
         "take_events": _take_events,
         "reset": _reset,
-        "transfer_report": _transfer_report,
         "release_held": _release_held,
         "grant": _grant,
         "store_granted": _store_granted,

@@ -85,12 +85,42 @@ HELD_ALREADY: Future[bool] = done_future(True)
 
 
 class Tier(Protocol):
-    """A tier below the pool (see the module doc)."""
+    """A tier below the pool (see the module doc).
+
+    The members without a body are what every tier does. The optional capabilities after
+    them (sharing blocks between nodes, being made of several tiers) come with defaults for
+    a tier of this node alone, which a tier inherits by subclassing `Tier` (DiskTier,
+    ClusterTier and TierStack do): the daemon's tier machinery uses them on any tier, never
+    asking whether one has them."""
 
     name: str
     # Told, from any thread, of blocks the tier let go of by itself (its own evictions,
     # corrupt blocks), so that their removed events go out.
     on_dropped: Callable[[list[TierKey]], None] | None
+
+    # ------------------------------------------------- optional capabilities, defaults
+    # Whether every block is handed to `publish` as it is stored, not only to `demote` when
+    # the pool evicts it (the cluster tier shares blocks with other nodes as they appear).
+    publishes_stored: bool = False
+    # Told, from any thread, of keys other nodes published (True: named to the engines) or
+    # no longer hold (False); a tier of this node alone never calls it. Set by the daemon.
+    on_named: Callable[[list[TierKey], bool], None] | None = None
+
+    @property
+    def parts(self) -> tuple[Tier, ...]:
+        """The tiers this one is made of, each with its own stats and health (the daemon
+        reports and publishes each): itself, or a stack's two (tiers/stack.py)."""
+        return (self,)
+
+    def join_namespace(self, namespace: str, tenant: str) -> None:
+        """A namespace of this daemon exists (made, or there when the tier joined): a tier
+        that reads what other nodes published starts watching it. Nothing by default."""
+        return None     # a body, so that a subclass need not define it (not abstract)
+
+    def publish(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
+        """A block as it becomes readable (asked only of a tier that `publishes_stored`);
+        a demotion by default (the same copy-then-write contract)."""
+        return self.demote(key, data)
 
     @property
     def readable(self) -> bool:

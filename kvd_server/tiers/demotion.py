@@ -1,6 +1,7 @@
 """Joins a tier to the daemon: what the pool evicts goes down to it, what it drops is told.
 
-Every namespace gets the tier as its `below` (kvd_server/manager/namespace.py): the blocks its
+Every namespace's manager gets the demoter, bound to it, as its `BelowPort`
+(`NamespaceManager.attach_below`, kvd_server/manager/types.py): the blocks its
 policy evicts are handed to `Tier.demote` before their slots are freed (the tier copies them at
 once, then writes them on its own threads), and their removed events wait until no tier holds
 them. A demotion that fails later, and a block the tier itself evicts or finds corrupt, is
@@ -20,6 +21,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvd_server.errors import NotFound
+from kvd_server.manager.types import BelowPort
 from kvd_server.tiers.base import Tier, TierKey, succeeded
 from kvd_server.tiers.below_table import BelowTables
 from kvd_server.tiers.loop_inbox import LoopInbox
@@ -43,20 +45,24 @@ class Demoter:
         tier.on_dropped = self._dropped_async
 
     def join(self, ns: Namespace) -> None:
-        """Make the tier the namespace's `below`."""
-        ns.mgr.below = lambda victims, _ns=ns: self._demote(_ns, victims)
-        ns.mgr.below_reset = lambda _ns=ns: self._reset(_ns)
-        if getattr(self.tier, "publishes_stored", False):   # the cluster tier, by default
-            ns.mgr.on_stored = lambda keys, slots, _ns=ns: self._demote(
-                _ns, list(zip(keys, slots, strict=True)), self.tier.publish)
+        """Make the tier what lies below the namespace's blocks (its manager's port)."""
+        port: BelowPort = NamespaceDemoter(self, ns)
+        ns.mgr.attach_below(port)
 
-    def _reset(self, ns: Namespace) -> None:
+    def reset(self, ns: Namespace) -> None:
+        """The namespace is reset: the tier drops its blocks, its engines are told."""
         self.tier.remove_namespace(ns.id)
         self._tables.clear(ns.id)
 
-    def _demote(self, ns: Namespace, victims: Sequence[tuple[bytes, int]],
-                write: Callable[[TierKey, memoryview], Future[bool] | None] | None = None
-                ) -> Collection[bytes]:
+    def stored(self, ns: Namespace, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Blocks of `ns` became readable: a tier that publishes every stored block (the
+        cluster tier, by default) is handed them now; any other hears nothing of stores."""
+        if self.tier.publishes_stored:
+            self.demote(ns, list(zip(keys, slots, strict=True)), self.tier.publish)
+
+    def demote(self, ns: Namespace, victims: Sequence[tuple[bytes, int]],
+               write: Callable[[TierKey, memoryview], Future[bool] | None] | None = None
+               ) -> Collection[bytes]:
         """Hand evicted blocks to the tier (on the event loop, before their slots are freed),
         or, with `write` (the tier's `publish`), stored blocks; the keys it took."""
         write = write or self.tier.demote
@@ -105,3 +111,22 @@ class Demoter:
             except NotFound:                  # forgotten meanwhile: no one to tell
                 continue
             ns.mgr.lost_below(lost)
+
+
+class NamespaceDemoter:
+    """The demoter bound to one namespace: that namespace manager's `BelowPort`."""
+
+    __slots__ = ("_demoter", "_ns")
+
+    def __init__(self, demoter: Demoter, ns: Namespace) -> None:
+        self._demoter = demoter
+        self._ns = ns
+
+    def demote(self, victims: Sequence[tuple[bytes, int]]) -> Collection[bytes]:
+        return self._demoter.demote(self._ns, victims)
+
+    def stored(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        self._demoter.stored(self._ns, keys, slots)
+
+    def reset(self) -> None:
+        self._demoter.reset(self._ns)

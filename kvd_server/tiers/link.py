@@ -39,8 +39,7 @@ class TierLink:
         self._readable = False       # the first tick with the tier open names what it holds
         self.demoter = Demoter(tier, namespaces, pools, self.tables, loop)
         self.promoter = Promoter(tier, namespaces, pools, self.tables, loop, refusing)
-        if hasattr(tier, "on_named"):       # keys other nodes published (the cluster tier)
-            tier.on_named = self._named
+        tier.on_named = self._named     # keys other nodes published (a tier that shares)
         namespaces.on_made.append(self.join)
         namespaces.on_forgotten.append(self.forget)
         for ns in namespaces:
@@ -53,9 +52,7 @@ class TierLink:
                                             keys)
 
     def join(self, ns: Namespace) -> None:
-        join = getattr(self.tier, "join_namespace", None)    # the cluster tier's watch list
-        if join is not None:
-            join(ns.id, ns.tenant)
+        self.tier.join_namespace(ns.id, ns.tenant)     # the cluster tier's watch list
         self.demoter.join(ns)
         self.tables.join(ns.id, ns.layout.block_bytes)
 
@@ -88,7 +85,7 @@ class TierLink:
     @property
     def parts(self) -> tuple[Tier, ...]:
         """The tiers joined (two for a disk tier over the cluster store: tiers/stack.py)."""
-        return tuple(getattr(self.tier, "parts", (self.tier,)))
+        return self.tier.parts
 
     async def publish_health(self, health: Any) -> None:
         """Into the daemon's gRPC health servicer (`kvd health` reads it): each tier's own

@@ -25,21 +25,24 @@ from concurrent.futures import Future
 from kvd_server.tiers.base import Tier, TierKey, TierStats
 
 
-class TierStack:
+class TierStack(Tier):
     """`upper` (the disk) over `lower` (the cluster store), as one Tier (see the module doc)."""
 
     name = "stack"
 
     def __init__(self, upper: Tier, lower: Tier) -> None:
         self.upper, self.lower = upper, lower
-        self.parts: tuple[Tier, ...] = (upper, lower)
-        self.publishes_stored = bool(getattr(lower, "publishes_stored", False))
+        self.publishes_stored = lower.publishes_stored
         self.on_dropped: Callable[[list[TierKey]], None] | None = None
         self.on_named: Callable[[list[TierKey], bool], None] | None = None
         upper.on_dropped = lambda keys: self._dropped(keys, lower)
         lower.on_dropped = lambda keys: self._dropped(keys, upper)
-        if hasattr(lower, "on_named"):
-            lower.on_named = self._named
+        lower.on_named = self._named      # keys other nodes published (the cluster store)
+
+    @property
+    def parts(self) -> tuple[Tier, ...]:
+        """The disk and the cluster store, each with its own stats and health."""
+        return (self.upper, self.lower)
 
     def _dropped(self, keys: list[TierKey], other: Tier) -> None:
         gone = [k for k in keys if not other.contains(k)]
@@ -54,9 +57,7 @@ class TierStack:
 
     def join_namespace(self, namespace: str, tenant: str) -> None:
         for part in self.parts:
-            join = getattr(part, "join_namespace", None)
-            if join is not None:
-                join(namespace, tenant)
+            part.join_namespace(namespace, tenant)
 
     @property
     def readable(self) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 import sys
 
+import grpc
+
 from kvd_proto import kvd_pb2
 from tests.support.engine import Engine, block_bytes_of, keys_for
 
@@ -38,7 +40,7 @@ def main(socket: str, seed: str) -> int:
             if hits:
                 try:
                     out = engine.call("PrepareLoad", kvd_pb2.PrepareLoadRequest(keys=hits))
-                except Exception:
+                except grpc.RpcError:
                     continue                # evicted between lookup and load: fine
                 for key, offset in zip(hits, out.slot_offsets, strict=True):
                     if engine.read(offset) != block_bytes_of(key, engine.block):

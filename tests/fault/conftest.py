@@ -1,11 +1,11 @@
 """Fault tests reuse the multi-process tests' daemon fixtures (a real `kvd serve`), and print
-what they measured at the end of the run (tests/fault/summary.py)."""
+what they measured at the end of the run (tests/support/summary.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tests.fault import summary
+from tests.support import summary
 from tests.support.fixtures import daemon, start_daemon, workdir  # noqa: F401
 
 

@@ -30,8 +30,8 @@ from kvd_client.offload.session import Lookup
 from kvd_proto import kvd_pb2
 from kvd_proto import records as rec
 from kvd_proto.channel import DOWN_HEAD, UP_TAIL, record
-from tests.fault.summary import record as count
-from tests.multiproc.offload_engine import (
+from tests.support.engine import keys_for
+from tests.support.offload_engine import (
     LAYOUT,
     assert_no_slot_leaked,
     close_session,
@@ -43,7 +43,7 @@ from tests.multiproc.offload_engine import (
     store,
     write_block,
 )
-from tests.support.engine import keys_for
+from tests.support.summary import record as count
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]

@@ -58,7 +58,7 @@ class Scheduler(threading.Thread):
         t0 = time.monotonic()
         try:
             res = self.client.step(ops)
-        except BaseException as exc:                     # the promise under test: never
+        except BaseException as exc:  # noqa: BLE001 - the promise under test: never
             self.errors.append(exc)
             res = None
         with self._lock:

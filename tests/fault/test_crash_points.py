@@ -11,10 +11,8 @@ tests) can end it. Both paths are checked for every phase.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import selectors
 import signal
 import subprocess
 import time
@@ -24,35 +22,15 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from tests.fault.crash_points import MODEL, PHASES, READY_N, READY_SEED, new_keys
-from tests.fault.summary import record
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.processes import readline_within, reap
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 LIVENESS_S = 1.0            # tests/support/daemon.py starts daemons with a 1s liveness timeout
 SETTLE_S = LIVENESS_S + 4   # liveness + sweep interval + generous scheduling slack
-
-
-def readline_within(proc: subprocess.Popen[str], timeout: float) -> str:
-    """One line of the child's stdout, or fail (with its stderr) after `timeout` seconds."""
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    try:
-        if not sel.select(timeout):
-            raise AssertionError(f"child said nothing in {timeout}s: {_stderr(proc)}")
-    finally:
-        sel.close()
-    line = proc.stdout.readline()
-    if not line:
-        raise AssertionError(f"child exited early: {_stderr(proc)}")
-    return line
-
-
-def _stderr(proc: subprocess.Popen[str]) -> str:
-    reap(proc, close=False)
-    return proc.stderr.read()[-3000:] if proc.stderr else ""
 
 
 def start_victim(socket: str, phase: str, seed: str) -> tuple[subprocess.Popen[str], dict]:
@@ -64,21 +42,6 @@ def start_victim(socket: str, phase: str, seed: str) -> tuple[subprocess.Popen[s
     except BaseException:
         reap(proc)
         raise
-
-
-def reap(proc: subprocess.Popen[str], close: bool = True) -> None:
-    """Kill (a stopped process dies on SIGKILL too) and wait; never leaves a child behind."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-    proc.wait(10)
-    if close:
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
 
 
 def sessions(daemon) -> list[kvd_pb2.SessionInfo]:

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.fault.summary import record
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd_proto import kvd_pb2
-from tests.fault.summary import record
 from tests.support.engine import Engine
+from tests.support.summary import record
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 CASES = int(os.environ.get("KVD_SOAK_FUZZ", "300"))
@@ -78,9 +78,6 @@ ops = st.one_of(
         req_id=r)), req_ids),
     st.builds(lambda m: kvd_pb2.StepOp(take_events=kvd_pb2.TakeEventsRequest(max_events=m)),
               st.integers(0, 2**32 - 1)),
-    st.builds(lambda a, b: kvd_pb2.StepOp(transfer_report=kvd_pb2.TransferReport(
-        load_bytes=a, load_sizes=b)), st.integers(0, 2**64 - 1),
-        st.lists(st.integers(0, 2**64 - 1), max_size=5)),
     st.builds(lambda n, e: kvd_pb2.StepOp(grant=kvd_pb2.GrantRequest(count=n, evict=e)),
               st.one_of(st.integers(0, 16), st.integers(0, 2**32 - 1)), st.booleans()),
     store_granted_ops(),
@@ -143,7 +140,7 @@ def test_fuzz_step_and_unary_rpcs(target):
                           "complete_load": "CompleteLoad", "prepare_store": "PrepareStore",
                           "complete_store": "CompleteStore", "touch": "Touch",
                           "request_finished": "RequestFinished", "take_events": "TakeEvents",
-                          "transfer_report": None, "grant": None, "store_granted": None,
+                          "grant": None, "store_granted": None,
                           "pin": None}[kind]   # the fast-path ops are step ops only
                 if method is None:
                     return

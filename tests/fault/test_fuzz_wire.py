@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 
 from kvd_client.attach import attach as client_attach
 from kvd_proto import kvd_pb2, kvd_pb2_grpc
-from tests.fault.summary import record
 from tests.support.daemon import EXTENT, POOL, Daemon, spawn_daemon, target
 from tests.support.engine import TOKEN, Engine, attach
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]

@@ -21,8 +21,8 @@ import signal
 import pytest
 
 from kvd_client.offload.session import Lookup, OffloadSession
-from tests.fault.summary import record
-from tests.multiproc.offload_engine import (
+from tests.support.engine import block_bytes_of, keys_for
+from tests.support.offload_engine import (
     EngineProcess,
     assert_no_slot_leaked,
     close_session,
@@ -37,7 +37,7 @@ from tests.multiproc.offload_engine import (
     wait_idle,
     write_block,
 )
-from tests.support.engine import block_bytes_of, keys_for
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]

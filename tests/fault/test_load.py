@@ -25,10 +25,10 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from tests.fault.load_worker import BLOCK, MODEL
-from tests.fault.summary import record
-from tests.fault.test_crash_points import readline_within, reap
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.processes import readline_within, reap
+from tests.support.summary import record
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
 CLIENTS = 16

@@ -14,10 +14,10 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
-from tests.fault.summary import record
-from tests.fault.test_crash_points import readline_within, reap
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import BLOCK, Engine, block_bytes_of, keys_for
+from tests.support.processes import readline_within, reap
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]

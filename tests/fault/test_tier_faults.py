@@ -13,9 +13,9 @@ import time
 import pytest
 
 from kvd_client.offload.session import Lookup
-from tests.multiproc.offload_engine import close_session, open_session, read_back, store
-from tests.multiproc.test_disk_tier import POOL, _env
+from tests.support.disk_tier import POOL, disk_env
 from tests.support.engine import keys_for
+from tests.support.offload_engine import close_session, open_session, read_back, store
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.multiproc]
@@ -39,7 +39,7 @@ def test_sigkill_mid_demotion_and_mid_promotion_never_serves_a_wrong_block(start
     stored: list[bytes] = []
     loaded_total = 0
     for r in range(ROUNDS):
-        daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+        daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=disk_env(disk))
         wait_until(lambda d=daemon: d.stats()["tiers"][0]["health"] == "ok", 20,
                    "the disk tier to open")
         session = open_session(daemon.socket, MODEL, reserve=64)
@@ -68,7 +68,7 @@ def test_sigkill_mid_demotion_and_mid_promotion_never_serves_a_wrong_block(start
             _kill(daemon)
             close_session(session)
 
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=disk_env(disk))
     wait_until(lambda: daemon.stats()["tiers"][0]["health"] == "ok", 20, "the disk tier to open")
     session = open_session(daemon.socket, MODEL, reserve=64)
     recent = stored[-RECENT:]             # what the disk (1024 blocks, LRU) still holds

@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.fault.summary import record
 from tests.fault.warm_worker import universe
-from tests.multiproc.offload_engine import namespace, readline_within, wait_idle
 from tests.support.daemon import HEARTBEAT, LIVENESS, PY, ROOT, clean_env
 from tests.support.engine import Engine, block_bytes_of
+from tests.support.offload_engine import namespace, wait_idle
+from tests.support.processes import readline_within
+from tests.support.summary import record
 from tests.support.systemd import FakeSystemd
 from tests.support.waits import wait_until
 

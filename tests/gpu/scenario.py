@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
     action, rank, spec = argv[0], int(argv[1]), Scenario(**json.loads(argv[2]))
     try:
         result = _run(action, rank, spec)
-    except Exception as exc:   # report, do not hang the parent on a traceback
+    except Exception as exc:  # noqa: BLE001 - report, do not hang the parent on a traceback
         import traceback
 
         result = {"ok": False, "error": f"{exc!r}\n{traceback.format_exc()}"}

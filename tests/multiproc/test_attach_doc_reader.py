@@ -375,9 +375,9 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402  (the client process above needs no pytest)
 
-from tests.multiproc.offload_engine import EngineProcess, namespace  # noqa: E402
 from tests.support.daemon import PY, clean_env  # noqa: E402
 from tests.support.engine import BLOCK, block_bytes_of, keys_for  # noqa: E402
+from tests.support.offload_engine import EngineProcess, namespace  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
@@ -563,7 +563,7 @@ def _churn_while_reading(start_daemon, seconds: float) -> None:
                 writer.ask("store", batch)
                 recent.extend(batch)
                 i += 1
-        except BaseException as exc:  # the test fails with it below
+        except BaseException as exc:  # noqa: BLE001 - the test fails with it below
             failed.append(exc)
 
     thread = threading.Thread(target=churn, daemon=True)

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from kvd_client.offload.session import Lookup
-from tests.multiproc.offload_engine import (
+from tests.support.engine import keys_for
+from tests.support.offload_engine import (
     EngineProcess,
     close_session,
     count_blocking_calls,
@@ -24,7 +25,6 @@ from tests.multiproc.offload_engine import (
     store,
     write_block,
 )
-from tests.support.engine import keys_for
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
@@ -102,7 +102,7 @@ def test_an_engine_stepping_flat_out_reaches_the_daemon_on_its_own_thread(daemon
             a.end_step()
         assert blocking[0] == 0, "a call to the daemon on the scheduler thread"
         assert declined <= 3, f"{declined} of {steps} steps found the reserve short"
-        channel = a._msgs.channel
+        channel = a._link.channel
         assert channel is not None and channel.wakes <= steps // 10, \
             f"{channel.wakes} eventfd writes in {steps} steps: the daemon should be polling"
         settle(a)

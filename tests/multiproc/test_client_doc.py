@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvd_server.units import format_size
-from tests.multiproc.test_docs_examples import _RUNNER, RUN_TIMEOUT, examples
 from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
+from tests.support.doc_examples import RUN_TIMEOUT, RUNNER, examples
 
 pytestmark = pytest.mark.multiproc
 PAGE = ROOT / "docs" / "client.md"
@@ -37,7 +37,7 @@ def run_page(page: Path, workdir: Path) -> tuple[dict[str, Any], str]:
         assert blocks, f"{page} has no Python example"
         cwd = workdir / "cwd"
         cwd.mkdir()
-        out = subprocess.run([PY, "-c", _RUNNER], input=json.dumps(blocks), env=env, cwd=cwd,
+        out = subprocess.run([PY, "-c", RUNNER], input=json.dumps(blocks), env=env, cwd=cwd,
                              capture_output=True, text=True, timeout=RUN_TIMEOUT)
         assert out.returncode == 0, out.stdout + out.stderr
         table = daemon.kvd("stats")

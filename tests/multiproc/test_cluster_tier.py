@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 
 from kvd_client.offload.session import Lookup, OffloadSession
-from tests.multiproc.offload_engine import (
+from tests.support import mooncake
+from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, PY, ROOT, Daemon, clean_env
+from tests.support.engine import block_bytes_of, keys_for
+from tests.support.offload_engine import (
     close_session,
     count_blocking_calls,
     open_session,
     read_block,
     store,
 )
-from tests.multiproc.test_promotion import _read_back
-from tests.support import mooncake
-from tests.support.daemon import HEARTBEAT, LIVENESS, POOL, PY, ROOT, Daemon, clean_env
-from tests.support.engine import block_bytes_of, keys_for
+from tests.support.promotion import read_back_promoted
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.multiproc,
@@ -135,7 +135,7 @@ def _shared(session: OffloadSession, daemon, keys: Sequence[bytes]) -> None:
     them back through HIT_PENDING and HIT, byte-exact."""
     wait_until(lambda: _tier(daemon)["below_keys"] >= len(keys), 30,
                f"{len(keys)} blocks of the other node to be named here")
-    first, bad = _read_back(session, keys)
+    first, bad = read_back_promoted(session, keys)
     assert bad == [], f"{len(bad)} blocks from the cluster loaded with wrong bytes"
     assert all(first[k] is Lookup.HIT_PENDING for k in keys), \
         "a block only the cluster held did not answer HIT_PENDING first"
@@ -306,10 +306,10 @@ def test_a_disk_tier_over_the_cluster_store(start_daemon, workdir, master):
                    and all(t["queue_depth"] == 0 for t in a.stats()["tiers"]), 30,
                    "A's evictions to reach its disk")
         evicted = keys[:64]                          # the oldest: on A's disk now
-        first, bad = _read_back(writer, evicted)
+        first, bad = read_back_promoted(writer, evicted)
         assert bad == [] and Lookup.HIT_PENDING in set(first.values())
         wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 30, "B to name A's blocks")
-        first, bad = _read_back(reader, keys[-64:])
+        first, bad = read_back_promoted(reader, keys[-64:])
         assert bad == [], f"{len(bad)} blocks from the store loaded with wrong bytes"
         health = a.kvd("health")
         assert health.returncode == 0 and "NOT_SERVING" not in health.stdout, health.stdout

@@ -85,9 +85,6 @@ def test_string_positions_and_event_bounds(engine: Engine):
         keys=[b"a", b"b"], positions=[1])), "positions")
     expect(INVALID, lambda: engine.call("TakeEvents", kvd_pb2.TakeEventsRequest(
         max_events=65537)), "max_events")
-    expect(INVALID, lambda: engine.call("Step", kvd_pb2.StepRequest(
-        ops=[kvd_pb2.StepOp(transfer_report=kvd_pb2.TransferReport(
-            load_sizes=[1] * 4097))])), "load_sizes")
 
 
 def test_bad_slot_offsets(engine: Engine):

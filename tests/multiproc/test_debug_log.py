@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from tests.multiproc.offload_engine import close_session, load, open_session, settle, store
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import keys_for
+from tests.support.offload_engine import close_session, load, open_session, settle, store
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc

@@ -4,25 +4,13 @@ and the daemon serves on."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvd_server.tiers import TierKey
 from kvd_server.tiers.disk.tier import DiskTier
-from tests.support.daemon import HEARTBEAT, LIVENESS, clean_env
+from tests.support.disk_tier import DISK, DISK_EXTENT, POOL, disk_env
 from tests.support.engine import BLOCK, Engine, block_bytes_of, keys_for
 from tests.support.waits import wait_until
 
-POOL = "8MiB"                 # 128 blocks of 64 KiB
-DISK = 64 << 20
-DISK_EXTENT = 4 << 20
 STORED = 400                  # 25 MiB: three times what the pool holds
-
-
-def _env(disk: Path) -> dict[str, str]:
-    return clean_env(KVD_MANAGER_HEARTBEAT_INTERVAL=HEARTBEAT,
-                     KVD_MANAGER_LIVENESS_TIMEOUT=LIVENESS, KVD_SERVER_DRAIN_TIMEOUT="5s",
-                     KVD_TIERS_DISK_PATH=str(disk), KVD_TIERS_DISK_SIZE=str(DISK),
-                     KVD_TIERS_DISK_EXTENT_SIZE=str(DISK_EXTENT))
 
 
 def _read(tier: DiskTier, key: TierKey) -> bytes | None:
@@ -33,7 +21,7 @@ def _read(tier: DiskTier, key: TierKey) -> bytes | None:
 
 def test_evicted_blocks_are_demoted_byte_exact_and_outlive_the_daemon(start_daemon, tmp_path):
     disk = tmp_path / "disk"
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=disk_env(disk))
     wait_until(lambda: daemon.stats()["tiers"][0]["health"] == "ok", 20,
                "the disk tier to open its files")
     engine = Engine(daemon.socket)
@@ -79,7 +67,7 @@ def test_an_unusable_tier_directory_degrades_the_tier_not_the_daemon(start_daemo
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
-                          env=_env(blocker / "disk"))
+                          env=disk_env(blocker / "disk"))
     wait_until(lambda: daemon.stats()["tiers"][0]["health"] == "degraded", 20,
                "the disk tier to find its directory unusable")
     engine = Engine(daemon.socket)

@@ -21,15 +21,15 @@ import pytest
 
 from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_server.tiers.disk.tier import DATA_FILE
-from tests.multiproc.offload_engine import (
+from tests.support.daemon import HEARTBEAT, LIVENESS, Daemon, clean_env
+from tests.support.engine import keys_for
+from tests.support.loopfs import MountedFs, mounted, unavailable
+from tests.support.offload_engine import (
     close_session,
     open_session,
     read_back,
     store,
 )
-from tests.support.daemon import HEARTBEAT, LIVENESS, Daemon, clean_env
-from tests.support.engine import keys_for
-from tests.support.loopfs import MountedFs, mounted, unavailable
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc

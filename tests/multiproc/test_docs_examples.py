@@ -18,63 +18,27 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvd_server.config import ConfigError, load_config
 from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
+from tests.support.doc_examples import (
+    FENCE,
+    NOT_RUN,
+    RUN_TIMEOUT,
+    RUNNER,
+    Example,
+    examples,
+)
 
 pytestmark = pytest.mark.multiproc
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-RUN_TIMEOUT = 180.0
-FENCE = re.compile(r"^(\s*)```\s*([\w+-]*)\s*$")
-NOT_RUN = re.compile(r"^\s*<!--\s*not-run:\s*(\S.*?)\s*-->\s*$")
 SHELLS = ("sh", "bash")
-
-
-@dataclass(frozen=True)
-class Example:
-    page: str           # path relative to the repository
-    line: int           # 1-based line of the opening fence
-    lang: str
-    code: str
-    skip: str | None    # the not-run reason, if any
-
-    @property
-    def name(self) -> str:
-        return f"{self.page}:{self.line}"
-
-
-def examples(path: Path) -> Iterator[Example]:
-    """The fenced blocks of one Markdown page (indented fences too, dedented)."""
-    lines = path.read_text().splitlines()
-    page = str(path.relative_to(ROOT))
-    i = 0
-    while i < len(lines):
-        opening = FENCE.match(lines[i])
-        if not opening:
-            i += 1
-            continue
-        indent, lang = opening.group(1), opening.group(2).lower()
-        end = next((j for j in range(i + 1, len(lines))
-                    if lines[j].strip() == "```"), None)
-        assert end is not None, f"{page}:{i + 1}: a fence that is never closed"
-        body = [line[len(indent):] if line.startswith(indent) else line.lstrip()
-                for line in lines[i + 1:end]]
-        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        marker = NOT_RUN.match(before)
-        yield Example(page, i + 1, lang, "\n".join(body) + "\n",
-                      marker.group(1) if marker else None)
-        i = end + 1
-
-
 ALL = [example for page in PAGES for example in examples(page)]
 
 
@@ -103,14 +67,6 @@ def test_every_not_run_marker_stands_before_a_fence():
 
 # --- python: one interpreter per page, a daemon on the default socket ----------------------
 
-_RUNNER = """
-import json, sys
-namespace = {"__name__": "__main__"}
-for page, line, code in json.load(sys.stdin):
-    # Padded so that a traceback names the page and its own line number.
-    exec(compile("\\n" * line + code, page, "exec"), namespace)
-"""
-
 
 @pytest.mark.parametrize("page", _python_pages())
 def test_python_examples_run(page: str, workdir: Path):
@@ -122,7 +78,7 @@ def test_python_examples_run(page: str, workdir: Path):
         blocks = [(e.page, e.line, e.code) for e in _selected("python") if e.page == page]
         cwd = workdir / "cwd"
         cwd.mkdir()
-        out = subprocess.run([PY, "-c", _RUNNER], input=json.dumps(blocks), env=env, cwd=cwd,
+        out = subprocess.run([PY, "-c", RUNNER], input=json.dumps(blocks), env=env, cwd=cwd,
                              capture_output=True, text=True, timeout=RUN_TIMEOUT)
         assert out.returncode == 0, out.stdout + out.stderr
     finally:

@@ -30,9 +30,9 @@ import pytest
 
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
-from tests.multiproc.offload_engine import readline_within
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import Engine
+from tests.support.processes import readline_within
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
@@ -201,7 +201,7 @@ def test_a_fast_path_engine_is_told_events_were_dropped(start_daemon, caplog):
     """The channel's EVENTS answer carries the drop: the engine counts it and warns once."""
     from kvd_client.client import KvdClient
     from kvd_client.offload.session import OffloadSession
-    from tests.multiproc.offload_engine import close_session, settle, store
+    from tests.support.offload_engine import close_session, settle, store
 
     daemon = start_daemon(*POOL)
     client = KvdClient(daemon.socket, model=MODEL, layout=LAYOUT, deadline_s=0.5,

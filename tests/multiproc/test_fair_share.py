@@ -28,8 +28,9 @@ import pytest
 
 from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
-from tests.fault.summary import record
-from tests.multiproc.offload_engine import (
+from tests.support.daemon import PY, ROOT, clean_env
+from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.offload_engine import (
     EngineProcess,
     close_session,
     load,
@@ -38,8 +39,7 @@ from tests.multiproc.offload_engine import (
     settle,
     store,
 )
-from tests.support.daemon import PY, ROOT, clean_env
-from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc

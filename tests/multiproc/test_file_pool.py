@@ -30,12 +30,12 @@ from pathlib import Path
 import pytest
 
 from kvd_client.attach import AttachError, attach
-from tests.fault.summary import record
-from tests.multiproc.as_user import drop
-from tests.multiproc.offload_engine import EngineProcess
+from tests.support.as_user import drop
 from tests.support.client import run_client
 from tests.support.daemon import PY, ROOT, Daemon, clean_env, spawn_daemon
 from tests.support.engine import Engine, keys_for
+from tests.support.offload_engine import EngineProcess
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
@@ -82,8 +82,8 @@ def hostile(uid: int, sock: str, role: str, how: str) -> dict:
 
 
 def as_user(uid: int, sock: str, *args: str) -> dict:
-    """tests/multiproc/as_user.py as `uid`: its one JSON line."""
-    out = subprocess.run([PY, "-m", "tests.multiproc.as_user", str(uid), str(uid), sock, *args],
+    """tests/support/as_user.py as `uid`: its one JSON line."""
+    out = subprocess.run([PY, "-m", "tests.support.as_user", str(uid), str(uid), sock, *args],
                          env=clean_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -326,7 +326,7 @@ def _serve_as_main(argv: list[str]) -> int:
     may not be readable by UID)."""
     import grpc_health.v1.health  # noqa: F401
 
-    import kvd_server.server  # noqa: F401
+    import kvd_server.server
     import kvd_server.units  # noqa: F401
     from kvd_server.cli import main as cli
 

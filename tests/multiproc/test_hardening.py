@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.fault.summary import record
 from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
 from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.fault]
@@ -240,16 +240,19 @@ def test_close_session_is_idempotent_and_needs_a_token(daemon):
 
 
 def test_non_finite_transfer_reports_are_refused(daemon):
-    e = Engine(daemon.socket)
-    try:
-        for value in (math.inf, math.nan, -1.0):
-            report = kvd_pb2.TransferReport(load_bytes=1, load_seconds=value)
-            assert code_of(lambda r=report: e.call("Step", kvd_pb2.StepRequest(
-                ops=[kvd_pb2.StepOp(transfer_report=r)]))) == grpc.StatusCode.INVALID_ARGUMENT
-        out = daemon.kvd("stats", "--json")
-        assert out.returncode == 0 and "Infinity" not in out.stdout and "NaN" not in out.stdout
-    finally:
-        e.close()
+    """Transfer totals reach the daemon as a worker's report on the attach socket (role
+    `report`): a time that is not a finite number >= 0 is refused, and nothing of it reaches
+    the stats."""
+    from kvd_proto.attach import ROLE_REPORT, AttachError, AttachRequest, TransferReport, exchange
+
+    for value in (math.inf, math.nan, -1.0):
+        request = AttachRequest(ROLE_REPORT, "w0", TransferReport(load_bytes=1, load_seconds=value))
+        with pytest.raises(AttachError) as refused:
+            exchange(daemon.socket, request, 5.0)
+        assert refused.value.code == "INVALID_ARGUMENT" and "load_seconds" in refused.value.message
+    out = daemon.kvd("stats", "--json")
+    assert out.returncode == 0 and "Infinity" not in out.stdout and "NaN" not in out.stdout
+    assert json.loads(out.stdout)["transfers"]["load_bytes_total"] == 0
 
 
 def test_deeply_nested_json_on_the_attach_socket_is_refused_without_a_traceback(daemon):

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.multiproc.offload_engine import (
+from tests.support.engine import keys_for
+from tests.support.offload_engine import (
     EngineProcess,
     close_session,
     namespace,
@@ -30,7 +31,6 @@ from tests.multiproc.offload_engine import (
     reading_engine,
     store,
 )
-from tests.support.engine import keys_for
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc import test_install
-from tests.multiproc.test_install import INSTALL_TIMEOUT, VERSION, _installer_env
+from tests.support import install
+from tests.support.install import INSTALL_TIMEOUT, VERSION, installer_env
 
 pytestmark = pytest.mark.multiproc
 # The copy of a fresh clone and the wheel built from it, as test_install.py makes them.
-checkout = test_install.checkout
-wheel = test_install.wheel
+checkout = install.checkout
+wheel = install.wheel
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "install.sh"
 # What a fresh clone lacks (the wheel fixture builds in the shared checkout copy).
 FRESH = shutil.ignore_patterns("build", "*.egg-info", "*.so", "__pycache__")
@@ -29,7 +29,7 @@ def _run(tmp_path: Path, *args: str, python: str = sys.executable,
          script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(script), "--prefix", str(tmp_path / "opt-kvd"),
                            "--bin-dir", str(tmp_path / "bin"), "--python", python, *args],
-                          env=_installer_env(), capture_output=True, text=True,
+                          env=installer_env(), capture_output=True, text=True,
                           timeout=INSTALL_TIMEOUT, cwd=tmp_path)
 
 
@@ -48,7 +48,7 @@ def _rebuilt(wheel: Path, checkout: Path, tmp_path: Path, marker: str) -> Path:
         f.write(f"\n# {marker}\n")
     out = tmp_path / "rebuilt"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                           "--wheel-dir", str(out), "."], cwd=copy, env=_installer_env(),
+                           "--wheel-dir", str(out), "."], cwd=copy, env=installer_env(),
                           capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     (path,) = out.glob("*.whl")
@@ -76,7 +76,7 @@ def test_a_rebuilt_wheel_of_the_same_version_is_really_reinstalled(wheel: Path, 
     assert third.returncode == 0, third.stdout + third.stderr
     assert third.stdout == second.stdout
     assert "rebuilt-marker" in _installed(tmp_path, "kvd_client/__init__.py")
-    version = subprocess.run([str(tmp_path / "bin" / "kvd"), "--version"], env=_installer_env(),
+    version = subprocess.run([str(tmp_path / "bin" / "kvd"), "--version"], env=installer_env(),
                              capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and VERSION in version.stdout, version
 

@@ -2,42 +2,23 @@
 
 from __future__ import annotations
 
-import re
 import shutil
-import socket
 import subprocess
-import urllib.request
 
 import pytest
 
 from tests.support.engine import Engine, keys_for
+from tests.support.metrics import free_port, scrape, value
 
 pytestmark = pytest.mark.multiproc
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return resp.read().decode()
-
-
-def _value(text: str, sample: str) -> float:
-    m = re.search(r"^" + re.escape(sample) + r" (\S+)$", text, re.M)
-    assert m, f"{sample} not exposed"
-    return float(m.group(1))
-
-
 def test_live_metrics_move_with_traffic_and_pass_promtool(start_daemon):
-    port = _free_port()
+    port = free_port()
     # 1 MiB pool of 64 KiB blocks in one 1 MiB extent: 16 slots, so evictions happen.
     daemon = start_daemon("--pool-size", "1MiB", "--extent-size", "1MiB",
                           "--metrics-port", str(port))
-    before = _scrape(port)
+    before = scrape(port)
     engine = Engine(daemon.socket)
     try:
         ns = engine.reg.namespace_id
@@ -46,28 +27,28 @@ def test_live_metrics_move_with_traffic_and_pass_promtool(start_daemon):
         engine.load(keys[:4])
         engine.lookup(keys[16:20])
         engine.store(keys[16:20])      # pool full: evicts 4 ready blocks
-        text = _scrape(port)
+        text = scrape(port)
     finally:
         engine.close()
     label = f'{{namespace="{ns}"'
-    assert _value(text, f'kvd_stores_total{label},outcome="completed"}}') == 20
-    assert _value(text, f"kvd_evictions_total{label}}}") == 4
-    assert _value(text, f"kvd_misses_total{label}}}") == 4
-    assert _value(text, 'kvd_blocks{state="ready"}') == 16
-    assert _value(text, "kvd_pool_used_bytes") == 1 << 20
-    assert _value(before, "kvd_pool_used_bytes") == 0
-    assert _value(text, 'kvd_tenant_used_bytes{tenant="default"}') == 1 << 20
+    assert value(text, f'kvd_stores_total{label},outcome="completed"}}') == 20
+    assert value(text, f"kvd_evictions_total{label}}}") == 4
+    assert value(text, f"kvd_misses_total{label}}}") == 4
+    assert value(text, 'kvd_blocks{state="ready"}') == 16
+    assert value(text, "kvd_pool_used_bytes") == 1 << 20
+    assert value(before, "kvd_pool_used_bytes") == 0
+    assert value(text, 'kvd_tenant_used_bytes{tenant="default"}') == 1 << 20
     # 20 stores and 4 loads completed, of 64 KiB blocks, counted by the daemon itself.
-    assert _value(text, "kvd_stored_bytes_total") == 20 * (64 << 10)
-    assert _value(text, "kvd_loaded_bytes_total") == 4 * (64 << 10)
-    assert _value(text, 'kvd_tenant_quota_bytes{tenant="default"}') == 0
+    assert value(text, "kvd_stored_bytes_total") == 20 * (64 << 10)
+    assert value(text, "kvd_loaded_bytes_total") == 4 * (64 << 10)
+    assert value(text, 'kvd_tenant_quota_bytes{tenant="default"}') == 0
     assert 'kvd_rpc_duration_seconds_count{method="PrepareStore"}' in text
     # Dashboards name a namespace's lines by joining on its info series.
-    assert _value(text, f'kvd_namespace_info{{model="test-model",namespace="{ns}",'
-                        'tenant="default"}') == 1
+    assert value(text, f'kvd_namespace_info{{model="test-model",namespace="{ns}",'
+                       'tenant="default"}') == 1
     # What an operator of a memory daemon looks for first, from the daemon's own process.
-    assert _value(text, "process_resident_memory_bytes") > 1 << 20
-    assert _value(text, "process_open_fds") > 0
+    assert value(text, "process_resident_memory_bytes") > 1 << 20
+    assert value(text, "process_open_fds") > 0
     assert "python_gc_collections_total{" in text and "python_info{" in text
     assert "_created" not in text
     assert daemon.log().count(f"127.0.0.1:{port}/metrics") == 1

@@ -25,9 +25,9 @@ from kvd_client.client import KvdClient
 from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
-from tests.fault.summary import record
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import Engine, keys_for
+from tests.support.summary import record
 from tests.support.waits import wait_until
 
 pytestmark = [

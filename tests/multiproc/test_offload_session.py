@@ -20,7 +20,8 @@ import pytest
 from kvd_client.client import KvdClient
 from kvd_client.offload.session import Lookup
 from kvd_proto import kvd_pb2
-from tests.multiproc.offload_engine import (
+from tests.support.engine import BLOCK, block_bytes_of, keys_for
+from tests.support.offload_engine import (
     LAYOUT,
     EngineProcess,
     assert_no_slot_leaked,
@@ -35,7 +36,6 @@ from tests.multiproc.offload_engine import (
     wait_idle,
     write_block,
 )
-from tests.support.engine import BLOCK, block_bytes_of, keys_for
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc

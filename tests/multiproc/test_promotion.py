@@ -15,24 +15,23 @@ import pytest
 from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_proto import kvd_pb2
 from kvd_server.tiers.disk.tier import DATA_FILE, DiskTier
-from tests.multiproc.offload_engine import (
+from tests.support.disk_tier import DISK, DISK_EXTENT, POOL, disk_env
+from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.offload_engine import (
     assert_no_slot_leaked,
     close_session,
     count_blocking_calls,
     open_session,
-    read_block,
     settle,
     store,
 )
-from tests.multiproc.test_disk_tier import DISK, DISK_EXTENT, POOL, _env
-from tests.support.engine import Engine, block_bytes_of, keys_for
+from tests.support.promotion import STEPS, read_back_promoted, until_hit
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 MODEL = "test-model"
 STORED = 400                  # three times what the pool holds
 BATCH = 32                    # keys read back per round (a quarter of the pool)
-STEPS = 2000                  # a bound on the steps one batch may wait for its promotions
 
 
 def _tier(daemon) -> dict:
@@ -40,10 +39,10 @@ def _tier(daemon) -> dict:
     return tier
 
 
-def _daemon_with_a_disk(start_daemon, tmp_path: Path):  # noqa: ANN202
+def _daemon_with_a_disk(start_daemon, tmp_path: Path):
     """A daemon over a disk tier in `tmp_path`, once the tier is open."""
     daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
-                          env=_env(tmp_path / "disk"))
+                          env=disk_env(tmp_path / "disk"))
     wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
     return daemon
 
@@ -51,37 +50,6 @@ def _daemon_with_a_disk(start_daemon, tmp_path: Path):  # noqa: ANN202
 def _wait_written(daemon, blocks: int) -> None:
     wait_until(lambda: _tier(daemon)["blocks"] >= blocks and _tier(daemon)["queue_depth"] == 0,
                20, f"{blocks} blocks to be written to the disk tier")
-
-
-def _until_hit(session: OffloadSession, keys: Sequence[bytes], after: str = ""
-               ) -> dict[bytes, Lookup]:
-    """Look `keys` up step after step as a scheduler does until every one is a HIT (none
-    ever a MISS); the first answer of each key."""
-    first: dict[bytes, Lookup] = {}
-    for _ in range(STEPS):
-        states = [session.lookup(k) for k in keys]
-        for k, s in zip(keys, states, strict=True):
-            first.setdefault(k, s)
-        assert Lookup.MISS not in states, \
-            f"{states.count(Lookup.MISS)} keys held on disk read MISS{after}"
-        if all(s is Lookup.HIT for s in states):
-            return first
-        session.end_step()
-        time.sleep(0.002)
-    raise AssertionError(f"promotions did not finish in {STEPS} steps")
-
-
-def _read_back(session: OffloadSession, keys: Sequence[bytes]) -> tuple[dict, list[bytes]]:
-    """`_until_hit`, then load them: (the first answer of each key, the keys whose bytes were
-    wrong)."""
-    first = _until_hit(session, keys)
-    offsets = session.start_loads(keys)
-    pool = session.client.pool
-    bad = [k for k, o in zip(keys, offsets, strict=True)
-           if o is None or read_block(pool, o) != block_bytes_of(k)]
-    session.finish_loads(keys)
-    settle(session)
-    return first, bad
 
 
 def _fill(daemon, session: OffloadSession, keys: Sequence[bytes]) -> int:
@@ -106,7 +74,7 @@ def test_what_only_the_disk_holds_reads_pending_then_hit_and_loads_byte_exact(st
         assert _tier(daemon)["below_keys"] == below
         for i in range(0, STORED, BATCH):
             batch = keys[i:i + BATCH]
-            first, bad = _read_back(session, batch)
+            first, bad = read_back_promoted(session, batch)
             assert bad == [], f"{len(bad)} promoted blocks loaded with wrong bytes"
             for k in batch:
                 # Not in the pool (any more): its first answer is HIT_PENDING, never MISS.
@@ -141,7 +109,7 @@ def test_what_only_the_disk_holds_reads_pending_then_hit_and_loads_byte_exact(st
 def test_the_disk_tier_is_found_again_after_a_restart_and_a_corrupt_block_is_never_served(
         start_daemon, tmp_path):
     disk = tmp_path / "disk"
-    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=disk_env(disk))
     wait_until(lambda: _tier(daemon)["health"] == "ok", 20, "the disk tier to open")
     keys = keys_for("restart", STORED)
     session = open_session(daemon.socket, MODEL, reserve=64)
@@ -166,7 +134,7 @@ def test_the_disk_tier_is_found_again_after_a_restart_and_a_corrupt_block_is_nev
     finally:
         os.close(fd)
 
-    again = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk))
+    again = start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=disk_env(disk))
     wait_until(lambda: _tier(again)["health"] == "ok", 20,
                "the restarted daemon's disk tier to open")
     session = open_session(again.socket, MODEL, reserve=64)
@@ -188,7 +156,7 @@ def test_the_disk_tier_is_found_again_after_a_restart_and_a_corrupt_block_is_nev
         assert _tier(again)["corrupt_total"] == 1
         good = [k for k in below if k != victim][:2 * BATCH]
         for i in range(0, len(good), BATCH):
-            first, bad = _read_back(session, good[i:i + BATCH])
+            first, bad = read_back_promoted(session, good[i:i + BATCH])
             assert bad == []
             assert set(first.values()) == {Lookup.HIT_PENDING}
     finally:
@@ -256,7 +224,7 @@ def test_promotions_go_on_past_the_asks_a_session_remembers(start_daemon, tmp_pa
         promoted = 0
         for i in range(0, below, BATCH):          # as vLLM: never has_pending_work
             batch = keys[i:i + BATCH]
-            _until_hit(session, batch, f" after {promoted} promotions")
+            until_hit(session, batch, f" after {promoted} promotions")
             session.start_loads(batch)
             session.finish_loads(batch)
             session.end_step()

@@ -12,6 +12,7 @@ from kvd_client.register import RegisterFailed, register, session_fds
 from kvd_proto import kvd_pb2
 from kvd_proto.attach import ROLE_INDEX
 from kvd_proto.wire import KvLayout
+from tests.support.engine import Engine
 
 LAYOUT = KvLayout(4096, 1, 4096, 16, "bfloat16")
 ENGINE = kvd_pb2.EngineIdentity(engine_id="register-test", pid=os.getpid())
@@ -23,7 +24,6 @@ def test_a_registration_holds_the_session_and_its_descriptors(daemon):
     try:
         assert reg.session_id and reg.namespace_id and reg.slot_bytes == 4096
         assert reg.pool_bytes == reg.pool.size and reg.heartbeat_interval_s >= 0.05
-        assert reg.default_lease_ms > 0
         assert daemon.stats()["clients"]["active"] == 1
         fds = session_fds(daemon.socket, ROLE_INDEX, reg.metadata[0][1], 5.0)
         assert fds is not None
@@ -34,6 +34,17 @@ def test_a_registration_holds_the_session_and_its_descriptors(daemon):
     finally:
         reg.channel.close()
         reg.pool.close()
+
+
+def test_the_daemon_answers_the_lease_to_ask_for(daemon):
+    """RegisterSessionResponse.default_lease_ms, the daemon's manager.default_lease (2 s by
+    default): what a call-protocol client asks for on lookups (kvd_client holds no leases, so
+    it keeps no copy; clients in other languages read it)."""
+    engine = Engine(daemon.socket)
+    try:
+        assert engine.reg is not None and engine.reg.default_lease_ms == 2000
+    finally:
+        engine.close()
 
 
 def test_a_refused_registration_is_undone(daemon):

@@ -1,7 +1,7 @@
 """Isolation and permissions against a real daemon, with clients running as other users.
 
 The clients start as root and drop to uids 60001 (tenant team-a, quota 8 MiB) and 60002
-(team-b) before they talk to the daemon (tests/multiproc/as_user.py), so the daemon sees them
+(team-b) before they talk to the daemon (tests/support/as_user.py), so the daemon sees them
 through SO_PEERCRED exactly as it would see engines of two teams on one node.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.fault.summary import record
 from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
 from tests.support.engine import keys_for
+from tests.support.summary import record
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -31,7 +31,7 @@ QUOTA_A = 8 << 20              # two 4 MiB extents: 128 blocks of 64 KiB
 
 
 def as_user(uid: int, sock: str, *args: str) -> dict:
-    out = subprocess.run([PY, "-m", "tests.multiproc.as_user", str(uid), str(uid), sock, *args],
+    out = subprocess.run([PY, "-m", "tests.support.as_user", str(uid), str(uid), sock, *args],
                          env=clean_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -12,14 +12,13 @@ import pytest
 from kvd_client.transfer_report import TransferReporter
 from kvd_proto.paths import attach_path
 from kvd_proto.wire import MAX_TRANSFER_SAMPLES
-
-from .test_metrics_live import _free_port, _scrape, _value
+from tests.support.metrics import free_port, scrape, value
 
 pytestmark = pytest.mark.multiproc
 
 
 def test_worker_reports_move_the_daemons_transfer_stats_and_metrics(start_daemon):
-    port = _free_port()
+    port = free_port()
     daemon = start_daemon("--pool-size", "4MiB", "--extent-size", "1MiB",
                           "--metrics-port", str(port))
     reporter = TransferReporter(daemon.socket, engine_id="w0", interval_s=60)
@@ -34,14 +33,14 @@ def test_worker_reports_move_the_daemons_transfer_stats_and_metrics(start_daemon
     assert t["store_seconds_total"] == pytest.approx(1.5)
     assert t["load_bytes_total"] == loads * (3 << 20)
     assert t["load_seconds_total"] == pytest.approx(loads * 0.001)
-    text = _scrape(port)
-    assert _value(text, "kvd_transfer_store_bytes_total") == 3 * (4 << 20)
-    assert _value(text, 'kvd_transfer_size_bytes_count{transfer_type="GPU_to_CPU"}') == 3
+    text = scrape(port)
+    assert value(text, "kvd_transfer_store_bytes_total") == 3 * (4 << 20)
+    assert value(text, 'kvd_transfer_size_bytes_count{transfer_type="GPU_to_CPU"}') == 3
     # samples beyond one period's bound are dropped; the byte totals above stay exact
-    assert _value(text, 'kvd_transfer_size_bytes_count{transfer_type="CPU_to_GPU"}') == \
+    assert value(text, 'kvd_transfer_size_bytes_count{transfer_type="CPU_to_GPU"}') == \
         MAX_TRANSFER_SAMPLES
-    assert _value(text, 'kvd_transfer_size_bytes_bucket{le="5e+06",'
-                  'transfer_type="CPU_to_GPU"}') == MAX_TRANSFER_SAMPLES
+    assert value(text, 'kvd_transfer_size_bytes_bucket{le="5e+06",'
+                 'transfer_type="CPU_to_GPU"}') == MAX_TRANSFER_SAMPLES
     reporter.close()
 
 

@@ -15,7 +15,9 @@ import pytest
 
 from kvd_client.offload.session import Lookup
 from kvd_proto import kvd_pb2
-from tests.multiproc.offload_engine import (
+from tests.support.daemon import HEARTBEAT, LIVENESS, PY, ROOT, clean_env
+from tests.support.engine import Engine, keys_for
+from tests.support.offload_engine import (
     EngineProcess,
     close_session,
     load,
@@ -23,8 +25,6 @@ from tests.multiproc.offload_engine import (
     open_session,
     store,
 )
-from tests.support.daemon import HEARTBEAT, LIVENESS, PY, ROOT, clean_env
-from tests.support.engine import Engine, keys_for
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc

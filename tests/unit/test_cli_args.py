@@ -226,6 +226,15 @@ def test_stats_rendering_is_grouped_and_fits_80_columns():
     assert "60 (60.0%)" in text
 
 
+def test_stats_rendering_shows_the_sockets_connections():
+    doc = dict(SAMPLE, connections={"open": 3, "refused_total": 2, "idle_closed_total": 5,
+                                    "shed_total": 1, "attach_refused_total": 4})
+    text = cli_render.render_stats(StatsSnapshot.from_dict(doc))
+    assert "# connections" in text and all(len(line) <= 80 for line in text.splitlines())
+    assert "3 to the gRPC socket" in text and "5 idle, 1 shed" in text
+    assert "refused_total           2 (" in text and "attach_refused_total    4" in text
+
+
 def test_stats_rendering_says_what_pins_and_leases_count():
     text = cli_render.render_stats(StatsSnapshot.from_dict(SAMPLE))
     assert "pinned (load or lease)  2" in text

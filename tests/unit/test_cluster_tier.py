@@ -82,7 +82,7 @@ class MemoryStore:
         self.down = False
 
 
-def wait(predicate, what: str, timeout: float = 5.0) -> None:  # noqa: ANN001
+def wait(predicate, what: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -96,10 +96,10 @@ def store() -> MemoryStore:
 
 
 @pytest.fixture
-def make_tier(store: MemoryStore):  # noqa: ANN201
+def make_tier(store: MemoryStore):
     made: list[ClusterTier] = []
 
-    def make(node: str, **kwargs) -> ClusterTier:  # noqa: ANN003
+    def make(node: str, **kwargs) -> ClusterTier:
         tier = ClusterTier(store.client, node=node, capacity_bytes=64 << 20, sync_s=0.02,
                            retry_s=0.1, **kwargs)
         made.append(tier)

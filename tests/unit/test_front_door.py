@@ -45,12 +45,18 @@ def _client(path: str) -> tuple[bytes, bytes]:
         return got, sock.recv(4096)
 
 
-async def _close_while_a_client_talks(tmp_path: Path) -> tuple[tuple[bytes, bytes], float]:
+async def _open_door(tmp_path: Path, per_uid: int) -> tuple[asyncio.Server, FrontDoor]:
+    """An echoing backend behind a started front door (its socket door.sock in `tmp_path`)."""
     backend_path = str(tmp_path / "backend.sock")
     backend = await asyncio.start_unix_server(_echo_then_bye, backend_path)
-    door = FrontDoor(str(tmp_path / "door.sock"), 0o600, backend_path, per_uid=8,
+    door = FrontDoor(str(tmp_path / "door.sock"), 0o600, backend_path, per_uid=per_uid,
                      idle_timeout=60)
     await door.start()
+    return backend, door
+
+
+async def _close_while_a_client_talks(tmp_path: Path) -> tuple[tuple[bytes, bytes], float]:
+    backend, door = await _open_door(tmp_path, per_uid=8)
     try:
         client = asyncio.get_running_loop().run_in_executor(None, _client, door.path)
         for _ in range(500):                   # the client has been piped and echoed
@@ -75,11 +81,7 @@ def test_the_client_reads_the_backends_last_words_and_may_still_write(tmp_path):
 
 
 async def _a_client_that_never_closes(tmp_path: Path) -> tuple[float, int]:
-    backend_path = str(tmp_path / "backend.sock")
-    backend = await asyncio.start_unix_server(_echo_then_bye, backend_path)
-    door = FrontDoor(str(tmp_path / "door.sock"), 0o600, backend_path, per_uid=8,
-                     idle_timeout=60)
-    await door.start()
+    backend, door = await _open_door(tmp_path, per_uid=8)
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -100,3 +102,30 @@ def test_a_client_that_never_closes_is_closed_after_the_linger(tmp_path):
     took, left = asyncio.run(_a_client_that_never_closes(tmp_path))
     assert 0.3 <= took < 3.0
     assert left == 0
+
+
+async def _two_connections_of_one_uid(tmp_path: Path) -> tuple[int, bool, int, int]:
+    backend, door = await _open_door(tmp_path, per_uid=1)
+    loop = asyncio.get_running_loop()
+    first, second = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2))
+    try:
+        for sock in (first, second):
+            sock.setblocking(False)
+            await loop.sock_connect(sock, door.path)
+        await loop.sock_sendall(first, b"hello")
+        assert await loop.sock_recv(first, 5) == b"hello"
+        assert await asyncio.wait_for(loop.sock_recv(second, 5), 5) == b""   # closed at once
+        shed = door.shed()                  # as at the descriptor limit: the idlest goes
+        return door.refused_total, shed, door.shed_total, door.connections
+    finally:
+        first.close()
+        second.close()
+        await door.close(linger=0.1)
+        backend.close()
+        await backend.wait_closed()
+
+
+def test_refused_and_shed_connections_are_counted(tmp_path):
+    """`kvd stats` (connections) and /metrics show these counts."""
+    refused, shed, shed_total, left = asyncio.run(_two_connections_of_one_uid(tmp_path))
+    assert refused == 1 and shed and shed_total == 1 and left == 0

@@ -6,56 +6,24 @@ rest sit in folders named after their concern, docs/internals.md)."""
 
 from __future__ import annotations
 
-import ast
 from collections import defaultdict
 from pathlib import Path
+
+from tests.support.imports import imports_of, module_name
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvd_proto", "kvd_server", "kvd_client")
 TOP_FILES_AT_MOST = {"kvd_server": 12, "kvd_client": 10}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
-
-
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """Every module of the three packages that `name` imports, wherever the import stands."""
-    is_package = path.name == "__init__.py"
-    here = name.split(".") if is_package else name.split(".")[:-1]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = here[:len(here) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
-            # `from package import module` imports the module; `from module import name`
-            # imports the module.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                       for a in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:
-                target = target.rpartition(".")[0]      # `import a.b.c` where c is a name
-            if target and target != name:
-                out.add(target)
-    return out
+    return {module_name(ROOT, p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
 
 
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    return {name: {target for _, target, _ in imports_of(name, path, modules)}
+            for name, path in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

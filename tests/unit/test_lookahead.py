@@ -167,7 +167,7 @@ def test_a_context_the_lookahead_cannot_read_is_looked_up_key_by_key():
 
     class Raising:
         @property
-        def _offload_key_positions(self):  # noqa: ANN202
+        def _offload_key_positions(self):
             raise RuntimeError("not here")
 
     for ctx in (object(), Raising(), 5, "ctx"):
@@ -188,7 +188,7 @@ def test_a_context_whose_table_looks_up_again_costs_nothing_wrong():
 
     class Reentrant:
         @property
-        def _offload_key_positions(self):  # noqa: ANN202
+        def _offload_key_positions(self):
             for key in world.keys[100:110]:
                 assert lk.lookup(key, other) == twin.lookup(key)
             return {k: 1 for k in keys}

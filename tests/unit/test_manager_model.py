@@ -10,6 +10,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvd_server.errors import NotReady
 from kvd_server.manager import FixedSlots, Lookup, NamespaceManager
 
 KEYS = [bytes([i]) + b"\0\0\0\0" for i in range(12)]
@@ -59,7 +60,7 @@ class ManagerMachine(RuleBasedStateMachine):
         ready = all(self.state.get(k) == "ready" for k in keys)
         try:
             self.m.prepare_load(keys, "r")
-        except Exception:
+        except NotReady:
             assert not ready
             return
         assert ready
@@ -75,7 +76,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(KEYS))
     def lease(self, key):
-        ok = self.m.pin(key)
+        ok = self.m.lease(key)
         assert ok == (self.state.get(key) == "ready")
         if ok:
             self.pins[key] = self.pins.get(key, 0) + 1
@@ -167,6 +168,6 @@ def test_old_epoch_completion_never_touches_new_blocks():
 def test_unknown_completions_are_ignored():
     m = NamespaceManager(FixedSlots(2), "arc")
     m.complete_load([b"x0000"], "r")
-    m.unpin(b"x0000")
+    m.release_lease(b"x0000")
     assert m.complete_store([b"x0000"], True, "r") == 0
     assert m.counts().resident == 0

@@ -61,6 +61,18 @@ def test_values_follow_the_stats_document():
     assert "kvd_transfer_load_bytes_total 1000.0" in text
 
 
+def test_connection_counts_follow_the_stats_document():
+    doc = _doc()
+    doc["connections"] = {"open": 3, "refused_total": 2, "idle_closed_total": 5,
+                          "shed_total": 1, "attach_refused_total": 4}
+    text = _exposition(doc)
+    assert "kvd_connections 3.0" in text
+    assert "kvd_connections_refused_total 2.0" in text
+    assert "kvd_connections_idle_closed_total 5.0" in text
+    assert "kvd_connections_shed_total 1.0" in text
+    assert "kvd_attach_refused_total 4.0" in text
+
+
 def test_namespace_labels_are_bounded():
     text = _exposition(_doc(namespaces=MAX_NAMESPACE_LABELS + 5))
     assert 'kvd_hits_total{namespace="other"} 30.0' in text
@@ -144,3 +156,13 @@ def test_grafana_dashboard_uses_exposed_metrics():
     used = {m for e in exprs for m in re.findall(r"\b(kvd_[a-z_]+)", e)}
     missing = used - exposed
     assert not missing, f"dashboard references metrics the daemon does not expose: {missing}"
+
+
+def test_every_manager_counter_reaches_the_namespace_rows():
+    """A counter the manager keeps and the stats never show costs the hot path for nobody."""
+    import dataclasses
+
+    from kvd_server.manager import ManagerCounters
+    from kvd_server.ops.snapshot import MANAGER_COUNTERS
+
+    assert set(MANAGER_COUNTERS) == {f.name for f in dataclasses.fields(ManagerCounters)}

@@ -133,8 +133,9 @@ def test_lookups_answer_hits_and_misses_and_leave_the_rest_to_the_fallback(kind)
     m.close()                              # unbound: the mapping is free to close
 
 
-def _store_pin_world(kind: str):
-    """An index with a READY, a STORING key; a Lookups of `kind` over it, enabled."""
+def _steps_world():
+    """An index with a READY, a STORING key; a compiled Lookups over it, enabled, its stores
+    holding one store of the engine in flight."""
     h = layout()
     m = fresh(h)
     writer = PyIndexTable(m, *h.geometry)
@@ -145,15 +146,19 @@ def _store_pin_world(kind: str):
     meta.release()
     writer.release()
     stores: dict[bytes, object] = {b"o" * 36: (0, "old")}
-    lookups_type = PyLookups if kind == "python" else _native.Lookups
-    lk = lookups_type(stores, "MISS", "HIT", lambda k: "SLOW")
+    lk = _native.Lookups(stores, "MISS", "HIT", lambda k: "SLOW")
     lk.bind(m, *h.geometry)
     lk.enabled = 1
     return lk, stores, m
 
 
+# The scheduler's compiled steps (kvd_proto/_steps.c) against what they promise: the common
+# case done, anything else answered None with nothing changed (the session's Python path then
+# decides it). That they answer, change the containers and write the records as that path
+# (their one twin) does is tests/unit/test_steps_differential.py's.
+
 STORE_CASES = [
-    # (keys, positions, slots, per_record, room): what both must answer alike
+    # (keys, positions, slots, per_record, room): the compiled store's common case or None
     ([b"a" * 36, b"r" * 36, b"b" * 36, b"o" * 36, b"s" * 36], range(10, 15), [7, 8, 9], 8, 99),
     ([b"a" * 36, b"b" * 36], [1, 2, 3], [7, 8], 8, 99),          # positions not one per key
     ([b"a" * 36, b"b" * 36], None, [7], 8, 99),                  # the reserve is short
@@ -164,36 +169,40 @@ STORE_CASES = [
     ([], None, [7], 8, 99),
     ([b"a" * 36, "text"], None, [7, 8], 8, 99),                  # not bytes
 ]
+STORE_DECLINED = {2, 3, 4, 5, 7, 8}
 
 
 @needs_native
 @pytest.mark.parametrize("case", range(len(STORE_CASES)))
-def test_the_compiled_store_and_its_twin_answer_and_change_alike(case):
-    """The scheduler's store fast path (kvd_proto/_steps.c) against its Python twin: the same
-    answer (new keys, slots, record bytes, or None for the caller's own path) and the same
-    stores and slot list afterwards."""
+def test_the_compiled_store_does_the_common_case_and_declines_the_rest(case):
+    """The new keys (neither the engine's stores nor in the index) take the reserve's last
+    slots, become the engine's stores, and the STORE record names them; or None, with the
+    stores and the slot list as they were."""
     keys, positions, slots, per_record, room = STORE_CASES[case]
-    outcomes = []
-    for kind in ("python", "compiled"):
-        lk, stores, m = _store_pin_world(kind)
-        left = list(slots)
-        got = lk.store(keys, positions, "req-1", left, "shared", per_record, room)
-        outcomes.append((got, dict(stores), left))
-        lk.unbind()
-        m.close()
-    assert outcomes[0] == outcomes[1]
+    lk, stores, m = _steps_world()
+    before = dict(stores)
+    left = list(slots)
+    got = lk.store(keys, positions, "req-1", left, "shared", per_record, room)
+    if case in STORE_DECLINED:
+        assert got is None and stores == before and left == slots
+    else:
+        new = [k for k in keys if k not in before and k not in (b"r" * 36, b"s" * 36)]
+        taken = slots[len(slots) - len(new):]
+        assert got[:2] == (new, taken) and left == slots[:len(slots) - len(new)]
+        assert stores == {**before, **{k: (o, "shared") for k, o in zip(new, taken)}}
+        pos = positions if positions is not None and len(positions) == len(keys) else None
+        index = [keys.index(k) for k in new]
+        assert got[2] == (native.keys_record(1, b"", "req-1", keys, True, pos, index, taken)
+                          if new else None)
     if case == 0:
-        got, stores, left = outcomes[0]
         assert got[0] == [b"a" * 36, b"b" * 36] and got[1] == [8, 9] and left == [7]
-        assert stores[b"a" * 36] == (8, "shared") and stores[b"b" * 36] == (9, "shared")
-        assert got[2] == native.keys_record(1, b"", "req-1", keys, True, range(10, 15),
-                                            [0, 2], [8, 9])
+    lk.unbind()
+    m.close()
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["python", "compiled"])
-def test_the_store_fast_path_changes_nothing_when_it_fails_or_is_off(kind):
-    lk, stores, m = _store_pin_world(kind)
+def test_the_store_fast_path_changes_nothing_when_it_fails_or_is_off():
+    lk, stores, m = _steps_world()
     before = dict(stores)
     slots = [7, 8]
     with pytest.raises(ValueError):                       # a request id too long to encode
@@ -209,21 +218,30 @@ def test_the_store_fast_path_changes_nothing_when_it_fails_or_is_off(kind):
 
 
 @needs_native
-def test_the_compiled_pin_and_its_twin_answer_alike():
+def test_the_compiled_pin_takes_a_whole_pin_of_hits_and_declines_the_rest():
+    """Every key a HIT of this step, distinct, one record's worth: their offsets (as
+    `hit_offset` finds them, what the Python path loads), their set, the PIN record and the
+    COMPLETE_LOAD record of the whole pin; else None."""
     a, b, c = b"a" * 36, b"b" * 36, b"c" * 36
     for keys, positions, per_record in (([a, b], range(2), 8), ([a, b], None, 8),
                                         ([a, c], None, 8), ([a, a], None, 8),
                                         ([a, b], None, 1), ([], None, 8)):
-        outcomes = []
-        for kind in ("python", "compiled"):
-            lk, _, m = _store_pin_world(kind)
-            lk.hit(a, 4096)
-            lk.hit(b, 8192)
-            outcomes.append(lk.pin(keys, positions, "req-2", per_record, 6))
-            lk.unbind()
-            m.close()
-        assert outcomes[0] == outcomes[1]
-    lk, _, m = _store_pin_world("compiled")
+        lk, _, m = _steps_world()
+        lk.hit(a, 4096)
+        lk.hit(b, 8192)
+        got = lk.pin(keys, positions, "req-2", per_record, 6)
+        if keys not in ([a, b],) or per_record < 2:
+            assert got is None, keys
+        else:
+            offsets = [lk.hit_offset(k) for k in keys]
+            assert got == (offsets, frozenset(keys),
+                           native.keys_record(3, b"", "req-2", keys, True, positions, None,
+                                              offsets),
+                           native.keys_record(4, struct.pack("<Q", 6), "req-2", keys, False,
+                                              None, None, None))
+        lk.unbind()
+        m.close()
+    lk, _, m = _steps_world()
     lk.hit(a, 4096)
     lk.hit(b, 8192)
     offsets, keyset, record, done = lk.pin([a, b], range(5, 7), "req-2", 8, 6)
@@ -236,49 +254,53 @@ def test_the_compiled_pin_and_its_twin_answer_alike():
     m.close()
 
 
-class _Shared:
-    """A stand-in for kvd_client.offload.stores.Shared (the attributes the fast path reads)."""
-
-    def __init__(self, reset_epoch: int, seq: int) -> None:
-        self.reset_epoch, self.seq = reset_epoch, seq
-
-
 @needs_native
-def test_the_compiled_completion_and_settling_and_their_twins_change_alike():
-    """complete (a successful completion's common case) and settle (forgetting what the
-    daemon read) against their Python twins: the same answers, stores and completed sets."""
+def test_the_compiled_completion_and_settling_change_the_containers_as_the_tracker_does():
+    """complete (a successful completion's common case: every key a store in flight of one
+    step, of a known epoch, distinct, one record's worth) answers the entry to settle and the
+    record, or None with nothing changed; settle (forgetting what the daemon read) leaves the
+    stores and completed sets as its Python twin, the tracker's own forgetting, does."""
+    from kvd_client.offload.stores import Shared, StoreTracker
+
     a, b, c, d = (bytes([x]) * 36 for x in b"abcd")
-    one, two, unknown = _Shared(5, 9), _Shared(5, 10), _Shared(-1, 11)
+    one, two, unknown = Shared(5, 9), Shared(5, 10), Shared(-1, 11)
     cases = [([a, b], 8), ({a, b}, 8), ([a, c], 8), ([a, a], 8), ([a, b], 1), ([d], 8), ([], 8),
              ([c], 8)]
     for keys, per_record in cases:
-        outcomes = []
-        for kind in ("python", "compiled"):
-            lk, stores, m = _store_pin_world(kind)
-            stores.update({a: (4096, one), b: (8192, one), c: (0, two), d: (12288, unknown)})
-            completed: dict[bytes, None] = {}
-            got = lk.complete(keys, completed, "req-3", per_record)
-            outcomes.append((got, dict(stores), dict(completed)))
-            lk.unbind()
-            m.close()
-        assert outcomes[0] == outcomes[1], keys
-    got, _, completed = outcomes[0]                  # [c]: the last case, completed
-    assert got[0][:3] == (10, (c,), ((0, two),)) and completed == {c: None}
-    assert got[0][3] == struct.pack("<q", hash(c))    # its hash, for settling
-    assert got[1] == native.keys_record(2, struct.pack("<QB", 5, True), "req-3", [c], False,
-                                        None, None, None)
-    for kind in ("python", "compiled"):
-        lk, stores, m = _store_pin_world(kind)
+        lk, stores, m = _steps_world()
+        stores.update({a: (4096, one), b: (8192, one), c: (0, two), d: (12288, unknown)})
+        before = dict(stores)
+        completed: dict[bytes, None] = {}
+        got = lk.complete(keys, completed, "req-3", per_record)
+        handled = (list(keys) in ([a, b], [b, a], [c])) and per_record > 1
+        if not handled:
+            assert got is None and completed == {} and stores == before, keys
+        else:
+            order = tuple(keys)
+            shared = before[order[0]][1]
+            assert got[0][:3] == (shared.seq, order, tuple(before[k] for k in order))
+            assert got[0][3] == struct.pack(f"<{len(order)}q", *map(hash, order))
+            assert got[1] == native.keys_record(2, struct.pack("<QB", 5, True), "req-3",
+                                                list(order), False, None, None, None)
+            assert completed == dict.fromkeys(order) and stores == before
+        lk.unbind()
+        m.close()
+    for forget in ("compiled", "tracker"):
+        lk, stores, m = _steps_world()
+        tracker = StoreTracker()
+        tracker.stores = stores
+        settle = lk.settle if forget == "compiled" else tracker.forget
         newer, sa, sb = (16384, two), (4096, one), (8192, one)
         stores.update({a: sa, b: newer})        # b was stored again since: left alone
         completed = dict.fromkeys((a, b))
-        lk.settle([(9, (a, b), (sa, sb))], completed)
+        settle([(9, (a, b), (sa, sb))], completed)
         assert stores == {b"o" * 36: (0, "old"), b: newer} and completed == {b: None}
         stores[a], completed[a] = sa, None                 # again, with the keys' hashes
-        lk.settle([(9, (a,), (sa,), struct.pack("<q", hash(a)))], completed)
+        settle([(9, (a,), (sa,), struct.pack("<q", hash(a)))], completed)
         assert a not in stores and a not in completed
-        with pytest.raises(TypeError):
-            lk.settle([(9, (a, b), (sa,))], completed)
+        if forget == "compiled":
+            with pytest.raises(TypeError):
+                settle([(9, (a, b), (sa,))], completed)
         lk.unbind()
         m.close()
 
@@ -399,27 +421,28 @@ def test_the_compiled_key_positions_are_the_twins():
 def test_a_whole_call_completes_with_the_record_its_store_made():
     """store makes, while the keys are at hand, the COMPLETE_STORE record their whole
     successful completion sends; complete of exactly those keys (vLLM passes them as a set)
-    sends it, the same bytes as one encoded then; compiled and twin alike."""
+    sends it, the same bytes as one encoded then."""
+    from kvd_client.offload.stores import Shared
+
     a, b, c = b"a" * 36, b"b" * 36, b"c" * 36
-    for kind in ("python", "compiled"):
-        lk, stores, m = _store_pin_world(kind)
-        shared = _Shared(3, 12)
-        new, taken, _ = lk.store([a, b, b"r" * 36], None, "req-4", [7, 8, 9], shared, 8, 99)
-        assert new == [a, b] and taken == [8, 9]
-        call = stores[a][2]
-        assert stores[b][2] is call and call[1] == 2
-        expected = native.keys_record(2, struct.pack("<QB", 3, True), "req-4", [a, b], False,
-                                      None, None, None)
-        assert call[0] == expected
-        completed: dict[bytes, None] = {}
-        entry, record = lk.complete({b, a}, completed, "req-4", 8)
-        assert record == expected and completed.keys() == {a, b}
-        lk.store([c], None, "req-5", [10], shared, 8, 99)
-        entry, record = lk.complete([c, a], {}, "req-5", 8)    # two calls' keys: encoded
-        assert record == native.keys_record(2, struct.pack("<QB", 3, True), "req-5", [c, a],
-                                            False, None, None, None)
-        lk.unbind()
-        m.close()
+    lk, stores, m = _steps_world()
+    shared = Shared(3, 12)
+    new, taken, _ = lk.store([a, b, b"r" * 36], None, "req-4", [7, 8, 9], shared, 8, 99)
+    assert new == [a, b] and taken == [8, 9]
+    call = stores[a][2]
+    assert stores[b][2] is call and call[1] == 2
+    expected = native.keys_record(2, struct.pack("<QB", 3, True), "req-4", [a, b], False,
+                                  None, None, None)
+    assert call[0] == expected
+    completed: dict[bytes, None] = {}
+    entry, record = lk.complete({b, a}, completed, "req-4", 8)
+    assert record == expected and completed.keys() == {a, b}
+    lk.store([c], None, "req-5", [10], shared, 8, 99)
+    entry, record = lk.complete([c, a], {}, "req-5", 8)    # two calls' keys: encoded
+    assert record == native.keys_record(2, struct.pack("<QB", 3, True), "req-5", [c, a],
+                                        False, None, None, None)
+    lk.unbind()
+    m.close()
 
 
 @needs_native
@@ -461,5 +484,5 @@ def test_the_memory_fence_is_the_compiled_one_where_built():
     from kvd_proto import barrier
 
     assert barrier.fence() is None and barrier.py_fence() is None
-    if _native is not None:
+    if native.NATIVE:                  # built, and not forced off (KVD_NATIVE=0)
         assert barrier.fence is _native.fence

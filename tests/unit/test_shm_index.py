@@ -1,7 +1,8 @@
 """The shared block index without a daemon: what the daemon writes (ShmIndex) is exactly what
-an engine reads (IndexReader), through every insert, removal, reuse and reset; the engine's
-copy cannot write it; and freed slots come back only once every reader has moved past them
-(Reclamation, with the engine's own Marks publishing)."""
+an engine reads (its IndexReader's mapping, probed by the session's Lookups), through every
+insert, removal, reuse and reset; the engine's copy cannot write it; and freed slots come back
+only once every reader has moved past them (Reclamation, with the engine's own Marks
+publishing)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from kvd_client.link.index_reader import STATE_READY, STATE_STORING, IndexReader, Marks
 from kvd_proto.index_layout import HEADER_BYTES, MAX_PROBE, key_hash
+from kvd_proto.native import Lookups
 from kvd_server.memory.shm_index import Reclamation, ShmIndex
 
 WIDTH = 16                  # key width of the test indexes
@@ -32,9 +34,26 @@ def offset_of(slot: int) -> int:
     return slot // PER_EXTENT * EXTENT + slot % PER_EXTENT * STRIDE
 
 
-def reader_of(index: ShmIndex, **kwargs: int) -> IndexReader:
+class EngineView:
+    """What an engine reads: the daemon's descriptor, mapped read-only (IndexReader), probed as
+    its session's lookups probe it (kvd_proto.native.Lookups, compiled where built)."""
+
+    def __init__(self, fd: int) -> None:
+        self.reader = IndexReader(fd)
+        self.lookups = Lookups({}, "MISS", "HIT", lambda key: "SLOW")
+        self.lookups.bind(self.reader.mapping, *self.reader.header.geometry)
+
+    def find(self, key: bytes) -> tuple[int, int] | None:
+        return self.lookups.find(key)
+
+    def close(self) -> None:
+        self.lookups.unbind()
+        self.reader.close()
+
+
+def reader_of(index: ShmIndex) -> EngineView:
     """What an engine gets: a duplicate of the daemon's descriptor, mapped read-only."""
-    return IndexReader(os.dup(index.fd), **kwargs)
+    return EngineView(os.dup(index.fd))
 
 
 @pytest.fixture
@@ -47,7 +66,7 @@ def index() -> Iterator[ShmIndex]:
 
 
 @pytest.fixture
-def reader(index: ShmIndex) -> Iterator[IndexReader]:
+def reader(index: ShmIndex) -> Iterator[EngineView]:
     r = reader_of(index)
     try:
         yield r
@@ -77,7 +96,7 @@ def test_a_key_goes_storing_ready_and_away(index, reader):
     assert reader.find(key) == (STATE_STORING, offset_of(5))
     index.set_ready(5)
     assert reader.find(key) == (STATE_READY, offset_of(5))
-    assert reader.find(key) == (STATE_READY, offset_of(5))       # the remembered answer
+    assert reader.find(key) == (STATE_READY, offset_of(5))       # asked again
     index.remove(5)
     assert reader.find(key) is None
     index.remove(5)                                               # idempotent
@@ -88,16 +107,16 @@ def test_a_reused_slot_answers_for_its_new_key_only(index, reader):
     old, new = b"old-key", b"new-key"
     index.insert(3, old)
     index.set_ready(3)
-    assert reader.find(old) == (STATE_READY, offset_of(3))       # remembered: (slot, word)
+    assert reader.find(old) == (STATE_READY, offset_of(3))
     index.remove(3)
     index.insert(3, new)
     index.set_ready(3)
-    assert reader.find(old) is None, "a remembered answer outlived the slot's reuse"
+    assert reader.find(old) is None, "an answer outlived the slot's reuse"
     assert reader.find(new) == (STATE_READY, offset_of(3))
     # The old key comes back in another slot: the answer follows it.
     index.insert(7, old)
     assert reader.find(old) == (STATE_STORING, offset_of(7))
-    # The same key stored again in the same slot is being stored, not READY as remembered.
+    # The same key stored again in the same slot is being stored, not READY as it was.
     index.remove(3)
     index.insert(3, new)
     assert reader.find(new) == (STATE_STORING, offset_of(3))
@@ -105,7 +124,7 @@ def test_a_reused_slot_answers_for_its_new_key_only(index, reader):
     assert reader.find(new) == (STATE_READY, offset_of(3))
 
 
-def test_clear_forgets_every_key_and_no_remembered_answer_survives_it(index, reader):
+def test_clear_forgets_every_key_and_no_answer_survives_it(index, reader):
     keys = [b"k%02d" % i for i in range(10)]
     for slot, key in enumerate(keys):
         index.insert(slot, key)
@@ -133,23 +152,6 @@ def test_clear_forgets_every_key_and_no_remembered_answer_survives_it(index, rea
         fresh.close()
 
 
-def test_a_full_memo_is_dropped_not_trusted(index):
-    r = reader_of(index, memo_limit=4)
-    try:
-        for slot in range(12):
-            index.insert(slot, b"m%02d" % slot)
-            index.set_ready(slot)
-            assert r.find(b"m%02d" % slot) == (STATE_READY, offset_of(slot))
-        for slot in range(12):
-            index.remove(slot)
-            index.insert(slot, b"n%02d" % slot)
-        for slot in range(12):
-            assert r.find(b"m%02d" % slot) is None
-            assert r.find(b"n%02d" % slot) == (STATE_STORING, offset_of(slot))
-    finally:
-        r.close()
-
-
 def test_a_key_longer_than_the_width_is_refused_and_never_found(index, reader):
     short = b"x" * WIDTH
     long = short + b"y"
@@ -169,7 +171,7 @@ def test_a_key_longer_than_the_width_is_refused_and_never_found(index, reader):
 def test_index_matches_a_dict_under_random_inserts_and_removals(seed):
     """Random inserts and removals (many keys colliding in a few buckets, runs that wrap
     around the end of the bucket array), against a dict: after every operation both a
-    long-lived reader (with its memo) and, now and then, a fresh one answer exactly what the
+    long-lived reader and, now and then, a fresh one answer exactly what the
     dict says. Backward-shift deletion must keep every other key of a run findable."""
     rng = random.Random(seed)
     capacity = 48                                   # below MAX_PROBE: an insert never overflows
@@ -276,7 +278,7 @@ def test_the_readers_descriptor_cannot_write_resize_or_reseal(index):
         finally:
             os.close(again)
         # Read-only, it works, and sees the daemon's writes as they happen.
-        r = IndexReader(fd)
+        r = EngineView(fd)
         fd = -1
         try:
             index.insert(2, b"visible")

@@ -1,7 +1,7 @@
 """This step's HITs as the compiled Lookups keep them (a log found by identity, moved into a
 dict when it is full or a key must be found by value: kvd_proto/_native.c, "this step's
 HITs") against the twin's dict: the same offsets for every key, whatever object names it, and
-the same pins."""
+the compiled pin loads what the Python path (the twin's `hit_offset`) would."""
 
 from __future__ import annotations
 
@@ -88,10 +88,12 @@ def test_a_pin_finds_a_requests_hits_among_the_steps_others():
         part = keys[rng.randrange(len(keys)):]
         if r % 3 == 0:
             part = [bytes(bytearray(k)) for k in part]  # equal keys, other objects
-        pinned = answers(lookups, "pin", part, None, f"req-{r}", 64, 3)
+        twin, compiled = lookups
+        pinned = compiled.pin(part, None, f"req-{r}", 64, 3)
         assert pinned is not None
+        assert pinned[0] == [twin.hit_offset(k) for k in part]
         assert pinned[0] == [4096 * (100 * r + keys.index(k)) for k in part]
-    assert answers(lookups, "pin", [b"x" * 36], None, "req", 64, 3) is None  # no HIT
+    assert lookups[1].pin([b"x" * 36], None, "req", 64, 3) is None  # no HIT
 
 
 def test_a_hit_must_be_bytes_at_a_byte_offset():
@@ -104,10 +106,10 @@ def test_a_hit_must_be_bytes_at_a_byte_offset():
 
 def test_a_hit_of_a_bytes_subclass_is_kept_as_plain_bytes():
     class Key(bytes):
-        def __hash__(self) -> int:                  # noqa: D105
+        def __hash__(self) -> int:
             raise AssertionError("a subclass's Python code ran inside the HIT log")
 
-        def __eq__(self, other: object) -> bool:    # noqa: D105
+        def __eq__(self, other: object) -> bool:
             raise AssertionError("a subclass's Python code ran inside the HIT log")
 
     lk = _native.Lookups({}, "MISS", "HIT", lambda k: "SLOW")

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvd_proto import attach, paths, wire
+from kvd_proto import attach, kvd_pb2, paths, wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTO = (ROOT / "proto" / "kvd" / "v1" / "kvd.proto").read_text()
@@ -112,3 +112,20 @@ def test_no_side_defines_a_shared_fact_again():
                 assert not re.search(rf"^{name}\s*=", text, re.M), f"{path} defines {name}"
             assert '"kvd-session-token"' not in text and '"kvd-admin-token"' not in text, path
             assert '+ ".attach"' not in text, f"{path} builds the attach path by hand"
+
+
+def test_block_states_are_the_wires() -> None:
+    """kvd_proto.wire.BlockState is the proto's enum (less its UNSPECIFIED zero): the daemon
+    answers its members as the wire's numbers, the client's Lookup has its members by name."""
+    from kvd_client.offload.session import Lookup as ClientLookup
+    from kvd_proto.wire import BlockState
+    from kvd_server.manager import Lookup as DaemonLookup
+
+    wire = {name: number for name, number in kvd_pb2.BlockState.items()
+            if number != 0}
+    assert {s.name: s.value for s in BlockState} == {
+        name.removeprefix("BLOCK_STATE_"): number for name, number in wire.items()}
+    assert DaemonLookup is BlockState
+    assert [(m.name, m.value) for m in ClientLookup] == [
+        ("MISS", "miss"), ("HIT", "hit"), ("HIT_PENDING", "hit_pending")]   # as the checker reads it
+    assert [m.name for m in ClientLookup] == [s.name for s in BlockState]

@@ -13,15 +13,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 try:
     import vllm  # noqa: F401
-except Exception as exc:  # pragma: no cover - only without the vllm test environment
+except Exception as exc:  # noqa: BLE001 - only without the vllm test environment
     pytest.skip(f"vLLM is not importable ({exc}); run `make vllm-env`",
                 allow_module_level=True)
 
 # The daemon fixtures are the multi-process tests' own: a real `kvd serve` (64 MiB pool).
-from tests.support.daemon import Daemon  # noqa: E402,F401
-from tests.support.fixtures import daemon, start_daemon, workdir  # noqa: E402,F401
+from tests.support.daemon import Daemon
+from tests.support.fixtures import daemon, start_daemon, workdir  # noqa: F401
 
-from .harness import Engine  # noqa: E402
+from .harness import Engine
 
 
 @pytest.fixture

@@ -14,14 +14,9 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
+from .prompts import BS, assert_loaded_bytes, prompt
+
 pytestmark = [pytest.mark.vllm]
-
-BS = 16
-
-
-def prompt(seed: int, n_tokens: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, 50000, (n_tokens,), generator=g).tolist()
 
 
 def write_then_read(engines, seed: int, n_tokens: int, **engine_kwargs):
@@ -39,12 +34,6 @@ def write_then_read(engines, seed: int, n_tokens: int, **engine_kwargs):
     reader.add("r", tokens + [9])
     reader.run()
     return reader, tokens, reader.stats.hit_tokens["r"] // BS
-
-
-def assert_loaded_bytes(reader, tokens, hit_blocks: int) -> None:
-    ids = reader.blocks_seen["r"]
-    for i in range(hit_blocks):
-        assert torch.equal(reader.kv[ids[i]], reader.expected_block(tokens, i)), f"block {i}"
 
 
 def test_repeated_prefix_hits_on_second_request(engines):

@@ -17,11 +17,9 @@ import pytest
 from bench.traces import generate
 
 from .harness import Engine
+from .random_traces import MAX_TOKENS, PAGE, RESERVE, random_trace
 
 pytestmark = [pytest.mark.vllm]
-MAX_TOKENS = 4000
-PAGE = 1024                       # the harness's KV bytes per block (all layers, K and V)
-RESERVE = 128                     # slots kvd grants the engine ahead (a few steps' stores)
 # (shape, capacity in chunks, blocks per chunk): capacities well below each trace's distinct
 # blocks (so both policies evict and differ), but above what its stores in flight need at once:
 # below that vLLM's synchronous prepare_store says "cannot store" and retries the next step,
@@ -92,26 +90,6 @@ def test_kvd_hits_equal_vllms_own_offload(start_daemon, shape, chunks, per_chunk
     doc = daemon.stats()
     assert doc["stats"]["pins"] == 0 and doc["blocks"]["storing"] == 0
     assert doc["stats"]["evictions_total"] > 0, "the cache never evicted: raise the pressure"
-
-
-def random_trace(seed: int) -> list:
-    """Prompts built from a few shared prefixes, private suffixes and re-sent conversations."""
-    import random
-
-    from bench.traces import Request
-
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(1, 50_000) for _ in range(16 * rng.randint(4, 30))]
-                for _ in range(3)]
-    out: list[Request] = []
-    for i in range(10):
-        if out and rng.random() < 0.4:
-            base = list(rng.choice(out).tokens)              # a conversation goes on
-        else:
-            base = list(rng.choice(prefixes))
-        tail = [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 16 * 20))]
-        out.append(Request(session=i, tokens=tuple((base + tail)[:MAX_TOKENS])))
-    return out
 
 
 @pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("KVD_DIFF_SEEDS", "1,2,3,4").split(",")])

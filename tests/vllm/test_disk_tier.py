@@ -10,7 +10,7 @@ from tests.support.daemon import HEARTBEAT, LIVENESS, clean_env
 from tests.support.waits import wait_until
 
 from .harness import Engine
-from .test_conformance import BS, assert_loaded_bytes, prompt
+from .prompts import BS, assert_loaded_bytes, prompt
 
 pytestmark = [pytest.mark.vllm]
 

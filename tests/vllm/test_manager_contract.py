@@ -69,11 +69,11 @@ class PublicOnly(ReqContext):
 
     calls = 0
 
-    def get_offload_key_position(self, key):  # noqa: ANN001, ANN201
+    def get_offload_key_position(self, key):
         PublicOnly.calls += 1
         return object.__getattribute__(self, "_offload_key_positions").get(key)
 
-    def __getattribute__(self, name: str):  # noqa: ANN204
+    def __getattribute__(self, name: str):
         if name == "_offload_key_positions":
             raise AttributeError("_offload_key_positions is not readable here")
         return super().__getattribute__(name)

@@ -10,20 +10,14 @@ The manager-level tests follow vLLM's own CPU-manager metric tests (test_manager
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
     ReqContext,
-    ScheduleEndContext,
-    make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
 
@@ -32,28 +26,15 @@ from tests.support.daemon import Daemon
 from tests.support.waits import wait_until
 
 from .harness import Engine
+from .offload_stats import END, capture, key, keys, prometheus, sample
+from .prompts import BS, prompt
 
 pytestmark = [pytest.mark.vllm]
 
-BS = 16
 SLOT = 4096                      # the harness's 1 KiB blocks, in 4 KiB slots
 SLOTS = 64                       # a small namespace, so usage fractions are coarse
-END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 USAGE = (M.CPU_CACHE_USAGE_PERC, M.CPU_CACHE_WRITE_USAGE_PERC, M.CPU_CACHE_READ_USAGE_PERC)
 ALLOC = M.CPU_ALLOCATION_SIZE
-
-
-def key(i: int) -> OffloadKey:
-    return make_offload_key(f"block-{i}".encode().ljust(32, b"."), 0)
-
-
-def keys(ids: list[int]) -> list[OffloadKey]:
-    return [key(i) for i in ids]
-
-
-def prompt(seed: int, n_tokens: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, 50000, (n_tokens,), generator=g).tolist()
 
 
 @pytest.fixture
@@ -174,45 +155,8 @@ def test_payload_is_the_one_vllms_own_calls_build(engine):
 # --- through vLLM's scheduler and its Prometheus exporter -------------------------------------
 
 
-def prometheus(engine: Engine) -> tuple[KVConnectorProm, CollectorRegistry]:
-    """vLLM's frontend exporter of connector metrics (what serves /metrics), on a registry of
-    its own, as PrometheusStatLogger builds it for engine 0."""
-    registry = CollectorRegistry()
-
-    class Prom(KVConnectorProm):
-        _gauge_cls = functools.partial(Gauge, registry=registry)
-        _counter_cls = functools.partial(Counter, registry=registry)
-        _histogram_cls = functools.partial(Histogram, registry=registry)
-
-    return Prom(engine.config, ["model_name", "engine"], {0: ["m", "0"]}), registry
-
-
-def capture(engine: Engine) -> list[dict[str, Any]]:
-    """Every step's `SchedulerStats.kv_connector_stats` payload (what the engine core sends
-    to the frontend's stat loggers), appended as the engine steps."""
-    payloads: list[dict[str, Any]] = []
-    update = engine.scheduler.update_from_output
-
-    def update_and_keep(*args: Any, **kwargs: Any) -> Any:
-        outputs = update(*args, **kwargs)
-        for out in outputs.values():
-            stats = out.scheduler_stats
-            if stats is not None and stats.kv_connector_stats is not None:
-                payloads.append(stats.kv_connector_stats)
-        return outputs
-
-    engine.scheduler.update_from_output = update_and_keep  # type: ignore[method-assign]
-    return payloads
-
-
 def series(payloads: list[dict[str, Any]], name: str) -> list[float]:
     return [p["data"][name][()] for p in payloads if name in p.get("data", {})]
-
-
-def sample(registry: CollectorRegistry, name: str) -> float:
-    value = registry.get_sample_value(name, {"model_name": "m", "engine": "0"})
-    assert value is not None, f"{name} is not exported"
-    return value
 
 
 def test_scheduler_stats_move_vllms_cpu_tier_series(engine):

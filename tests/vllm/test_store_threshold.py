@@ -24,11 +24,12 @@ from tests.support.daemon import Daemon
 
 from .baseline import BaselineCPUSpec
 from .harness import Engine
-from .test_manager_stats import END, capture, key, keys, prometheus, prompt, sample
+from .offload_stats import END, capture, key, keys, prometheus, sample
+from .prompts import BS, prompt
+from .random_traces import PAGE, RESERVE, random_trace
 
 pytestmark = [pytest.mark.vllm]
 
-BS = 16
 SKIPPED = M.STORES_SKIPPED
 
 
@@ -191,8 +192,6 @@ def test_kvd_hits_equal_vllms_own_with_a_store_threshold_on_random_traces(start_
     """Random traces, thresholds 2-3, trackers that age counts out, and (odd seeds) a cache
     that evicts, sized as test_differential.py sizes it."""
     import random
-
-    from .test_differential import PAGE, RESERVE, random_trace
 
     rng = random.Random(seed)
     options: dict[str, object] = {"store_threshold": rng.choice((2, 3)),

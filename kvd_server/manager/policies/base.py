@@ -63,6 +63,9 @@ class Policy(ABC):
     def __init__(self, capacity: int, table: BlockTable) -> None:
         self.capacity = capacity
         self.table = table
+        # The manager's open requests (set by its RequestLog), for a policy that orders
+        # their blocks apart from its own (LRU renumbers their ranks with its blocks').
+        self.open_requests: Iterable[RequestState] = ()
 
     @abstractmethod
     def insert(self, key: bytes, slot: int, req: RequestState) -> None:

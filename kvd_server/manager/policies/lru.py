@@ -68,7 +68,6 @@ class LRUPolicy(Policy):
         self.max_order = MAX_ORDER
         self.front_size = FRONT
         self.renumbered = 0
-        self.open_requests: Iterable[RequestState] = ()    # set by the manager (renumbering)
 
     # -- ranks --
     def _new_order(self) -> int:

@@ -101,7 +101,7 @@ class Agent:
     def _close_store(self) -> None:
         try:
             self.store.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("store agent: closing the store's client")
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvd_server.tiers.base import HELD_ALREADY, TierHealth, TierKey, TierStats
+from kvd_server.tiers.base import HELD_ALREADY, Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.cluster.directory import Directory
 from kvd_server.tiers.cluster.names import (
     BLOCK_HEADER,
@@ -47,7 +47,7 @@ SYNC_S = 1.0
 CLOSE_WAIT_S = 5.0      # the daemon's stop waits this long for the client to leave the store
 
 
-class ClusterTier:
+class ClusterTier(Tier):
     """One daemon's view of the cluster store (see the module doc)."""
 
     name = "cluster"
@@ -275,7 +275,7 @@ class ClusterTier:
         while not self._closed.is_set():
             try:
                 self._tend()
-            except Exception:  # noqa: BLE001 - the thread must go on
+            except Exception:  # the thread must go on (logged)
                 log.exception("cluster tier: housekeeping failed")
             self._closed.wait(self.sync_s)
 
@@ -327,7 +327,7 @@ class ClusterTier:
         def close() -> None:
             try:
                 store.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("cluster tier: closing the store's client")
 
         if wait_s is None:

@@ -19,15 +19,33 @@ each time; under load that wait bounds the tier, not the drive. A batch takes th
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import zlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvd_proto.native import compiled
 
-WriteItem = tuple[Any, int, int]
-ReadItem = tuple[Any, int, int, int, Any]
+# What the tier hands these calls: its aligned buffers (anonymous mappings), pool slots
+# (memoryviews of the mapped pool file) and the blocks' bytes.
+Writable = bytearray | memoryview | mmap.mmap
+Readable = bytes | Writable
+WriteItem = tuple[Readable, int, int]                     # (buffer, offset, length)
+ReadItem = tuple[Writable, int, int, int, Writable | None]  # (buffer, offset, length, crc, dest)
+
+
+class BlockIO(Protocol):
+    """What the compiled module (kvd_server/tiers/disk/_blockio.c) exports: the contract its
+    twins below keep, call for call (tests/unit/test_block_io.py holds them equal)."""
+
+    def write_blocks(self, fd: int, items: Sequence[WriteItem], /) -> list[int]: ...
+
+    def read_blocks(self, fd: int, items: Sequence[ReadItem], /) -> list[int]: ...
+
+    def crc32(self, data: Readable, /) -> int: ...
+
+    def copy_into(self, dest: Writable, data: Readable, /) -> None: ...
 
 
 def py_write_blocks(fd: int, items: Sequence[WriteItem]) -> list[int]:
@@ -72,21 +90,25 @@ def py_read_blocks(fd: int, items: Sequence[ReadItem]) -> list[int]:
     return out
 
 
-_native = compiled("kvd_server.tiers.disk._blockio")
+_native: BlockIO | None = compiled("kvd_server.tiers.disk._blockio")
 NATIVE = _native is not None
-write_blocks = _native.write_blocks if _native is not None else py_write_blocks
-read_blocks = _native.read_blocks if _native is not None else py_read_blocks
-crc32 = _native.crc32 if _native is not None else zlib.crc32
+write_blocks: Callable[[int, Sequence[WriteItem]], list[int]] = \
+    _native.write_blocks if _native is not None else py_write_blocks
+read_blocks: Callable[[int, Sequence[ReadItem]], list[int]] = \
+    _native.read_blocks if _native is not None else py_read_blocks
+crc32: Callable[[Readable], int] = _native.crc32 if _native is not None else zlib.crc32
 
 
-def py_copy_into(dest: Any, data: Any) -> None:
+def py_copy_into(dest: Writable, data: Readable) -> None:
+    """The twin of `_blockio.copy_into`."""
     n = len(data)
     if n > len(dest):
         raise ValueError("copy_into: the data is longer than the destination")
     dest[:n] = data
 
 
-copy_into = _native.copy_into if _native is not None else py_copy_into
+copy_into: Callable[[Writable, Readable], None] = \
+    _native.copy_into if _native is not None else py_copy_into
 
 
 def error(result: int) -> OSError:

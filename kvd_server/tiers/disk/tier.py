@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvd_server.tiers.base import HELD_ALREADY, TierHealth, TierKey, TierStats
+from kvd_server.tiers.base import HELD_ALREADY, Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.disk import block_io
 from kvd_server.tiers.disk.buffers import AlignedBuffers
 from kvd_server.tiers.disk.files import DATA_FILE, JOURNAL_FILE, LOCK_FILE, open_files
@@ -76,8 +76,9 @@ def _page_aligned(view: memoryview) -> bool:
         return False
 
 
-class DiskTier:
-    """One directory's disk tier (see the module doc)."""
+class DiskTier(Tier):
+    """One directory's disk tier (see the module doc); a tier of this node alone (the
+    optional capabilities are `Tier`'s defaults)."""
 
     name = "disk"
 

@@ -1,6 +1,6 @@
 """A client process that drops to another uid/gid before it talks to the daemon.
 
-`python -m tests.multiproc.as_user UID GID SOCKET ACTION ARGS...` starts as root, imports
+`python -m tests.support.as_user UID GID SOCKET ACTION ARGS...` starts as root, imports
 everything it needs (the interpreter and the checkout may not be readable by the target uid),
 drops to UID/GID, then runs ACTION and prints one JSON line:
 
@@ -30,7 +30,7 @@ import grpc
 from google.protobuf import json_format  # noqa: F401
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: F401  (before the uid drop)
 
-import kvd_client.attach  # noqa: F401  (everything imported before the uid drop)
+import kvd_client.attach  # (everything imported before the uid drop)
 import kvd_client.pool_map  # noqa: F401
 from kvd_proto import attach as attach_protocol
 from kvd_proto import kvd_pb2, kvd_pb2_grpc  # noqa: F401

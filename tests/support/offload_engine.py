@@ -3,7 +3,7 @@ tests: helpers a test process drives its own engine with, and, run as a module, 
 separate process that a test drives command by command (so it can be stopped or killed at an
 exact point: after a pin, before its copy).
 
-Protocol of the engine process: `python -m tests.multiproc.offload_engine SOCKET MODEL
+Protocol of the engine process: `python -m tests.support.offload_engine SOCKET MODEL
 RESERVE`; it prints one JSON line once connected, then answers each JSON command read from
 stdin with one JSON line (see `EngineProcess` for the commands).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from kvd_proto import kvd_pb2
 from kvd_proto.wire import KvLayout
 from tests.support.daemon import PY, ROOT, clean_env
 from tests.support.engine import BLOCK, Engine, block_bytes_of, keys_for
+from tests.support.processes import readline_within
 from tests.support.waits import wait_until
 
 LAYOUT = KvLayout(BLOCK, 1, BLOCK, 16, "bfloat16")
@@ -222,29 +222,6 @@ def assert_no_slot_leaked(daemon: Any, model: str) -> None:
 # --- an engine in another process ------------------------------------------------------------
 
 
-def readline_within(proc: subprocess.Popen[str], timeout: float, stderr: Any = None) -> str:
-    """One line of the child's stdout, or fail (with its stderr) after `timeout` seconds."""
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        ready = sel.select(timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        what = "said nothing" if not ready else "exited"
-        raise AssertionError(f"engine process {proc.pid} {what} within {timeout}s: "
-                             f"{_tail(stderr)}")
-    return line
-
-
-def _tail(stderr: Any) -> str:
-    if stderr is None:
-        return ""
-    with contextlib.suppress(OSError, ValueError):
-        stderr.seek(0)
-        return stderr.read().decode(errors="replace")[-3000:]
-    return ""
-
-
 class EngineProcess:
     """An engine process driven by commands: `lookup`, `pin`, `read`, `unpin`, `end_step`,
     `settle`, `reserve` (and write), `complete`, `store`, `load`, `counts` (the lookups it
@@ -256,7 +233,7 @@ class EngineProcess:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in kill()
         env = clean_env() if native else clean_env(KVD_NATIVE="0")
         self.proc = subprocess.Popen(
-            [PY, "-m", "tests.multiproc.offload_engine", socket, model, str(reserve)],
+            [PY, "-m", "tests.support.offload_engine", socket, model, str(reserve)],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True, cwd=ROOT)
         try:
@@ -397,7 +374,7 @@ def _serve(socket: str, model: str, reserve: int) -> int:
                 return 0
             else:
                 answer = {"error": f"unknown command {op!r}"}
-        except Exception as exc:  # the test reads what went wrong
+        except Exception as exc:  # noqa: BLE001 - the test reads what went wrong
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(answer), flush=True)
     close_session(session)
