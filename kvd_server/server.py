@@ -63,9 +63,11 @@ from kvd_server.ops.stats import (
 from kvd_server.protocols.wiring import EngineProtocols
 from kvd_server.restart.state import StateError
 from kvd_server.restart.warm import WarmRestart
+from kvd_server.rpc.admin import AdminService
 from kvd_server.rpc.admin_tokens import AdminTokens, TokenFileError, read_token_file
+from kvd_server.rpc.engine import EngineService
 from kvd_server.rpc.front_door import FrontDoor
-from kvd_server.rpc.service import AdminService, EngineService, RpcRecorder
+from kvd_server.rpc.recorder import RpcRecorder
 from kvd_server.tiers.link import TierLink, start_tier
 from kvd_server.units import format_duration, format_size
 

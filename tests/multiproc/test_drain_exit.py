@@ -113,7 +113,7 @@ def test_drain_with_an_engine_attached_exits_zero_and_promptly(daemon: Daemon):
 def _serve_with_a_late_drain_answer(argv: list[str]) -> int:
     """`kvd serve` whose Drain answer leaves LATE_S after the drain started."""
     from kvd_server.cli import main as cli
-    from kvd_server.rpc.service import AdminService
+    from kvd_server.rpc.admin import AdminService
 
     drain = AdminService.Drain
 

@@ -26,7 +26,8 @@ def test_generated_code_is_fresh(tmp_path):
 
 def test_every_engine_rpc_is_served():
     from kvd_proto import kvd_pb2
-    from kvd_server.rpc.service import AdminService, EngineService
+    from kvd_server.rpc.admin import AdminService
+    from kvd_server.rpc.engine import EngineService
 
     for service, impl in (("KvdEngine", EngineService), ("KvdAdmin", AdminService)):
         for method in kvd_pb2.DESCRIPTOR.services_by_name[service].methods:
