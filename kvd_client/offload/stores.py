@@ -5,7 +5,9 @@ block is on its way) and a completed one is a HIT before the daemon marks it REA
 index. Each store remembers its slot and what the stores of its step share: the reset epoch
 they belong to (UNKNOWN_EPOCH while a reset this engine asked for is on its way: completions wait
 for the reset's answer) and the step whose records told the daemon of it. A completed store
-is forgotten once the daemon has read that step's records (the index answers from then on).
+is forgotten once the daemon has read the step whose records carry its completion: until then
+the index shows it being stored, and the engine answers its lookups HIT itself (vLLM's contract:
+a block is loadable once `complete_store` returns, with no step or wait between).
 A reset turns every store in flight stale: its completion is sent, failed, once the engine
 says the copies in flight at the reset have finished.
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from kvd_client.link.index_reader import STATE_READY
 from kvd_proto import records as rec
-from kvd_proto.native import MAX_EPOCH, SettleEntry, Store, StoreCall
+from kvd_proto.native import MAX_EPOCH, SettleEntry, StepShared, Store, StoreCall
 
 MAX_LOCAL_STORES = 1 << 16
 UNKNOWN_EPOCH = -1              # a store made while a reset is on its way to the daemon
@@ -51,7 +53,7 @@ class StoreTracker:
         # it by a key's hash without reading the key)
         self.completed: dict[bytes, None] = {}
         # completed stores in completion order, one entry per completion call and step its
-        # stores were told in, to forget once the daemon has read that step
+        # stores were told in, to forget once the daemon has read the completion's step
         self._settling: collections.deque[SettleEntry] = collections.deque()
         self._stale: dict[int, list[bytes]] = {}   # reset epoch -> keys in flight at a reset
         self._deferred: list[tuple[bytes, str, bool]] = []   # completions awaiting an epoch
@@ -162,17 +164,18 @@ class StoreTracker:
             return None
         return call[0]
 
-    def complete(self, keys: Collection[bytes], req_id: str, success: bool, seq: int = 0
+    def complete(self, keys: Collection[bytes], req_id: str, success: bool, seq: int
                  ) -> tuple[dict[int, list[bytes]], int]:
         """Stores of `keys` finished: (keys per reset epoch to complete at the daemon; keys
         that were no store of this session). Those of an unknown epoch wait (`reset_done`).
         `seq`: the step whose records tell the daemon (a failure is the engine's own until
-        then, see the module doc). Successful ones settle together, one entry per run of
-        keys whose stores were told in one step (as the compiled completion keeps them)."""
+        then, see the module doc; and a success is answered HIT here until then). Successful
+        ones settle together once the daemon has read step `seq`, one entry per run of keys
+        whose stores were told in one step (as the compiled completion keeps them)."""
         by_reset: dict[int, list[bytes]] = {}
         stores, completed = self.stores, self.completed
         unknown = 0
-        run: tuple[int, list[bytes], list[Store]] | None = None   # the entry being made
+        run: tuple[StepShared, list[bytes], list[Store]] | None = None   # the entry being made
         for key in keys:
             store = stores.get(key)
             if store is None:
@@ -181,9 +184,9 @@ class StoreTracker:
             shared = store[1]
             if success:
                 completed[key] = None        # lookups answer HIT from now on
-                if run is None or run[0] != shared.seq:
-                    self._settle_later(run)
-                    run = (shared.seq, [], [])
+                if run is None or run[0] is not shared:
+                    self._settle_later(seq, run)
+                    run = (shared, [], [])
                 run[1].append(key)
                 run[2].append(store)
             else:
@@ -196,18 +199,20 @@ class StoreTracker:
                 self._deferred.append((key, req_id, success))
                 continue
             by_reset.setdefault(shared.reset_epoch, []).append(key)
-        self._settle_later(run)
+        self._settle_later(seq, run)
         return by_reset, unknown
 
-    def _settle_later(self, run: tuple[int, list[bytes], list[Store]] | None) -> None:
+    def _settle_later(self, seq: int, run: tuple[StepShared, list[bytes], list[Store]] | None
+                      ) -> None:
         if run is not None:
-            self._settling.append((run[0], tuple(run[1]), tuple(run[2])))
+            self._settling.append((seq, tuple(run[1]), tuple(run[2])))
 
-    def completing(self, entry: SettleEntry) -> None:
+    def completing(self, entry: SettleEntry, seq: int) -> None:
         """Stores completed by the compiled path (kvd_proto/_steps.c `complete`, which put
-        their keys in `completed`): (the step that told the daemon of them, keys, stores, the
-        keys' hashes)."""
-        self._settling.append(entry)
+        their keys in `completed` and answers (the step that told the daemon of them, keys,
+        stores, the keys' hashes)): settled once the daemon has read step `seq`, whose records
+        carry the completion."""
+        self._settling.append((seq, *entry[1:]))
 
     def settle(self, acked: int) -> None:
         """Completed stores the daemon has read are answered by the index from now on (in

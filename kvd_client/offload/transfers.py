@@ -206,7 +206,7 @@ class SessionTransfers:
             done = steps.complete(keys, stores.completed, req_id, self._per_record)
             if done is not None:
                 entry, record = done
-                stores.completing(entry)
+                stores.completing(entry, self._link.seq)
                 self._post(record)
                 return
         # Exactly one store call's keys: the record made with it, as the compiled one sends.

@@ -182,21 +182,23 @@ def test_the_same_request_loading_the_same_keys_twice_ends_one_load_at_a_time(fi
 def test_completions_settle_whole_calls_or_key_by_key_with_the_same_answers():
     """A completion of one store call's keys is settled in one go; keys of two calls, a key
     named twice or one not stored take the key-by-key way; either way every completed store
-    answers HIT until the daemon has read it and is forgotten after."""
+    answers HIT until the daemon has read its completion and is forgotten after."""
     from kvd_client.offload.stores import StoreTracker
 
     t = StoreTracker()
     a, b = [bytes([i]) * 8 for i in range(4)], [bytes([i]) * 8 for i in range(4, 6)]
     t.add(a, [0, 1, 2, 3], reset_epoch=1, seq=5)
     t.add(b, [4, 5], reset_epoch=1, seq=6)
-    assert t.complete(a[:2], "r", True) == ({1: a[:2]}, 0)            # one call's keys
-    assert t.complete([a[2], b[0], a[2]], "r", True) == ({1: [a[2], b[0], a[2]]}, 0)
-    assert t.complete([b[1], b"nope"], "r", True) == ({1: [b[1]]}, 1)
+    assert t.complete(a[:2], "r", True, 7) == ({1: a[:2]}, 0)         # one call's keys
+    assert t.complete([a[2], b[0], a[2]], "r", True, 7) == ({1: [a[2], b[0], a[2]]}, 0)
+    assert t.complete([b[1], b"nope"], "r", True, 8) == ({1: [b[1]]}, 1)
     assert t.completed.keys() == set(a[:3] + b)
     assert all(t.answer(k, None, 4) == o for k, o in zip(a[:3] + b, [0, 1, 2, 4, 5]))
-    t.settle(5)                                  # the daemon read step 5: a's, not b's
-    assert set(t.stores) == {a[3], *b} and t.completed.keys() == set(b)
-    t.settle(6)
+    t.settle(6)                  # the daemon read the stores' steps, not the completions'
+    assert t.completed.keys() == set(a[:3] + b)
+    t.settle(7)                  # the daemon read step 7: the completions sent in it
+    assert set(t.stores) == {a[3], b[1]} and t.completed.keys() == {b[1]}
+    t.settle(8)
     assert set(t.stores) == {a[3]} and not t.completed
 
 

@@ -62,6 +62,36 @@ def test_a_failed_store_is_a_miss_at_once_and_offered_again_it_is_stored(engines
     step(manager)
 
 
+def test_a_completed_store_is_loadable_at_once_with_no_step_or_wait(engines):
+    """vLLM's contract: once `complete_store` returns the blocks are loadable. The daemon reads
+    the completion only after the step's end (its records go then), so in the steps between,
+    the engine answers its own completed stores HIT and loads them from the slots it wrote, in
+    the same step as the completion and in the next one (vLLM completes a store in
+    update_from_output, after the step's on_schedule_end, and looks up in the next step's
+    schedule: its SWA offload window tests see `get_num_new_matched_tokens` take the hit
+    there)."""
+    manager = engines().manager
+    keys = keys_for("loadable", 4)
+    ctx = context("r-loadable", keys)
+    manager.lookup(keys[0], ctx)              # the step's first call
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and list(out.keys_to_store) == keys
+    step(manager)
+    wait_read(manager)                        # the daemon read the store: being stored
+    assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 4
+    step(manager)
+    manager.complete_store(keys, ctx)         # between steps, as vLLM's update_from_output
+    load_ctx = context("r-load", keys)
+    assert [manager.lookup(k, load_ctx) for k in keys] == [LookupResult.HIT] * 4
+    spec = manager.prepare_load(keys, load_ctx)
+    assert list(spec.offsets) == list(out.store_spec.offsets)   # the slots this engine wrote
+    manager.complete_load(keys, load_ctx)
+    step(manager)
+    wait_read(manager)                        # the daemon read the completion: READY
+    assert [manager.lookup(k, load_ctx) for k in keys] == [LookupResult.HIT] * 4
+    step(manager)
+
+
 class PublicOnly(ReqContext):
     """A ReqContext whose private position table cannot be read: only the public method (the
     positions come from it; the lookups' lookahead, which reads the table as a hint only,
