@@ -17,7 +17,7 @@ defaults a user gets except the pool's size and `[tiers.cluster]`'s master and s
   20 requests/s (HR_PACE_S), against two daemons with no tier, then two on one store (the
   default sync interval, 1 s): hit blocks and the gain.
 
-Run: `python bench/cluster_tier.py [--quick]` (needs `pip install 'kvd[cluster]'` and Debian's
+Run: `python bench/cluster_tier.py [--quick]` (needs `pip install 'kvd-offload[cluster]'` and Debian's
 libibverbs1 librdmacm1); it writes `cluster_tier` into bench/results/latest.json and its
 section of bench/README.md. `make bench` runs it after bench/tiers.py.
 """

@@ -456,12 +456,14 @@ class AdminResetRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ...) -> None: ...
 
 class AdminResetResponse(_message.Message):
-    __slots__ = ("dropped_blocks", "namespaces")
+    __slots__ = ("dropped_blocks", "namespaces", "dropped_below_blocks")
     DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BELOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     dropped_blocks: int
     namespaces: int
-    def __init__(self, dropped_blocks: _Optional[int] = ..., namespaces: _Optional[int] = ...) -> None: ...
+    dropped_below_blocks: int
+    def __init__(self, dropped_blocks: _Optional[int] = ..., namespaces: _Optional[int] = ..., dropped_below_blocks: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_ms",)

@@ -96,12 +96,13 @@ class TenantsConfig:
     quotas: dict[str, int] = field(default_factory=dict)  # tenant -> bytes of pool
     default_quota: int = 0                                # bytes; 0: no quota
     max_namespaces: int = 64                              # per tenant
-    namespace_idle_timeout: float = 60.0                  # seconds; 0: at the next sweep
+    namespace_idle_timeout: float = 0.0                   # seconds; 0: at the next sweep
+    max_index_memory: int = 4 << 30                       # bytes of indexes per tenant; 0: none
 
     def __hash__(self) -> int:  # dict fields: hash the sorted items instead
         return hash((tuple(sorted(self.uids.items())), tuple(sorted(self.gids.items())),
                      tuple(sorted(self.quotas.items())), self.default_quota,
-                     self.max_namespaces, self.namespace_idle_timeout))
+                     self.max_namespaces, self.namespace_idle_timeout, self.max_index_memory))
 
     def quota_of(self, tenant: str) -> int:
         """Bytes of pool the tenant may hold (0: no limit)."""
@@ -127,11 +128,12 @@ class DiskTierConfig:
     tenant_quota: int       # bytes a tenant not in tenant_quotas may hold (0: no limit)
     tenant_quotas: dict[str, int] = field(default_factory=dict)   # tenant -> bytes on disk
     retry_interval: float = 30.0    # seconds a degraded tier waits before it tries again
+    flush_on_stop: float = 10.0     # seconds a clean stop may spend writing the pool down (0: none)
 
     def __hash__(self) -> int:  # a dict field: hash the sorted items instead
         return hash((self.path, self.size, self.extent_size, self.io_threads, self.queue_size,
                      self.tenant_quota, tuple(sorted(self.tenant_quotas.items())),
-                     self.retry_interval))
+                     self.retry_interval, self.flush_on_stop))
 
     def quota_of(self, tenant: str) -> int:
         """Bytes of the disk the tenant's blocks may take (0: no limit)."""
@@ -393,6 +395,7 @@ _SCHEMA: dict[str, _Key] = {
     # At most the daemon-wide limit (namespaces.MAX_NAMESPACES).
     "tenants.max_namespaces": _Key("int", _int(1, 1024)),
     "tenants.namespace_idle_timeout": _Key("duration", _duration),
+    "tenants.max_index_memory": _Key("size", _size),
     "restart.warm": _Key("bool", _bool),
     "restart.store": _Key("str", _choice(RESTART_STORES)),
     "restart.directory": _Key("str", _str),
@@ -405,6 +408,7 @@ _SCHEMA: dict[str, _Key] = {
     "tiers.disk.tenant_quota": _Key("size", _size),
     "tiers.disk.tenant_quotas": _Key("sizemap", _quota_map),
     "tiers.disk.retry_interval": _Key("duration", _duration),
+    "tiers.disk.flush_on_stop": _Key("duration", _duration),
     "tiers.cluster.master": _Key("str", _str),
     "tiers.cluster.metadata_url": _Key("str", _str),
     "tiers.cluster.protocol": _Key("str", _choice(("tcp", "rdma"))),
@@ -635,6 +639,8 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
                                           f"{disk_extent // 16} bytes")
         if not 0.1 <= values["tiers.disk.retry_interval"] <= 3600:
             fail("tiers.disk.retry_interval", "must be between 100ms and 1h")
+        if not 0 <= values["tiers.disk.flush_on_stop"] <= 3600:
+            fail("tiers.disk.flush_on_stop", "must be between 0 (none) and 1h")
     if values["tiers.cluster.master"]:
         if ":" not in values["tiers.cluster.master"]:
             fail("tiers.cluster.master", "must be host:port (the Mooncake master's RPC port)")

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from importlib.util import find_spec
 from typing import TYPE_CHECKING
 
 import grpc
@@ -68,16 +69,22 @@ from kvd_server.rpc.admin_tokens import AdminTokens, TokenFileError, read_token_
 from kvd_server.rpc.engine import EngineService
 from kvd_server.rpc.front_door import FrontDoor
 from kvd_server.rpc.recorder import RpcRecorder
-from kvd_server.tiers.link import TierLink, start_tier
 from kvd_server.units import format_duration, format_size
 
 if TYPE_CHECKING:
     from kvd_server.core.namespaces import Namespace
     from kvd_server.ops.metrics import MetricsServer, RpcMetrics
+    from kvd_server.tiers.link import TierLink
 
 log = logging.getLogger(__name__)
 
+# The index loops run on their Python twins although kvd_proto._native was built: forced by
+# KVD_NATIVE=0 in this environment (`kvd stats` and the start-up WARNING say so, not "no C
+# compiler", whose fix is another).
+NATIVE_FORCED = not NATIVE and find_spec("kvd_proto._native") is not None
+
 SWEEP_INTERVAL = 0.1
+TUNE_GC_AFTER_S = 1.0        # tune_gc this long after SERVING (the GC is off until then)
 PREFAULT_EXTEND_S = 60.0
 TRIM_INTERVAL = 10.0         # how often tenants' pool files are checked for stray pages
 DRAIN_POLL = 0.05
@@ -280,8 +287,8 @@ class Daemon:
     def _channel_stats(self) -> ChannelStats:
         hub, service = self._channels, self._channel_service
         if hub is None or service is None:
-            return ChannelStats(native=NATIVE)
-        return ChannelStats(open=len(hub), native=NATIVE,
+            return ChannelStats(native=NATIVE, native_forced=NATIVE_FORCED)
+        return ChannelStats(open=len(hub), native=NATIVE, native_forced=NATIVE_FORCED,
                             records_total=dict(sorted(service.records.items())),
                             rejected_total=service.rejected_total,
                             broken_total=hub.broken_total)
@@ -325,12 +332,18 @@ class Daemon:
             await self._start()
             if not self._stop.is_set():
                 assert self.pool is not None
+                if cfg.pool.prefault and not self.pool.adopted and not gc.isenabled():
+                    tune_gc()               # a pre-fault may take minutes: the GC runs meanwhile
                 await prepare_pool(self.pool, cfg.pool, self._stop_prefault)
             if not self._stop.is_set() and self.core is not None:
                 self.core.set_serving()
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
                 notify.ready(f"serving {format_size(cfg.pool.size)} on {cfg.server.socket}")
                 log.info("serving on %s", cfg.server.socket)
+            if not gc.isenabled():
+                # Once serving, and not at once: the first answers (health, engines attaching
+                # again) do not wait for its collection (~20 ms).
+                loop.call_later(TUNE_GC_AFTER_S, tune_gc)
             await self._stop.wait()
             await self._drain()
             return 0
@@ -355,7 +368,11 @@ class Daemon:
         try:
             warm = self._warm = WarmRestart.open(cfg, size, cold=self._cold)
         except (StateError, OSError) as exc:
-            raise StartupError(f"restart.directory: {exc}") from None
+            # Name what is at fault: the directory, or systemd's store (restart.store), whose
+            # own message names the setting.
+            where = ("warm restart" if cfg.restart.store == "systemd"
+                     else "restart.directory")
+            raise StartupError(f"{where}: {exc}") from None
         pools = self.pools = TenantPools(cfg.pool, warm)
         try:
             if not cfg.pool.allow_overcommit and not (warm and warm.adopting):
@@ -374,8 +391,7 @@ class Daemon:
             core.warm = warm
             core.namespaces.files = warm
             warm.adopt(core)
-        self._tier = start_tier(cfg, core.namespaces, pools, asyncio.get_running_loop(),
-                                refusing=lambda: core.draining)
+        self._tier = _start_tier(cfg, core, pools)
         protocols = EngineProtocols.over(core, self._tier)
         if cfg.server.admin_token_file:
             try:
@@ -594,6 +610,8 @@ class Daemon:
         if self._metrics_server is not None:
             self._metrics_server.close()
         if self._tier is not None:
+            # No warm restart: the pool's blocks down to the disk first (tiers.disk.flush_on_stop).
+            await self._tier.write_down_at_stop(self.config)
             self._tier.close()                 # writes in flight finish, its journal synced
         if self.pools is not None:
             self.pools.close()
@@ -718,10 +736,14 @@ def log_summary(cfg: Config) -> None:
              format_duration(cfg.manager.liveness_timeout), cfg.server.max_sessions)
     log.info("metrics: %s", f"http://{cfg.server.metrics_address}:{cfg.server.metrics_port}"
              "/metrics" if cfg.server.metrics_port else "off")
-    if not NATIVE:
+    if NATIVE_FORCED:
+        log.warning("the shared index's loops run in pure Python: KVD_NATIVE=0 in the "
+                    "daemon's environment forces them (kvd_proto._native is built); kvd "
+                    "works, more slowly per key")
+    elif not NATIVE:
         log.warning("the shared index's loops run in pure Python (kvd_proto._native was "
-                    "not built: no C compiler or Python headers at install, or "
-                    "KVD_NATIVE=0); kvd works, more slowly per key")
+                    "not built: no C compiler or Python headers at install); kvd works, "
+                    "more slowly per key")
 
 
 def _layout(ns: Namespace) -> str:
@@ -749,6 +771,18 @@ def _read_pem(path: str, key: str) -> bytes:
     return data
 
 
+def _start_tier(cfg: Config, core: KvdCore, pools: TenantPools) -> TierLink | None:
+    """The tiers below the pool (kvd_server/tiers/link.py's start_tier); None without one.
+    Their modules load only where one is configured (start_tier's own two conditions): a
+    daemon without a tier starts without them."""
+    if not (cfg.tiers_disk.path or cfg.tiers_cluster.master):
+        return None
+    from kvd_server.tiers.link import start_tier
+
+    return start_tier(cfg, core.namespaces, pools, asyncio.get_running_loop(),
+                      refusing=lambda: core.draining)
+
+
 def raise_open_files_limit() -> None:
     """Every engine holds a few descriptors of the daemon's: take the hard limit, not the
     (often 1024) soft one."""
@@ -765,16 +799,22 @@ def tune_gc() -> None:
     paths; with the default thresholds every few thousand allocations trigger a collection and
     full collections walk the whole index (vLLM's in-process LRU paid ~7 s of GC pauses over a
     3,000-session replay). Objects that exist at start are frozen out of collection, and young
-    collections run far less often.
+    collections run far less often. The GC is off while the daemon loads and starts (what it
+    makes then lives as long as it does): this runs a second after it serves, or before a
+    pre-fault.
     """
     gc.collect()
     gc.freeze()
     gc.set_threshold(100_000, 50, 1000)
+    gc.enable()
 
 
 async def serve(config: Config, *, cold: bool = False) -> int:
     """Run a daemon until it is drained (SIGTERM/SIGINT or KvdAdmin.Drain); the exit code.
     `cold`: with restart.warm, drop what a previous daemon left instead of adopting it."""
-    tune_gc()
+    gc.disable()        # until the daemon serves (tune_gc): the start makes long-lived objects
     raise_open_files_limit()
-    return await Daemon(config, cold=cold).run()
+    try:
+        return await Daemon(config, cold=cold).run()
+    finally:
+        gc.enable()     # a daemon that never served (it could not start, or was stopped)

@@ -44,7 +44,7 @@ def unavailable_reason(method: CopyMethod, caps: DeviceCaps) -> str | None:
     """Why `method` cannot run on this device, or None if it can."""
     if method is CopyMethod.KERNEL:
         if not caps.kernel_compiler:
-            return "cupy is not installed (pip install 'kvd[cuda]')"
+            return "cupy is not installed (pip install 'kvd-offload[cuda]')"
         if not caps.host_pointer_registered:
             return "the device cannot address registered host memory by its host address"
     if method is CopyMethod.BATCH and not caps.memcpy_batch:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvd_proto import below_layout
 from kvd_proto import channel as channel_layout
@@ -38,7 +39,10 @@ from kvd_server.memory.pool import PoolError, may_hold
 from kvd_server.memory.tenant_pools import TenantPools
 from kvd_server.protocols.fastpath import FastPath
 from kvd_server.rpc.admin_tokens import ADMIN_TOKEN_TTL_S, AdminTokens
-from kvd_server.tiers.link import TierLink
+
+if TYPE_CHECKING:
+    # Imported where a tier is configured (kvd_server/server.py): not on every start.
+    from kvd_server.tiers.link import TierLink
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from kvd_proto.paths import socket_lock_path
@@ -195,9 +196,9 @@ def build_parser() -> _Parser:
     p = sub.add_parser("health", parents=common, help="check whether the daemon serves",
                        description="Query the standard gRPC health service. Prints SERVING or "
                                    "NOT_SERVING, then a line for a tier below the pool that "
-                                   "is not serving (the disk or cluster tier opening or "
-                                   "degraded: the daemon still serves). Exit 0 SERVING, 1 NOT_SERVING, 2 "
-                                   "unreachable.")
+                                   "is not serving, with why (the disk or cluster tier opening "
+                                   "or degraded: the daemon still serves). Exit 0 SERVING, 1 "
+                                   "NOT_SERVING, 2 unreachable.")
     p.add_argument("--wait", nargs="?", type=_wait, const=DEFAULT_WAIT, metavar="TIMEOUT",
                    help="wait until the daemon serves (it answers NOT_SERVING while it "
                         "pre-faults its pool, and has no socket before it starts), at most "
@@ -263,8 +264,8 @@ def _local_config(args: argparse.Namespace) -> Config:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _local_config(args)
+    serve = import_daemon()
     from kvd_server.ops import logs
-    from kvd_server.server import serve
 
     logs.configure(config.server.log_level, config.server.log_format)
     try:
@@ -274,6 +275,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     factory = uvloop.new_event_loop if uvloop is not None else None
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(serve(config, cold=args.cold))
+
+
+def import_daemon() -> Callable[..., Coroutine[Any, Any, int]]:
+    """The daemon's modules, loaded as `kvd serve` loads them; its `serve`.
+
+    First, since they load numpy: numpy's BLAS would start a thread per further core that
+    spins for ~0.1 s of CPU (the daemon does no linear algebra), taken from a start on a loaded
+    node; an operator's own OPENBLAS_NUM_THREADS wins. And no cyclic GC while they load (tens
+    of thousands of objects, every one kept): the daemon collects once it serves, freezes them
+    and turns it back on (kvd_server/server.py's tune_gc)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    gc.disable()
+    from kvd_server.server import serve
+
+    return serve
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -315,7 +331,9 @@ def cmd_reset(args: argparse.Namespace) -> int:
     with AdminClient(args) as d:
         out = d.call(d.admin.Reset, kvd_pb2.AdminResetRequest(namespace_id=args.namespace),
                      admin=True)
-    print(f"dropped {out.dropped_blocks} block(s) in {out.namespaces} namespace(s)")
+    below = (f", and {out.dropped_below_blocks} held below the pool (disk or cluster tier)"
+             if out.dropped_below_blocks else "")
+    print(f"dropped {out.dropped_blocks} block(s) in {out.namespaces} namespace(s){below}")
     return EXIT_OK
 
 
@@ -404,16 +422,36 @@ def _health_status(args: argparse.Namespace, service: str = "") -> str:
 
 def _print_tiers(args: argparse.Namespace) -> None:
     """A tier below the pool that does not serve (opening, or degraded: a full, read-only or
-    failing disk, the cluster's master down) is named on a line of its own; the daemon still
+    failing disk, the cluster's store failing) is named on a line of its own, with why (the
+    tier's own reason, from the stats: what an operator needs first); the daemon still
     serves (exit 0)."""
+    reasons: dict[str, str] | None = None
     for tier in TIERS:
         try:
             status = _health_status(args, f"kvd.tier.{tier}")
         except CliError:            # NOT_FOUND: no such tier on this daemon
             continue
-        if status != "SERVING":
-            print(f"tier {tier}: {status} (opening, or degraded: `kvd stats` says why; the "
-                  "pool serves without it)")
+        if status == "SERVING":
+            continue
+        if reasons is None:
+            reasons = _tier_reasons(args)
+        why = reasons.get(tier) or "opening, or degraded: `kvd stats` says why"
+        print(f"tier {tier}: {status} ({why}; the pool serves without it)")
+
+
+def _tier_reasons(args: argparse.Namespace) -> dict[str, str]:
+    """Each tier's health and reason as the daemon's stats give them ("degraded: the disk is
+    full ..."); empty when the stats cannot be had (over --address without an admin token:
+    the line then points to `kvd stats`)."""
+    from kvd_proto import kvd_pb2
+
+    try:
+        with AdminClient(args) as d:
+            doc = json.loads(d.call(d.admin.Stats, kvd_pb2.StatsRequest()).json)
+    except (CliError, ValueError):
+        return {}
+    return {t.name: f"{t.health}: {t.reason}" if t.reason else t.health
+            for t in StatsSnapshot.from_dict(doc).tiers}
 
 
 def cmd_config(args: argparse.Namespace) -> int:

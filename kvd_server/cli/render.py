@@ -1,9 +1,12 @@
 """The daemon's answers as `kvd` prints them: the stats snapshot as grouped sections within 80
-columns, the session list as a table (cut to 80 columns unless --wide), protobuf answers as
-JSON for `--json`. No I/O and no daemon to talk to, so each is tested alone."""
+columns (a long value, such as why a tier is degraded, wrapped over lines, never cut: it is
+what an operator came for), the session list as a table (cut to 80 columns unless --wide),
+protobuf answers as JSON for `--json`. No I/O and no daemon to talk to, so each is tested
+alone."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,12 +21,29 @@ if TYPE_CHECKING:
     from kvd_server.ops.stats import ConnectionStats, RestartStats, StatsSnapshot, TierStats
 
 WIDTH = 80
+NAME_WIDTH = 24          # a row's name column; its value wraps within the rest
 
 
 def _rows(title: str, rows: Sequence[tuple[str, Any]]) -> list[str]:
+    """A section: each row's name, then its value whole, wrapped within the value column (a
+    name too long for its column gets a line of its own)."""
     out = [f"# {title}"]
-    out += [f"{name:<24}{_cut(str(value), WIDTH - 24)}" for name, value in rows]
+    for name, value in rows:
+        lines = _wrap(str(value), WIDTH - NAME_WIDTH)
+        if len(name) >= NAME_WIDTH:
+            out.append(name)
+            out += [" " * NAME_WIDTH + line for line in lines]
+            continue
+        out.append(f"{name:<{NAME_WIDTH}}{lines[0]}".rstrip())
+        out += [" " * NAME_WIDTH + line for line in lines[1:]]
     return out
+
+
+def _wrap(text: str, width: int, indent: str = "") -> list[str]:
+    """`text` whole over lines of at most `width` columns (the later ones after `indent`): at
+    spaces where it can, inside a word (a path, an id) where it must."""
+    lines = textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False)
+    return [line.rstrip() for line in lines] or [""]
 
 
 def _cut(text: str, width: int) -> str:
@@ -32,6 +52,20 @@ def _cut(text: str, width: int) -> str:
 
 def _pct(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _index_rows(snap: StatsSnapshot) -> list[tuple[str, Any]]:
+    """The namespaces' indexes in shared memory, then each tenant's against its limit
+    (tenants.max_index_memory): what engines that come and go would otherwise leave."""
+    mem = snap.index_memory
+    rows: list[tuple[str, Any]] = [
+        ("indexes", f"{format_size(mem.bytes)} in {len(snap.namespaces)} namespaces "
+                    f"({mem.namespaces_forgotten_total} empty ones forgotten)")]
+    for name, t in sorted(mem.tenants.items())[:32]:
+        limit = format_size(t.limit_bytes) if t.limit_bytes else "no limit"
+        refused = f", {t.refused_total} refused" if t.refused_total else ""
+        rows.append((name, f"{format_size(t.bytes)} of {limit}{refused}"))
+    return rows
 
 
 def _uptime(seconds: float) -> str:
@@ -55,8 +89,8 @@ def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
         if t.name != "cluster" else ("master", t.directory),
         ("used", f"{format_size(t.used_bytes)} of {format_size(t.capacity_bytes)} "
                  f"({t.blocks} blocks)") if t.name != "cluster"
-        else ("known", f"{t.blocks} blocks in the store (this node's and the others'), "
-                       f"named up to {format_size(t.capacity_bytes)}"),
+        else ("known", f"{t.blocks} blocks, {format_size(t.used_bytes)}, in the store (this "
+                       f"node's and the others'), named up to {format_size(t.capacity_bytes)}"),
         ("demoted", f"{t.demotions_total} blocks, {format_size(t.demoted_bytes_total)} in "
                     f"{t.write_seconds_total:.2f}s ({t.demotions_refused_total} refused)"),
         ("promoted", f"{t.promotions_total} blocks, {format_size(t.promoted_bytes_total)} in "
@@ -166,8 +200,7 @@ def render_stats(snap: StatsSnapshot) -> str:
         ("open", channels.open),
         ("records_total", f"{records} ({channels.rejected_total} refused)"),
         ("broken_total", channels.broken_total),
-        ("index loops", "compiled" if channels.native else "pure Python (no C compiler at "
-                                                            "install: slower)"),
+        ("index loops", _loops(channels.native, channels.native_forced)),
     ])
     lines += [""] + _rows("connections", _connection_rows(snap.connections))
     lines += [""] + _rows("restart", _restart_rows(snap.restart))
@@ -175,37 +208,51 @@ def render_stats(snap: StatsSnapshot) -> str:
         lines += [""] + _rows(f"tier {tier.name}", _tier_rows(tier))
     if snap.tenants:
         lines += [""] + _rows("tenants", [
-            (_cut(name, 21), f"{format_size(t.used_bytes)} of "
-                             + (format_size(t.quota_bytes) if t.quota_bytes
-                                else "the pool (no quota)"))
+            (name, f"{format_size(t.used_bytes)} of "
+                   + (format_size(t.quota_bytes) if t.quota_bytes else "the pool (no quota)"))
             for name, t in sorted(snap.tenants.items())[:32]])
+    lines += [""] + _rows("index memory", _index_rows(snap))
     lines += ["", f"# namespaces ({len(snap.namespaces)})"]
     for ns in snap.namespaces:
-        # The full id on its own line: `kvd reset --namespace ID` takes it.
+        # The full id first: `kvd reset --namespace ID` takes it.
         b = ns.blocks
-        lines.append(_cut(f"{ns.id}  {ns.model}", WIDTH))
-        lines.append(_cut(
+        lines += _wrap(f"{ns.id}  {ns.model}", WIDTH, "    ")
+        lines += _wrap(
             f"    tenant {ns.tenant}, slot {format_size(ns.slot_bytes)}, "
             f"ready {b.ready}, pinned {b.pinned}, storing {b.storing}, hits "
-            f"{_pct(ns.hits_total, ns.lookups_total)}, epoch {ns.epoch}", WIDTH))
+            f"{_pct(ns.hits_total, ns.lookups_total)}, epoch {ns.epoch}", WIDTH, "    ")
         if ns.events_dropped_total:
             lines.append(f"    events_dropped_total {ns.events_dropped_total} (nobody takes "
                          "its events in time)")
         holder = ns.reclaim_holder
         if holder.session_id:
-            lines.append(_cut(_holder_line(holder.session_id, holder.pid, holder.live,
-                                           holder.held_seconds, holder.slots_waiting), WIDTH))
+            lines += _wrap(_holder_line(holder.session_id, holder.pid, holder.live,
+                                        holder.held_seconds, holder.slots_waiting),
+                           WIDTH, "        ")
     lines += ["", "# rpc"]
     if snap.rpc:
         lines.append(f"{'method':<22}{'calls':>12}{'errors':>12}")
         for method, c in sorted(snap.rpc.items()):
-            lines.append(f"{_cut(method, 21):<22}{c.calls_total:>12}{c.errors_total:>12}")
+            if len(method) > 21:           # whole, on a line of its own
+                lines += _wrap(method, WIDTH)
+                method = ""
+            lines.append(f"{method:<22}{c.calls_total:>12}{c.errors_total:>12}")
     return "\n".join(lines)
 
 
+def _loops(native: bool, forced: bool) -> str:
+    """How the shared index's loops run, and why not compiled (the fix differs)."""
+    if native:
+        return "compiled"
+    if forced:
+        return "pure Python, forced by KVD_NATIVE=0 in the daemon's environment (slower)"
+    return ("pure Python: kvd_proto._native was not built (no C compiler or Python headers "
+            "at install; slower)")
+
+
 def _holder_line(session_id: str, pid: int, live: bool, seconds: float, slots: int) -> str:
-    """Who holds back the reuse of a namespace's freed slots (its id and pid first: a cut
-    line still names it)."""
+    """Who holds back the reuse of a namespace's freed slots (its id and pid first: the line
+    `kvd sessions` cuts still names it)."""
     who = "session" if live else "ended session"
     return (f"    reuse held by {who} {session_id} (pid {pid}) for {_uptime(seconds)}: "
             f"{slots} freed slots wait")

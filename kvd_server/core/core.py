@@ -95,6 +95,7 @@ class ResetAnswer(NamedTuple):
 class AdminResetAnswer(NamedTuple):
     dropped: int
     namespaces: int
+    below: int = 0          # blocks the tiers below the pool (disk, cluster) dropped too
 
 
 class SessionList(NamedTuple):
@@ -194,9 +195,11 @@ class KvdCore:
                 except OSError as exc:
                     self.namespaces.leave(ns)
                     raise ResourceExhausted(
-                        f"cannot record the session in restart.directory ({exc.strerror}): "
-                        "a session off the record could write into slots a restarted daemon "
-                        "hands out again; free space there, or set restart.warm = false"
+                        f"cannot record the session for warm restart ({exc.strerror or exc}):"
+                        " a session off the record could write into slots a restarted daemon"
+                        " hands out again; free space in restart.directory (restart.store ="
+                        ' "systemd": raise the unit\'s FileDescriptorStoreMax=), or set '
+                        "restart.warm = false"
                     ) from None
             s.ns = ns
             s.engine = engine
@@ -337,26 +340,28 @@ class KvdCore:
 
     def reset_namespace(self, s: Session) -> ResetAnswer:
         ns = self.namespace_of(s)
-        dropped = self._reset(ns)
+        dropped, _ = self._reset(ns)
         return ResetAnswer(ns.epoch, dropped)
 
-    def _reset(self, ns: Namespace) -> int:
+    def _reset(self, ns: Namespace) -> tuple[int, int]:
+        """Reset `ns`: the blocks dropped from the pool and from the tiers below it."""
         old = ns.epoch
-        dropped = ns.mgr.reset()
+        dropped, below = ns.mgr.reset_below()
         # Leases die with the epoch: release their zombie refs now.
         for s in self.sessions:
             if s.ns is ns and s.leases:
                 self.leases.release(s, ns.mgr)
         ns.release_extents()
         self.resets_total += 1
-        log.info("namespace %s reset: %d blocks dropped, epoch %d -> %d", ns.id, dropped, old,
-                 ns.epoch)
-        return dropped
+        log.info("namespace %s reset: %d blocks dropped (%d below the pool), epoch %d -> %d",
+                 ns.id, dropped, below, old, ns.epoch)
+        return dropped, below
 
     def admin_reset(self, namespace_id: str | None) -> AdminResetAnswer:
         targets = [self.namespaces.get(namespace_id)] if namespace_id else list(self.namespaces)
-        dropped = sum(self._reset(ns) for ns in targets)
-        return AdminResetAnswer(dropped, len(targets))
+        counts = [self._reset(ns) for ns in targets]
+        return AdminResetAnswer(sum(c[0] for c in counts), len(targets),
+                                sum(c[1] for c in counts))
 
     def transfer_report(self, report: TransferStats) -> None:
         """Add a data-plane worker's transfer totals (the attach role `report`)."""

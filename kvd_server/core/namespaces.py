@@ -7,8 +7,11 @@ live here too, since both are about who holds which part of the pool. Pure logic
 
 A namespace costs memory while it exists even when it holds no block: its shared index is
 sized for the whole pool (slots x (key width + 16) bytes: 36 MiB for a 1 GiB pool of 4 KiB
-blocks with 128-byte keys), so a tenant may hold at most `tenants.max_namespaces`, and one with
-no session and no block is forgotten after `tenants.namespace_idle_timeout`.
+blocks with 128-byte keys), and engines that map it and exit leave it to the daemon. So one
+with no session and no block is forgotten at the sweep after its last session ended (once no
+reader's process may still read its slots; `tenants.namespace_idle_timeout` may delay it), and
+a tenant holds at most `tenants.max_namespaces` of them and `tenants.max_index_memory` bytes of
+their indexes.
 """
 
 from __future__ import annotations
@@ -16,17 +19,24 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvd_proto.index_layout import Header, buckets_for
 from kvd_proto.wire import KvLayout
 from kvd_server.config import TenantsConfig
 from kvd_server.core.peer import process_start, same_process
 from kvd_server.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd_server.manager import NamespaceManager
 from kvd_server.manager.requests import RecencyBudget
-from kvd_server.memory.extents import ExtentAllocator, NamespaceSlots, TenantBudget
+from kvd_server.memory.extents import (
+    ExtentAllocator,
+    NamespaceSlots,
+    TenantBudget,
+    slot_geometry,
+)
 from kvd_server.memory.shm_index import Reclamation, ShmIndex
 from kvd_server.units import format_duration, format_size
 
@@ -108,9 +118,25 @@ class Namespace:
 
     @property
     def unused(self) -> bool:
-        """No session, no block and no slot in use (granted, held or in limbo): forgetting it
-        loses nothing but its counters."""
-        return not self.sessions and self.mgr.is_empty() and not self.slots.in_use
+        """No session, no block, no slot in use (granted, held or in limbo) and no ended
+        reader whose process lives on (the readers' grace: it may still act on what it read):
+        forgetting it loses nothing but its counters."""
+        return (not self.sessions and self.mgr.is_empty() and not self.slots.in_use
+                and not (self.reclaim is not None and self.reclaim.held))
+
+    def settle(self) -> bool:
+        """Whether it is unused, once the freed slots every reader has moved past are back
+        (they count as in use while in limbo): an empty namespace is not kept a sweep
+        longer for them."""
+        if not self.sessions and self.slots.in_use and self.mgr.is_empty():
+            self.slots.collect()
+        return self.unused
+
+    @property
+    def index_bytes(self) -> int:
+        """The shared memory its index takes (whole file: engines that read it fault every
+        page in)."""
+        return self.index.header.file_bytes if self.index is not None else 0
 
     def release_extents(self) -> None:
         """Give its extents back to the pool when it holds no block (after whatever may have
@@ -180,6 +206,8 @@ class NamespaceTable:
         self._budgets: dict[str, TenantBudget] = {}     # tenant -> its extent quota
         self.recency = RecencyBudget(MAX_RECORDED_KEYS)
         self.forgotten_total = 0
+        # tenant -> new namespaces refused for tenants.max_index_memory
+        self.index_refused: Counter[str] = Counter()
 
     def __iter__(self) -> Iterator[Namespace]:
         return iter(list(self._namespaces.values()))
@@ -205,6 +233,8 @@ class NamespaceTable:
         return ns
 
     def leave(self, ns: Namespace) -> None:
+        """One session of `ns` ended; once it holds nothing the next sweep forgets it
+        (`collect_idle`)."""
         ns.sessions -= 1
         ns.release_extents()
 
@@ -225,10 +255,50 @@ class NamespaceTable:
             if len(self._namespaces) >= MAX_NAMESPACES:
                 raise ResourceExhausted(f"{MAX_NAMESPACES} namespaces exist already (the "
                                         f"daemon's limit, whatever the tenant)")
+        self._check_index_memory(tenant, layout)
         ns = self.make(ns_id, model, layout, salt, tenant)
         if self.files is not None:
             self.files.created(ns)
         return ns
+
+    def _check_index_memory(self, tenant: str, layout: KvLayout) -> None:
+        """Refuse a new namespace whose index would take `tenant` past
+        `tenants.max_index_memory` (after forgetting its unused ones): the bytes, not only the
+        count, since one index grows with the pool and shrinks with the block size."""
+        limit = self.tenants.max_index_memory
+        if not limit:
+            return
+        try:
+            need = self.index_bytes_for(layout)
+        except ValueError:
+            return                       # `make` refuses the layout, saying why
+        held = self.index_bytes(tenant)
+        if held + need > limit:
+            self._collect(tenant)
+            held = self.index_bytes(tenant)
+        if held + need <= limit:
+            return
+        self.index_refused[tenant] += 1
+        raise ResourceExhausted(
+            f"tenant {tenant!r} holds {format_size(held)} of namespace indexes in shared "
+            f"memory, and this namespace's index needs {format_size(need)} more: past its "
+            f"limit (tenants.max_index_memory = {format_size(limit)}); end the sessions of "
+            f"models and layouts it no longer uses and drop their blocks (kvd reset "
+            f"--namespace ID), use larger blocks or shorter keys (an index is sized for the "
+            f"whole pool), or raise tenants.max_index_memory")
+
+    def index_bytes_for(self, layout: KvLayout) -> int:
+        """The bytes of a new index for `layout` (sized for the whole pool); ValueError when
+        a block does not fit one extent."""
+        stride, per_extent = slot_geometry(self.extents.extent_bytes, layout.block_bytes)
+        capacity = self.extents.total * per_extent
+        return Header(capacity=capacity, buckets=buckets_for(capacity),
+                      key_width=layout.index_key_width, per_extent=per_extent, stride=stride,
+                      extent_bytes=self.extents.extent_bytes).file_bytes
+
+    def index_bytes(self, tenant: str) -> int:
+        """The shared memory `tenant`'s namespaces' indexes take now."""
+        return sum(ns.index_bytes for ns in self._namespaces.values() if ns.tenant == tenant)
 
     def make(self, ns_id: str, model: str, layout: KvLayout, salt: str, tenant: str, *,
              index: ShmIndex | None = None) -> Namespace:
@@ -278,17 +348,20 @@ class NamespaceTable:
         """Forget namespaces nobody uses that hold nothing (of `tenant`, or all), idle or not:
         a new namespace needs their place."""
         self._forget([ns for ns in self._namespaces.values()
-                      if ns.unused and (tenant is None or ns.tenant == tenant)])
+                      if (tenant is None or ns.tenant == tenant) and ns.settle()])
 
     def collect_idle(self) -> int:
-        """Forget the namespaces unused (no session, no block) for `tenants.namespace_idle_
-        timeout`, so that their index memory goes back to the system; how many. The delay
-        spares an engine that restarts at once a new index (and its stats their counters)."""
+        """Forget the namespaces unused (no session, no block, no reader's grace) for
+        `tenants.namespace_idle_timeout` (by default none: at the sweep after their last
+        session ended), so that their index memory goes back to the system; how many. Engines
+        that mapped an index keep their own mapping of it: its pages go once they unmap it.
+        A delay would spare an engine that restarts at once a new index (and its stats their
+        counters), at the cost of the memory of every namespace an engine left."""
         now = self.clock()
         timeout = self.tenants.namespace_idle_timeout
         idle = []
         for ns in self._namespaces.values():
-            if not ns.unused:
+            if not ns.settle():
                 ns.idle_since = None
                 continue
             if ns.idle_since is None:
@@ -297,9 +370,10 @@ class NamespaceTable:
                 idle.append(ns)
         if idle:
             freed = self._forget(idle)
-            log.info("forgot %d namespaces with no session and no block for %s: closed their "
-                     "indexes (%s of sparse shared memory)", len(idle),
-                     format_duration(timeout), format_size(freed))
+            after = f"for {format_duration(timeout)}" if timeout else "once their last " \
+                "session ended"
+            log.info("forgot %d namespaces with no session and no block %s: closed their "
+                     "indexes (%s of shared memory)", len(idle), after, format_size(freed))
         return len(idle)
 
     def _forget(self, gone: list[Namespace]) -> int:

@@ -428,10 +428,16 @@ class NamespaceManager:
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> int:
-        """Drop every block; blocks still being copied become zombies. Returns blocks dropped."""
+        """Drop every block; blocks still being copied become zombies. Returns blocks dropped
+        from the pool (`reset_below` also says how many the tiers below dropped)."""
+        return self.reset_below()[0]
+
+    def reset_below(self) -> tuple[int, int]:
+        """`reset`, and the blocks the tiers below the pool dropped with the namespace's:
+        (pool, below)."""
         table = self.table
         dropped = len(table)
-        self.below.reset()          # a reset drops what the tiers hold too
+        below = self.below.reset()      # a reset drops what the tiers hold too
         freed = self._zombies.take_over(self.epoch, table)
         self.policy.clear()
         table.clear()
@@ -444,4 +450,4 @@ class NamespaceManager:
         self.requests.new_generation()
         self.epoch += 1
         self.index.reset_epoch = self.epoch
-        return dropped
+        return dropped, below

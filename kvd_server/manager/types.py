@@ -118,8 +118,9 @@ class BelowPort(Protocol):
         stored block copies them from there)."""
         ...
 
-    def reset(self) -> None:
-        """The namespace is reset: what the tiers hold of it goes too."""
+    def reset(self) -> int:
+        """The namespace is reset: what the tiers hold of it goes too; how many blocks they
+        dropped (`kvd reset` counts them)."""
         ...
 
 
@@ -134,8 +135,8 @@ class NoBelow:
     def stored(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         return None
 
-    def reset(self) -> None:
-        return None
+    def reset(self) -> int:
+        return 0
 
 
 NO_BELOW: BelowPort = NoBelow()

@@ -14,8 +14,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from kvd_proto.wire import SLOT_ALIGNMENT, align_up
 from kvd_server.config import DEFAULT_TENANT
+
+RUN_BATCH = 4096     # slots of a run (an array of free slots) made Python ints at once
 
 
 class ExtentAllocator:
@@ -122,7 +126,9 @@ class Limbo(Protocol):
 
     def retire_many(self, slots: list[int]) -> None: ...
 
-    def collect(self) -> list[int]: ...
+    def retire_run(self, slots: np.ndarray) -> None: ...
+
+    def collect(self) -> list[int]: ...       # a run retired whole comes back as its array
 
 
 def slot_geometry(extent_bytes: int, slot_bytes: int) -> tuple[int, int]:
@@ -168,6 +174,11 @@ class NamespaceSlots:
         self._high: dict[int, int] = {}     # extent -> slots of it handed out since taken
         self._used: dict[int, int] = {}     # extent -> slots of it in use now
         self._free: list[int] = []
+        # Older free slots beneath `_free` (a stack of stacks, the newest last): an adopted
+        # extent's idle slots out of limbo as one array (16k slots of 4 KiB in 64 MiB: never a
+        # Python int each until handed out), and the lists that were on top when one came.
+        self._free_below: list[list[int] | np.ndarray] = []
+        self._runs_in_limbo = 0             # arrays retired whole (retire_run) not back yet
         self._in_use = 0
         self._retired: dict[int, int] = {}  # extent -> slots of it waiting in limbo
         # Draining extents -> the namespace each is emptied for (None: the pool); their
@@ -205,6 +216,8 @@ class NamespaceSlots:
                     self._fresh.popleft()
             elif self._free:
                 out.append(self._free.pop())
+            elif self._free_below:
+                self._next_free()
             else:
                 index = self.extents.take(self.tenant)
                 if index is None:  # free_count() said there was room: only a bug gets here
@@ -227,12 +240,14 @@ class NamespaceSlots:
     def in_limbo(self) -> int:
         return self.limbo.in_limbo if self.limbo is not None else 0
 
-    def adopt_extent(self, extent: int, ready: int, idle: list[int]) -> bool:
+    def adopt_extent(self, extent: int, ready: int, idle: list[int] | np.ndarray) -> bool:
         """Warm restart: hold `extent` again with `ready` blocks the index still shows in it;
         its other slots (`idle`: free, or a store's the crash interrupted) wait in limbo,
         since an engine of the previous daemon may still read or write them, and come back
         once every reader has moved past them (kvd_server/restart/). False when the extent
-        is not free or the tenant's quota has no room."""
+        is not free or the tenant's quota has no room. An array of `idle` slots (ascending)
+        stays one array through limbo and the free slots: the cost follows the extents, not
+        their slots."""
         budget = self.budget
         if budget is not None and budget.room(1) == 0:
             return False
@@ -244,10 +259,16 @@ class NamespaceSlots:
         self._high[extent] = per
         self._used[extent] = ready + len(idle)
         self._in_use += ready + len(idle)
-        if idle:
+        if len(idle):
             if self.limbo is not None:
-                self.limbo.retire_many(idle)
+                if isinstance(idle, np.ndarray):
+                    self.limbo.retire_run(idle)
+                    self._runs_in_limbo += 1
+                else:
+                    self.limbo.retire_many(idle)
                 self._retired[extent] += len(idle)
+            elif isinstance(idle, np.ndarray):
+                self._release_run(idle)
             else:
                 for slot in idle:
                     self._release(slot)
@@ -300,10 +321,70 @@ class NamespaceSlots:
         if self.limbo is not None:
             slots = self.limbo.collect()
             if slots:
+                if self._runs_in_limbo:
+                    slots = self._collect_runs(slots)
                 retired, per = self._retired, self.per_extent
                 for slot in slots:
                     retired[slot // per] -= 1
                 self._release_many(slots)
+
+    def _collect_runs(self, slots: list) -> list[int]:
+        """The runs (arrays) among what limbo gave back released whole; the single slots."""
+        single: list[int] = []
+        for item in slots:
+            if isinstance(item, np.ndarray):
+                self._runs_in_limbo -= 1
+                self._retired[int(item[0]) // self.per_extent] -= len(item)
+                self._release_run(item)
+            else:
+                single.append(item)
+        return single
+
+    def _release_run(self, run: np.ndarray) -> None:
+        """`_release` of each slot of `run` (ascending, one extent's), without a Python int
+        per slot: the array goes onto the free slots whole (popped from its end, as a list
+        extended with it would be)."""
+        extent = int(run[0]) // self.per_extent
+        self._used[extent] -= len(run)
+        self._in_use -= len(run)
+        if self._draining and extent in self._draining:
+            self._draining_idle += len(run)
+            if not self._used[extent]:
+                self._drained(extent)
+            return
+        if self._free:
+            self._free_below.append(self._free)
+            self._free = []
+        self._free_below.append(run)
+
+    def _next_free(self) -> None:
+        """`_free` is empty: refill it from the newest stack beneath (a list whole, or the
+        top of an array, a bounded number of its slots at a time)."""
+        below = self._free_below[-1]
+        if isinstance(below, list):
+            self._free = self._free_below.pop()
+            return
+        take = below[-RUN_BATCH:]
+        self._free = take.tolist()
+        if len(take) == len(below):
+            self._free_below.pop()
+        else:
+            self._free_below[-1] = below[:-RUN_BATCH]
+
+    def _drop_free_of(self, extent: int) -> None:
+        """Free slots of `extent` are no longer handed out (it drains or leaves)."""
+        per = self.per_extent
+        self._free = [s for s in self._free if s // per != extent]
+        if self._free_below:
+            kept: list[list[int] | np.ndarray] = []
+            for below in self._free_below:
+                if isinstance(below, list):
+                    below = [s for s in below if s // per != extent]
+                else:
+                    below = below[below // per != extent]
+                if len(below):
+                    kept.append(below)
+            self._free_below = kept
 
     def reset(self) -> bool:
         """Never all at once: granted, held and retired slots are in use too."""
@@ -387,7 +468,7 @@ class NamespaceSlots:
             taker.incoming += 1
         if extent in self._fresh:
             self._fresh.remove(extent)
-        self._free = [s for s in self._free if s // per != extent]
+        self._drop_free_of(extent)
         return False
 
     def _drained(self, extent: int) -> None:
@@ -420,14 +501,13 @@ class NamespaceSlots:
         """Give one held extent back to the pool; none of its slots may be in use."""
         if self._used.get(extent):
             raise RuntimeError(f"extent {extent} still has {self._used[extent]} slots in use")
-        per = self.per_extent
         self._held.remove(extent)
         del self._high[extent]
         del self._used[extent]
         self._retired.pop(extent, None)
         if extent in self._fresh:
             self._fresh.remove(extent)
-        self._free = [s for s in self._free if s // per != extent]
+        self._drop_free_of(extent)
         self.extents.give(extent)
         if self.budget is not None:
             self.budget.held -= 1
@@ -445,6 +525,7 @@ class NamespaceSlots:
         self._retired.clear()
         self._fresh.clear()
         self._free.clear()
+        self._free_below.clear()
         if self.budget is not None:
             self.budget.held -= n
         return n

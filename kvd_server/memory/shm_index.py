@@ -303,9 +303,11 @@ class Reclamation:
         self.readers: dict[str, ReaderMarks] = {}
         self.held: dict[str, int] = {}          # ended readers whose process lives on
         self._pids: dict[str, int] = {}         # readers and held readers -> their process
-        self._pending: list[int] = []
-        # (epoch, slots, when sealed): the seal time says how long a holder has held them.
-        self._limbo: deque[tuple[int, list[int], float]] = deque()
+        self._pending: list[int | np.ndarray] = []
+        self._pending_count = 0
+        # (epoch, slots, when sealed, how many): the seal time says how long a holder has held
+        # them. An item of `slots` is a slot, or a run of them retired whole (retire_run).
+        self._limbo: deque[tuple[int, list[int | np.ndarray], float, int]] = deque()
         self.in_limbo = 0
         self._warn_after = 0.0                  # no warning before this (rate limit)
 
@@ -315,10 +317,19 @@ class Reclamation:
 
     def retire(self, slot: int) -> None:
         self._pending.append(slot)
+        self._pending_count += 1
         self.in_limbo += 1          # from now: whether sealed yet must not change what counts
 
     def retire_many(self, slots: list[int]) -> None:
         self._pending.extend(slots)
+        self._pending_count += len(slots)
+        self.in_limbo += len(slots)
+
+    def retire_run(self, slots: np.ndarray) -> None:
+        """Retire `slots` as one item: `collect` gives the array back whole (a warm restart's
+        idle slots of an adopted extent: never a Python int each)."""
+        self._pending.append(slots)
+        self._pending_count += len(slots)
         self.in_limbo += len(slots)
 
     def hold(self, session_id: str, pid: int, epoch: int) -> None:
@@ -333,8 +344,9 @@ class Reclamation:
             return
         epoch = self.index.reclaim_epoch + 1
         self.index.reclaim_epoch = epoch
-        self._limbo.append((epoch, self._pending, self.clock()))
+        self._limbo.append((epoch, self._pending, self.clock(), self._pending_count))
         self._pending = []
+        self._pending_count = 0
 
     def floor(self) -> int | None:
         """The oldest epoch any reader may still act on; None: no reader holds anything."""
@@ -343,16 +355,18 @@ class Reclamation:
         marks = [m for m in marks if m] + list(self.held.values())
         return min(marks) if marks else None
 
-    def collect(self) -> list[int]:
-        """Slots every reader has moved past: free for reuse."""
+    def collect(self) -> list[int | np.ndarray]:
+        """Slots every reader has moved past: free for reuse (a run retired whole as its
+        array)."""
         self.seal()
         if not self._limbo:
             return []
         floor = self.floor()
-        out: list[int] = []
+        out: list[int | np.ndarray] = []
         while self._limbo and (floor is None or self._limbo[0][0] <= floor):
-            out.extend(self._limbo.popleft()[1])
-        self.in_limbo -= len(out)
+            _, slots, _, count = self._limbo.popleft()
+            out.extend(slots)
+            self.in_limbo -= count
         if self._limbo:
             self._check_held()
         return out
@@ -362,7 +376,7 @@ class Reclamation:
         when no freed slot waits for anyone."""
         if not self._limbo:
             return None
-        waiting, _, since = self._limbo[0]
+        waiting, _, since, _ = self._limbo[0]
         fence()
         marks = [(m.published, sid, True) for sid, m in self.readers.items()]
         marks += [(epoch, sid, False) for sid, epoch in self.held.items()]

@@ -35,6 +35,7 @@ from kvd_server.ops.stats import (
     BlockStats,
     ChannelStats,
     ConnectionStats,
+    IndexMemoryStats,
     NamespaceStats,
     PoolStats,
     RestartStats,
@@ -143,6 +144,7 @@ class StatsCollector(Collector):
         yield from _transfers(snap.transfers)
         yield from _channels(snap.channels)
         yield from _connections(snap.connections)
+        yield from _index_memory(snap.index_memory)
         yield from _restart(snap.restart)
         yield from _tiers(snap.tiers)
 
@@ -326,6 +328,32 @@ def _channels(channels: ChannelStats) -> Iterator[Metric]:
                    channels.broken_total)
     yield _gauge("kvd_native", "1 when the shared index's loops run compiled (kvd_proto."
                  "_native), 0 on the pure-Python twins.", 1 if channels.native else 0)
+
+
+def _index_memory(mem: IndexMemoryStats) -> Iterator[Metric]:
+    """The namespaces' indexes in shared memory, per tenant against tenants.max_index_memory
+    (tenants bounded as for the pool's series, the rest as "other")."""
+    held = GaugeMetricFamily("kvd_index_memory_bytes",
+                             "Shared memory a tenant's namespaces' indexes hold.",
+                             labels=["tenant"])
+    limit = GaugeMetricFamily("kvd_index_memory_limit_bytes",
+                              "A tenant's index memory limit (tenants.max_index_memory); 0: none.",
+                              labels=["tenant"])
+    refused = CounterMetricFamily("kvd_index_memory_refused",
+                                  "Namespaces refused for a tenant's index memory limit.",
+                                  labels=["tenant"])
+    names = sorted(mem.tenants)
+    groups = [(name, [mem.tenants[name]]) for name in names[:MAX_NAMESPACE_LABELS]]
+    if names[MAX_NAMESPACE_LABELS:]:
+        groups.append(("other", [mem.tenants[n] for n in names[MAX_NAMESPACE_LABELS:]]))
+    for label, members in groups:
+        held.add_metric([label], sum(t.bytes for t in members))
+        limit.add_metric([label], sum(t.limit_bytes for t in members))
+        refused.add_metric([label], sum(t.refused_total for t in members))
+    yield from (held, limit, refused)
+    yield _counter("kvd_namespaces_forgotten",
+                   "Empty namespaces forgotten (their index closed) since start.",
+                   mem.namespaces_forgotten_total)
 
 
 def _connections(connections: ConnectionStats) -> Iterator[Metric]:

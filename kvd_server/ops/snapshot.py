@@ -19,11 +19,13 @@ from kvd_server.ops.stats import (
     BlockTotals,
     ClientStats,
     DaemonFacts,
+    IndexMemoryStats,
     NamespaceStats,
     PoolStats,
     ReclaimHolderStats,
     ServerStats,
     StatsSnapshot,
+    TenantIndexStats,
     TenantStats,
     Totals,
     TransferTotals,
@@ -87,6 +89,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
         tenants={b.tenant: TenantStats(b.held * ext.extent_bytes,
                                        (b.max_extents or 0) * ext.extent_bytes)
                  for b in core.namespaces.budgets()},
+        index_memory=index_memory(core),
         stats=totals,
         transfers=TransferTotals(
             completed_load_bytes_total=core.completed_load_bytes,
@@ -99,6 +102,20 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
         tiers=list(facts.tiers),
         rpc=dict(sorted(facts.rpc.items())),
     )
+
+
+def index_memory(core: KvdCore) -> IndexMemoryStats:
+    """The namespaces' indexes in shared memory, per tenant against its limit."""
+    table = core.namespaces
+    limit = core.config.tenants.max_index_memory
+    tenants = {b.tenant: TenantIndexStats(0, limit, table.index_refused[b.tenant])
+               for b in table.budgets()}
+    total = 0
+    for ns in table:
+        row = tenants.setdefault(ns.tenant, TenantIndexStats(0, limit))
+        row.bytes += ns.index_bytes
+        total += ns.index_bytes
+    return IndexMemoryStats(total, table.forgotten_total, tenants)
 
 
 def _manager_counters(counters: object) -> dict[str, int]:

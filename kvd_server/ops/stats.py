@@ -130,6 +130,25 @@ class TenantStats:
 
 
 @dataclass(slots=True)
+class TenantIndexStats:
+    """A tenant's namespaces' indexes in shared memory, against tenants.max_index_memory."""
+
+    bytes: int = 0
+    limit_bytes: int = 0        # 0: no limit
+    refused_total: int = 0      # new namespaces refused for the limit
+
+
+@dataclass(slots=True)
+class IndexMemoryStats:
+    """The shared memory of the namespaces' indexes (each sized for the whole pool): what
+    engines that come and go could otherwise leave behind."""
+
+    bytes: int = 0
+    namespaces_forgotten_total: int = 0     # empty namespaces forgotten, their index closed
+    tenants: dict[str, TenantIndexStats] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Totals(OffloadCounters):
     """The `stats` section: counters over every namespace, plus pins and leases held now."""
 
@@ -163,6 +182,7 @@ class ChannelStats:
 
     open: int = 0
     native: bool = False                 # the index loops are compiled (kvd_proto/native.py)
+    native_forced: bool = False          # not compiled because KVD_NATIVE=0 forced the twins
     records_total: dict[str, int] = field(default_factory=dict)   # applied, by kind
     rejected_total: int = 0              # refused (answered REJECTED)
     broken_total: int = 0                # sessions ended for breaking their ring
@@ -212,6 +232,7 @@ class StatsSnapshot:
     clients: ClientStats = field(default_factory=ClientStats)
     namespaces: list[NamespaceStats] = field(default_factory=list)
     tenants: dict[str, TenantStats] = field(default_factory=dict)
+    index_memory: IndexMemoryStats = field(default_factory=IndexMemoryStats)
     stats: Totals = field(default_factory=Totals)
     transfers: TransferTotals = field(default_factory=TransferTotals)
     channels: ChannelStats = field(default_factory=ChannelStats)

@@ -22,6 +22,7 @@ a slot, so an engine that may write into the pool is always on record.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import hashlib
@@ -53,6 +54,63 @@ MAX_SESSION_RECORDS = 65536   # what a daemon reads back (more cannot be: max_se
 
 class StateError(Exception):
     """The directory cannot hold warm-restart state (the message says why)."""
+
+
+# statfs(2)'s f_type of the filesystems whose files are memory: what restart.directory must be
+# on (docs/operations.md, "Warm restart"), so that the pool's pages stay in RAM.
+MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x958458F6: "hugetlbfs", 0x858458F6: "ramfs"}
+# Names for the f_types a refusal is likeliest to meet (any other is named by its number,
+# or by /proc/self/mountinfo when it says).
+_DISK_FILESYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs",
+                     0x794C7630: "overlayfs", 0x6969: "nfs", 0x2FC12FC1: "zfs",
+                     0xF2F52010: "f2fs", 0x65735546: "fuse", 0x01021997: "9p"}
+
+
+def filesystem_type(path: str) -> int | None:
+    """statfs(2)'s f_type of the filesystem holding `path` (None where the call fails)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)       # struct statfs: 120 bytes on 64-bit Linux
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF     # f_type comes first
+
+
+def _mount_type(path: str) -> str:
+    """The filesystem type /proc/self/mountinfo gives the mount holding `path` ("" if none):
+    its own name ("ext4", not the magic number ext2, ext3 and ext4 share)."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields, _, rest = line.partition(" - ")
+            parts = fields.split()
+            if len(parts) < 5 or not rest:
+                continue
+            point = parts[4].replace("\\040", " ")
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, fstype = point, rest.split()[0]
+    return fstype
+
+
+def check_memory_filesystem(path: str) -> None:
+    """Refuse (StateError) a warm-restart directory on a filesystem that is not memory: the
+    pool's and the indexes' pages would be written back to the disk under it as engines
+    store blocks (slow, wearing the drive), and its files would survive a reboot that made
+    them meaningless. A filesystem statfs cannot name is let through (logged)."""
+    kind = filesystem_type(path)
+    if kind is None:
+        log.warning("warm restart: cannot tell the filesystem of %s (statfs failed): it must "
+                    "be memory (tmpfs or hugetlbfs)", path)
+        return
+    if kind in MEMORY_FILESYSTEMS:
+        return
+    name = _mount_type(path) or _DISK_FILESYSTEMS.get(kind, f"a filesystem of type {kind:#x}")
+    raise StateError(f"{path} is on {name}, not on memory (tmpfs or hugetlbfs): the pool's "
+                     "pages there would be written to the disk as engines store blocks "
+                     "(slow, and kept across a reboot that makes them stale); use a tmpfs "
+                     "directory such as /dev/shm/kvd or /run/kvd/state (or restart.store = "
+                     '"systemd" under systemd)')
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,14 +234,18 @@ class Keeper(Protocol):
 class StateDir:
     """The warm-restart directory of one daemon (see the module doc)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, memory_only: bool = False) -> None:
+        """`memory_only`: refuse a directory whose filesystem is not memory (the daemon's;
+        tools and tests lay a directory out anywhere)."""
         self.path = Path(path)
         self.sessions = self.path / SESSIONS
         self.where = str(self.path)
+        self.memory_only = memory_only
 
     def prepare(self) -> None:
-        """Create the directory (0700) if missing; refuse one another uid owns or that this
-        daemon cannot write (StateError naming it)."""
+        """Create the directory (0700) if missing; refuse one another uid owns, that this
+        daemon cannot write, or (`memory_only`) that is not on memory (StateError naming
+        it)."""
         for d in (self.path, self.sessions):
             try:
                 d.mkdir(mode=0o700, parents=d is self.path, exist_ok=True)
@@ -199,6 +261,8 @@ class StateDir:
                                  "to read and change")
             if not os.access(d, os.W_OK | os.X_OK):
                 raise StateError(f"{d} is not writable by uid {os.geteuid()}")
+        if self.memory_only:
+            check_memory_filesystem(str(self.path))
         # One daemon per directory, for as long as it runs: two would adopt, clear and write
         # the same pool files under each other.
         self._lock = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW

@@ -92,10 +92,11 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
         self._check_admin(context, write=True)
         ns = check_str(request.namespace_id, "namespace_id")
         answer = self._core.admin_reset(ns or None)
-        log.info("admin reset of %s: %d blocks dropped over %d namespace(s)",
-                 ns or "every namespace", answer.dropped, answer.namespaces)
+        log.info("admin reset of %s: %d blocks dropped over %d namespace(s), %d below the pool",
+                 ns or "every namespace", answer.dropped, answer.namespaces, answer.below)
         return kvd_pb2.AdminResetResponse(dropped_blocks=answer.dropped,
-                                          namespaces=answer.namespaces)
+                                          namespaces=answer.namespaces,
+                                          dropped_below_blocks=answer.below)
 
     async def Reset(self, request: kvd_pb2.AdminResetRequest,
                     context: grpc.aio.ServicerContext) -> kvd_pb2.AdminResetResponse:

@@ -112,9 +112,10 @@ class Tier(Protocol):
         reports and publishes each): itself, or a stack's two (tiers/stack.py)."""
         return (self,)
 
-    def join_namespace(self, namespace: str, tenant: str) -> None:
-        """A namespace of this daemon exists (made, or there when the tier joined): a tier
-        that reads what other nodes published starts watching it. Nothing by default."""
+    def join_namespace(self, namespace: str, tenant: str, block_bytes: int = 0) -> None:
+        """A namespace of this daemon exists (made, or there when the tier joined), its
+        blocks `block_bytes` long: a tier that reads what other nodes published starts
+        watching it (and counts their bytes at that size). Nothing by default."""
         return None     # a body, so that a subclass need not define it (not abstract)
 
     def publish(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:

@@ -9,7 +9,9 @@ told to its namespace on the daemon's event loop (`lost_below`: a removed event 
 does not hold it either). A namespace's reset drops its blocks from the tier too. What the
 tier holds is named to the namespace's engines in its "held below" table (BelowTables): a
 block once written, no longer once lost. A tier that shares blocks between nodes
-(`publishes_stored`: the cluster tier) is also handed every block as it is stored.
+(`publishes_stored`: the cluster tier) is also handed every block as it is stored. At a clean
+stop without warm restart the pool's READY blocks are written down too (`write_down`, bounded
+in time), so that the next daemon finds them below.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvd_server.errors import NotFound
+from kvd_server.manager.blocks import READY
 from kvd_server.manager.types import BelowPort
 from kvd_server.tiers.base import Tier, TierKey, succeeded
 from kvd_server.tiers.below_table import BelowTables
@@ -29,6 +35,18 @@ from kvd_server.tiers.loop_inbox import LoopInbox
 if TYPE_CHECKING:
     from kvd_server.core.namespaces import Namespace, NamespaceTable
     from kvd_server.memory.tenant_pools import TenantPools
+
+
+@dataclass(slots=True)
+class WrittenDown:
+    """What a stop's write-down of the pool did, block by block (`Demoter.write_down`)."""
+
+    total: int = 0            # READY blocks in the pool
+    written: int = 0          # written now
+    held: int = 0             # the tier held them already (promoted from it, say)
+    failed: int = 0           # refused by a tier that takes none now, or failed to write
+    finishing: int = 0        # handed over, still being written when the time ran out
+    left: int = 0             # not handed over: the time ran out first
 
 
 class Demoter:
@@ -49,10 +67,12 @@ class Demoter:
         port: BelowPort = NamespaceDemoter(self, ns)
         ns.mgr.attach_below(port)
 
-    def reset(self, ns: Namespace) -> None:
-        """The namespace is reset: the tier drops its blocks, its engines are told."""
-        self.tier.remove_namespace(ns.id)
+    def reset(self, ns: Namespace) -> int:
+        """The namespace is reset: the tier drops its blocks, its engines are told; how many
+        blocks the tier dropped."""
+        dropped = self.tier.remove_namespace(ns.id)
         self._tables.clear(ns.id)
+        return dropped
 
     def stored(self, ns: Namespace, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Blocks of `ns` became readable: a tier that publishes every stored block (the
@@ -87,6 +107,61 @@ class Demoter:
         if lost:                    # told after the eviction that asked, as from a thread
             self._loop.call_soon(self._lost, lost)
         return kept
+
+    async def write_down(self, seconds: float) -> WrittenDown:
+        """A clean stop (the ways in closed, nothing stored any more): hand every READY block
+        of the pool to the tier, in slot order, for at most `seconds`; what the tier's queue
+        cannot take yet waits for its writes (the event loop is free meanwhile), a tier that
+        takes nothing with nothing in flight (degraded) ends it. Writes still in flight at
+        the deadline are finished by the tier's close (bounded by its queue)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        out = WrittenDown()
+        pending: set[asyncio.Future[bool]] = set()
+
+        def count(done: set[asyncio.Future[bool]]) -> None:
+            for f in done:
+                ok = not f.cancelled() and f.exception() is None and bool(f.result())
+                out.written += ok
+                out.failed += not ok
+
+        blocks = [(ns, np.flatnonzero(ns.mgr.table.state_array >= READY))
+                  for ns in list(self._namespaces)]
+        out.total = sum(len(slots) for _, slots in blocks)
+        handed = 0
+        for ns, slots in blocks:
+            n, table = ns.layout.block_bytes, ns.mgr.table
+            with self._pools.for_tenant(ns.tenant).view() as pool:
+                i = 0
+                while i < len(slots) and loop.time() < deadline:
+                    slot = int(slots[i])
+                    start = ns.slots.offset(slot)
+                    key = TierKey(ns.id, table.key_of(slot), ns.tenant)
+                    future = self.tier.demote(key, pool[start:start + n])
+                    if future is None:
+                        if not pending:        # refused with nothing in flight: none taken
+                            out.failed += len(slots) - i
+                            handed += len(slots) - i
+                            break
+                        done, pending = await asyncio.wait(
+                            pending, timeout=max(0.0, deadline - loop.time()),
+                            return_when=asyncio.FIRST_COMPLETED)
+                        count(done)
+                        continue
+                    i += 1
+                    handed += 1
+                    if future.done():          # held already (or answered at once)
+                        out.held += succeeded(future)
+                        out.failed += not succeeded(future)
+                    else:
+                        pending.add(asyncio.wrap_future(future))
+        if pending:
+            done, pending = await asyncio.wait(pending,
+                                               timeout=max(0.0, deadline - loop.time()))
+            count(done)
+        out.finishing = len(pending)
+        out.left = out.total - handed
+        return out
 
     def _written(self, future: Future[bool], key: TierKey) -> None:
         """On an I/O thread: a demotion ended; a failed one loses the block."""
@@ -128,5 +203,5 @@ class NamespaceDemoter:
     def stored(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         self._demoter.stored(self._ns, keys, slots)
 
-    def reset(self) -> None:
-        self._demoter.reset(self._ns)
+    def reset(self) -> int:
+        return self._demoter.reset(self._ns)

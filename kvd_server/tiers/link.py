@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import socket
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,11 +22,14 @@ from kvd_server.tiers.base import Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.below_table import BelowTable, BelowTables
 from kvd_server.tiers.demotion import Demoter
 from kvd_server.tiers.promotion import Promoter
+from kvd_server.units import format_duration
 
 if TYPE_CHECKING:
     from kvd_server.config import Config
     from kvd_server.core.namespaces import Namespace, NamespaceTable
     from kvd_server.memory.tenant_pools import TenantPools
+
+log = logging.getLogger(__name__)
 
 
 class TierLink:
@@ -52,7 +57,8 @@ class TierLink:
                                             keys)
 
     def join(self, ns: Namespace) -> None:
-        self.tier.join_namespace(ns.id, ns.tenant)     # the cluster tier's watch list
+        # The cluster tier's watch list (and the size it counts that namespace's blocks at).
+        self.tier.join_namespace(ns.id, ns.tenant, ns.layout.block_bytes)
         self.demoter.join(ns)
         self.tables.join(ns.id, ns.layout.block_bytes)
 
@@ -109,6 +115,43 @@ class TierLink:
             promotions_late_total=self.promoter.late_total,
             below_keys=self.tables.keys_named)
         return out
+
+    async def write_down_at_stop(self, cfg: Config) -> None:
+        """A clean stop (the ways in closed): without warm restart the pool dies with the
+        daemon, so its READY blocks are written down to the disk tier for at most
+        `tiers.disk.flush_on_stop` (0: none), said in one line, and the next daemon finds
+        them below. With warm restart the pool itself survives: nothing is written. Never
+        raises: the stop goes on whatever happens here."""
+        seconds = cfg.tiers_disk.flush_on_stop
+        if not cfg.tiers_disk.path or cfg.restart.warm:
+            return
+        if seconds <= 0:
+            log.info("disk tier: the pool's blocks are not written down at stop "
+                     "(tiers.disk.flush_on_stop = 0): they are lost with the pool")
+            return
+        started = time.monotonic()
+        log.info("disk tier: writing the pool's blocks down before the daemon stops (for at "
+                 "most %s: tiers.disk.flush_on_stop)", format_duration(seconds))
+        try:
+            out = await self.demoter.write_down(seconds)
+        except Exception:  # a bug must not stop the stop: the pool's blocks are lost
+            log.exception("disk tier: writing the pool down at stop failed")
+            return
+        if not out.total:
+            log.info("disk tier: the pool held no block to write down")
+            return
+        more = [f"{out.held} there already"] if out.held else []
+        if out.failed:
+            why = self.parts[0].stats().reason
+            more.append(f"{out.failed} refused or failed" + (f": {why}" if why else ""))
+        if out.finishing:
+            more.append(f"{out.finishing} finishing as the tier closes")
+        left = (f"; {out.left} left when the time ran out, lost with the pool (tiers.disk."
+                f"flush_on_stop = {format_duration(seconds)})" if out.left else "")
+        (log.warning if out.left or out.failed else log.info)(
+            "disk tier: %d of the pool's %d blocks written at stop in %.1fs%s%s", out.written,
+            out.total, time.monotonic() - started, f" ({'; '.join(more)})" if more else "",
+            left)
 
     def close(self) -> None:
         self.tier.close()

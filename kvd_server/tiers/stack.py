@@ -55,9 +55,9 @@ class TierStack(Tier):
         if keys and self.on_named is not None:
             self.on_named(keys, found)
 
-    def join_namespace(self, namespace: str, tenant: str) -> None:
+    def join_namespace(self, namespace: str, tenant: str, block_bytes: int = 0) -> None:
         for part in self.parts:
-            part.join_namespace(namespace, tenant)
+            part.join_namespace(namespace, tenant, block_bytes)
 
     @property
     def readable(self) -> bool:

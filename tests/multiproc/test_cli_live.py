@@ -13,6 +13,7 @@ from kvd_proto import kvd_pb2, paths
 from kvd_server.cli import main as cli
 from tests.support.daemon import PY, ROOT, Daemon, clean_env, spawn_daemon
 from tests.support.engine import keys_for
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -139,3 +140,91 @@ def test_relative_socket_is_taken_from_the_current_directory(workdir):
         assert f"serving on {workdir / 'rel.sock'}" in daemon.log()
     finally:
         daemon.close()
+
+
+def _squeezed(text: str) -> str:
+    """Text without its whitespace: a value `kvd stats` wrapped over lines reads as one."""
+    return "".join(text.split())
+
+
+def test_health_and_stats_name_a_degraded_tier_and_why(start_daemon, tmp_path):
+    """`kvd health` names the degraded tier and its reason itself (not only "see kvd stats"),
+    and `kvd stats` shows that reason whole, wrapped within 80 columns."""
+    import socket
+
+    with socket.socket() as s:            # a port nothing listens on: the master is away
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = start_daemon("--pool-size", "16MiB", "--extent-size", "4MiB", env=clean_env(
+        KVD_TIERS_CLUSTER_MASTER=f"127.0.0.1:{port}",
+        KVD_TIERS_CLUSTER_METADATA_URL=f"http://127.0.0.1:{port}/metadata",
+        KVD_TIERS_CLUSTER_SEGMENT_SIZE="0", KVD_TIERS_CLUSTER_RETRY_INTERVAL="1s"))
+
+    def degraded() -> str | None:
+        (tier,) = daemon.stats()["tiers"]
+        return tier["reason"] if tier["health"] == "degraded" else None
+
+    reason = wait_until(degraded, 30, "the cluster tier to degrade")
+    assert len(reason) > 56, reason          # more than a row's value column holds
+    health = daemon.kvd("health")
+    assert health.returncode == 0, health.stderr
+    assert health.stdout.splitlines() == [
+        "SERVING", f"tier cluster: NOT_SERVING (degraded: {reason}; the pool serves without "
+                   "it)"], health.stdout
+    text = daemon.kvd("stats").stdout
+    assert _squeezed(f"degraded: {reason}") in _squeezed(text), text
+    assert all(len(line) <= 80 for line in text.splitlines()) and "..." not in text, text
+
+
+def test_stats_says_kvd_native_0_forced_the_python_loops(start_daemon):
+    """With the compiled loops built, `KVD_NATIVE=0` in the daemon's environment is why they
+    are not used: `kvd stats` and the start-up WARNING say so, not "no C compiler"."""
+    from importlib.util import find_spec
+
+    if find_spec("kvd_proto._native") is None:
+        pytest.skip("kvd_proto._native was not built here (no C compiler at install)")
+    daemon = start_daemon("--pool-size", "16MiB", "--extent-size", "4MiB",
+                          env=clean_env(KVD_NATIVE="0"))
+    text = daemon.kvd("stats").stdout
+    (loops,) = [i for i, line in enumerate(text.splitlines()) if line.startswith("index loops")]
+    said = " ".join(line.strip() for line in text.splitlines()[loops:loops + 3])
+    assert "forced by KVD_NATIVE=0" in said and "compiler" not in said, said
+    assert daemon.stats()["channels"]["native_forced"] is True
+    assert "KVD_NATIVE=0 in the daemon's environment forces them" in daemon.log()
+    assert "no C compiler" not in daemon.log()
+
+
+def test_reset_counts_the_blocks_the_disk_tier_drops(start_daemon, tmp_path):
+    """`kvd reset` with a disk tier drops what the disk holds of the namespaces too, and says
+    how many (its answer carries them: AdminResetResponse.dropped_below_blocks)."""
+    from tests.support.disk_tier import POOL, disk_env
+    from tests.support.engine import Engine
+
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB",
+                          env=disk_env(tmp_path / "disk"))
+
+    def tier_of(daemon: Daemon) -> dict:
+        (tier,) = daemon.stats()["tiers"]
+        return tier
+
+    wait_until(lambda: tier_of(daemon)["health"] == "ok", 20, "the disk tier to open")
+    engine = Engine(daemon.socket)
+    try:
+        keys = keys_for("reset-below", 400)
+        for i in range(0, len(keys), 32):
+            engine.store(keys[i:i + 32])
+        in_pool = daemon.stats()["blocks"]["ready"]
+        below = len(keys) - in_pool
+        wait_until(lambda: tier_of(daemon)["blocks"] >= below
+                   and tier_of(daemon)["queue_depth"] == 0, 20, "the evictions on the disk",
+                   detail=lambda: tier_of(daemon))
+        out = daemon.kvd("reset", "--yes")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == (f"dropped {in_pool} block(s) in 1 namespace(s), and {below} "
+                              "held below the pool (disk or cluster tier)\n"), out.stdout
+        assert tier_of(daemon)["blocks"] == 0
+        answer = daemon.admin().Reset(kvd_pb2.AdminResetRequest(), metadata=daemon.admin_md(),
+                                      timeout=5)
+        assert (answer.dropped_blocks, answer.dropped_below_blocks) == (0, 0)
+    finally:
+        engine.close()

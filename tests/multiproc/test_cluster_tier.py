@@ -163,6 +163,14 @@ def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon,
         reader.end_step()
         store(writer, keys)
         _published(a, SHARED)
+        # What each tier holds, in bytes too (it said 0 while it knew SHARED blocks): a's
+        # published blocks, b's once a's manifest names them (before any promotion).
+        block = a.stats()["namespaces"][0]["block_bytes"]
+        wait_until(lambda: _tier(b)["blocks"] >= SHARED, 30, "b to learn a's blocks")
+        for daemon in (a, b):
+            tier = _tier(daemon)
+            assert tier["blocks"] == SHARED and tier["used_bytes"] == SHARED * block, tier
+            assert f"{SHARED} blocks, {SHARED * block >> 20}MiB" in daemon.kvd("stats").stdout
         _shared(reader, b, keys)
         tier = _tier(b)
         assert tier["promotions_total"] >= SHARED and tier["corrupt_total"] == 0
@@ -384,6 +392,48 @@ def test_another_tenant_on_the_same_daemon_never_sees_them(start_daemon, workdir
     finally:
         close_session(writer)
         close_session(reader)
+
+
+@pytest.mark.skipif(bool(mooncake.netns_unavailable()), reason=mooncake.netns_unavailable())
+def test_a_store_that_cannot_set_up_names_its_own_error(workdir):
+    """A node whose only network is loopback (a container without a LAN address): Mooncake's
+    client cannot set up, answers a bare -1, and logs why ("not valid LAN address found")
+    among hundreds of lines. The master is up, so the tier's reason names the store's own
+    error, bounded, not a guess about the master; `kvd health` and `kvd stats` show it whole."""
+    with mooncake.loopback_netns() as enter:
+        master = mooncake.Master(workdir, enter=enter)
+        master.start()
+        sock = str(workdir / "lan.sock")
+        env = _env(master, "node-lan")
+        log_path = workdir / "lan.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([*enter, PY, "-m", "kvd_server", "serve", "--socket", sock,
+                                     "--pool-size", POOL, "--extent-size", "4MiB"], env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        daemon = Daemon(socket=sock, proc=proc, log_path=log_path, env=env)
+        try:
+            wait_until(daemon.serving, 30, "the daemon to serve")
+            reason = wait_until(
+                lambda: (lambda t: t["reason"] if "LAN address" in t["reason"] else None)(
+                    _tier(daemon)), 60, "the tier to name Mooncake's error",
+                detail=lambda: (_tier(daemon), daemon.log()[-3000:]))
+            assert "Mooncake's set-up failed (code -1" in reason, reason
+            assert "not valid LAN address found [transfer_engine_impl.cpp:" in reason, reason
+            assert "is the master" not in reason and len(reason) < 1000, reason
+            assert _tier(daemon)["health"] == "degraded"
+            health = daemon.kvd("health")
+            assert health.returncode == 0, health.stderr
+            (line,) = [x for x in health.stdout.splitlines() if x.startswith("tier cluster")]
+            assert line.startswith("tier cluster: NOT_SERVING (degraded: Mooncake's set-up "
+                                   "failed"), line
+            assert "not valid LAN address found" in line, line
+            text = daemon.kvd("stats").stdout
+            assert "".join(reason.split()) in "".join(text.split()), text
+            assert all(len(x) <= 80 for x in text.splitlines()), text
+            assert "not valid LAN address found" in daemon.log()     # passed on, as before
+        finally:
+            daemon.close()
+            master.stop()
 
 
 def _other_tenant_main(argv: list[str]) -> int:

@@ -6,6 +6,7 @@ start cold is said; what cannot be adopted is dropped, counted and never served.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -229,3 +230,45 @@ def test_a_second_daemon_on_the_same_directory_is_refused(start_daemon, state_di
     last = proc.stderr.strip().splitlines()[-1]
     assert "in use by another kvd daemon" in last and f"pid {first.proc.pid}" in last, last
     assert first.serving()
+
+
+def _serve_fails(workdir: Path, *args: str, env: dict[str, str] = ENV) -> str:
+    """`kvd serve ARGS` that must refuse to start (exit 1); its last line (the one that
+    names the fix)."""
+    proc = subprocess.run([PY, "-m", "kvd_server", "serve", "--socket",
+                           str(workdir / "refused.sock"), *POOL, *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_restart_directory_on_a_disk_filesystem_is_refused(workdir):
+    """The docs require memory (tmpfs or hugetlbfs) for restart.directory: on ext4 the pool's
+    pages would be written to the disk as engines store blocks. The daemon refuses to start,
+    naming the filesystem and why (it started without a word before)."""
+    from tests.support import loopfs
+
+    why_not = loopfs.unavailable("ext4")
+    with contextlib.ExitStack() as stack:
+        if why_not is None:                      # a real ext4, as the issue met
+            fs = stack.enter_context(loopfs.mounted(workdir / "ext4", "ext4", 64 << 20))
+            where, name = fs.path / "state", "ext4"
+        else:                                    # else this test's own disk, if it is one
+            from kvd_server.restart.state import MEMORY_FILESYSTEMS, filesystem_type
+
+            if filesystem_type(str(workdir)) in MEMORY_FILESYSTEMS:
+                pytest.skip(f"no disk filesystem to try: {why_not}, and {workdir} is memory")
+            where, name = workdir / "state", ""
+        last = _serve_fails(workdir, "--warm-restart", "--restart-dir", str(where))
+        assert f"restart.directory: {where} is on {name}" in last, last
+        assert "not on memory (tmpfs or hugetlbfs)" in last and "written to the disk" in last
+        assert "/dev/shm/kvd" in last, last
+
+
+def test_a_systemd_store_outside_systemd_names_restart_store(workdir):
+    """restart.store = "systemd" without systemd: the refusal names restart.store, the
+    setting at fault, not restart.directory (which it is not using)."""
+    env = dict(ENV, KVD_RESTART_STORE="systemd")
+    last = _serve_fails(workdir, "--warm-restart", env=env)
+    assert 'restart.store = "systemd" needs the daemon to run as a systemd service' in last
+    assert "restart.directory" not in last, last

@@ -265,6 +265,50 @@ def test_sessions_json_prints_64_bit_counts_as_numbers():
     assert session["peer_pid"] == 4242 and doc["total"] == 1
 
 
+def _squeezed(text: str) -> str:
+    """Text without its whitespace: a value wrapped over lines reads as one again."""
+    return "".join(text.split())
+
+
+# A degraded cluster tier's reason as the store agent reports it (bounded at ~600 characters).
+REASON = ("Mooncake's set-up failed (code -1); its client logged: not valid LAN address found "
+          "[transfer_engine_impl.cpp:166] (first of 61 error lines; last: Failed to create "
+          "client after 20 retries [real_client.cpp:865]); master 10.0.0.1:50051, metadata "
+          "http://mooncake-master.kvd.svc.cluster.local:8080/metadata")
+
+
+def test_stats_rendering_shows_the_reasons_whole_within_80_columns():
+    """An operator reads why a tier is degraded, why a warm restart started cold, a long
+    socket path or model: wrapped over lines of at most 80 columns, never cut."""
+    socket_path = "/var/run/" + "a-deeply-nested-socket-directory/" * 3 + "kvd.sock"
+    cold = ("its state record is unreadable: " + "x" * 40 + " (the record's version 7 is "
+            "newer than this kvd's 1: start the newer kvd, or --cold)")
+    doc = dict(SAMPLE, server=dict(SAMPLE["server"], socket=socket_path),
+               restart={"enabled": True, "directory": "/dev/shm/kvd", "cold_reason": cold},
+               tiers=[{"name": "cluster", "health": "degraded", "reason": REASON,
+                       "directory": "10.0.0.1:50051"},
+                      {"name": "disk", "health": "degraded", "reason": "disk full: " + "y" * 70,
+                       "directory": "/var/lib/kvd/disk"}])
+    text = cli_render.render_stats(StatsSnapshot.from_dict(doc))
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "..." not in text, text
+    for whole in (REASON, cold, socket_path, "disk full: " + "y" * 70,
+                  SAMPLE["namespaces"][0]["model"], "a-very-long-tenant-name-that-goes-on",
+                  "AVeryLongMethodNameThatGoesOnAndOn"):
+        assert _squeezed(whole) in _squeezed(text), whole
+    cluster = text.split("# tier cluster")[1]
+    assert cluster.splitlines()[1].startswith("health                  degraded: Mooncake")
+
+
+def test_stats_rendering_says_who_forced_the_python_loops():
+    """`KVD_NATIVE=0` in the daemon's environment is not a missing C compiler."""
+    forced = cli_render.render_stats(StatsSnapshot.from_dict(
+        dict(SAMPLE, channels={"native": False, "native_forced": True})))
+    assert "KVD_NATIVE=0" in forced and "compiler" not in forced
+    built = cli_render.render_stats(StatsSnapshot.from_dict(dict(SAMPLE, channels={})))
+    assert _squeezed("no C compiler") in _squeezed(built) and "KVD_NATIVE" not in built
+
+
 def test_stats_rendering_tolerates_an_empty_document():
     text = cli_render.render_stats(StatsSnapshot.from_dict({}))
     assert "# pool" in text

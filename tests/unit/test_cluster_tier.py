@@ -304,3 +304,20 @@ def test_only_the_tenants_that_share_use_the_store(make_tier, store):
     wait(lambda: b.contains(TierKey("ns-shared", b"k")), "b to find the shared block")
     time.sleep(0.2)
     assert not b.contains(TierKey("ns-private", b"p"))
+
+
+def test_used_bytes_count_the_blocks_it_knows_at_their_size(make_tier, store):
+    """`kvd_tier_used_bytes{tier="cluster"}` is blocks x block size (it said 0 while the tier
+    knew 48 blocks): this node's from what it published, another node's from the size of
+    the namespace its engines use (told when the namespace joins), before any promotion."""
+    a, b = make_tier("node-a"), make_tier("node-b")
+    b.join_namespace("ns", "t", BLOCK)
+    keys = [TierKey("ns", bytes([i]) * 8, "t") for i in range(5)]
+    for key in keys:
+        publish(a, key, block(1))
+    st = a.stats()
+    assert (st.blocks, st.used_bytes) == (5, 5 * BLOCK)
+    wait(lambda: b.stats().blocks == 5, "b to learn a's blocks")
+    assert b.stats().used_bytes == 5 * BLOCK
+    assert a.remove_namespace("ns") == 5
+    assert (a.stats().blocks, a.stats().used_bytes) == (0, 0)

@@ -367,3 +367,50 @@ def test_kustomize_cluster_tier_overlay_runs_a_master_and_points_the_daemons_at_
                                  if k.startswith("KVD_TIERS") and v is not None})
     assert cfg.tiers_cluster.master == env["KVD_TIERS_CLUSTER_MASTER"]
     assert cfg.tiers_cluster.segment_size == 16 << 30
+
+
+# The daemon's own memory besides its pool (index, gRPC, Python): what the base DaemonSet
+# adds to the pool for its limit.
+DAEMON_OVERHEAD = 512 << 20
+_QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "": 1}
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity in the binary units the manifests use (`33280Mi`)."""
+    number = quantity.rstrip("KMGTi")
+    return int(number) * _QUANTITY[quantity[len(number):]]
+
+
+def _memory_budget(docs: list[dict], tmp_path: pathlib.Path) -> tuple[dict, int]:
+    """The kvd container's resources and the memory its configuration needs: the pool, plus
+    with a cluster tier the segment it gives the store and the store client's transfer
+    buffer (both held by its store agent, a child in the same cgroup), plus the daemon's
+    overhead; read from the rendered ConfigMap and the container's KVD_* variables."""
+    from kvd_server.config import load_config
+
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    config = tmp_path / "kvd.toml"
+    config.write_text(cm["data"]["kvd.toml"])
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (kvd,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "kvd"]
+    env = {e["name"]: e["value"] for e in kvd.get("env", [])
+           if e["name"].startswith("KVD_") and "value" in e}
+    cfg = load_config(str(config), env=env)
+    need = cfg.pool.size + DAEMON_OVERHEAD
+    if cfg.tiers_cluster.master:
+        need += cfg.tiers_cluster.segment_size + cfg.tiers_cluster.buffer_size
+    return kvd["resources"], need
+
+
+@pytest.mark.parametrize("overlay", ["", "monitoring", "warm-restart", "disk-tier",
+                                     "cluster-tier"])
+def test_the_memory_limit_holds_what_the_daemon_is_configured_to_hold(overlay, tmp_path):
+    """The pool is charged to the container, and with the cluster tier so is the segment the
+    daemon gives the store (16 GiB in the overlay) and its transfer buffer: a limit without
+    them is an OOM kill once the segment fills. Request = limit (Guaranteed QoS)."""
+    _, docs = _kustomize(DEPLOY / "k8s" / overlay, tmp_path)
+    resources, need = _memory_budget(docs, tmp_path)
+    limit = _bytes(resources["limits"]["memory"])
+    assert limit >= need, (f"{overlay or 'base'}: memory limit {resources['limits']['memory']}"
+                           f" < {need >> 20}Mi the configuration holds")
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]

@@ -4,11 +4,15 @@ checksums, its journal across a restart, tenants and quotas, and degrading on ba
 from __future__ import annotations
 
 import os
+import shutil
+import struct
 import time
+import zlib
 
 import pytest
 
 from kvd_server.tiers import TierHealth, TierKey
+from kvd_server.tiers.disk.journal import Journal, Placed
 from kvd_server.tiers.disk.space import DiskSpace
 from kvd_server.tiers.disk.tier import DATA_FILE, JOURNAL_FILE, DiskTier
 
@@ -196,6 +200,8 @@ def test_a_disk_too_small_for_the_tier_degrades_it(tmp_path):
     try:
         st = t.stats()
         assert st.health is TierHealth.DEGRADED, st
+        assert st.reason.startswith("filesystem too small for tiers.disk.size: "), st
+        assert st.reason.endswith("in all, tiers.disk.size is 1024TiB"), st
         assert t.demote(key(1), block(1)) is None
     finally:
         t.close()
@@ -205,7 +211,8 @@ def test_a_second_daemon_cannot_share_the_directory(tier, tmp_path):
     other = DiskTier(tier.directory, SIZE, extent_bytes=EXTENT)
     try:
         assert other.stats().health is TierHealth.DEGRADED
-        assert "another kvd daemon" in other.stats().reason
+        assert other.stats().reason == \
+            f"another kvd daemon (pid {os.getpid()}) uses {tier.directory}"
     finally:
         other.close()
 
@@ -320,3 +327,176 @@ def test_closing_with_demotions_in_flight_ends_each_and_refuses_after(tmp_path):
     assert all(f is not None and f.done() and isinstance(f.result(), bool) for f in futures)
     assert tier.promote(key(0), memoryview(bytearray(BLOCK))) is None
     assert tier.demote(key(99), block(99)) is None
+
+
+# ------------------------------------------------------------- the journal, damaged
+
+
+def _journal_of(tmp_path, n: int) -> tuple[str, list[int], list[Placed]]:
+    """A journal of `n` PUT records: (its path, where each record starts and, last, the file's
+    end, the blocks)."""
+    path = str(tmp_path / "j")
+    journal = Journal(path, SIZE, EXTENT)
+    journal.load()
+    placed = [Placed(i * BLOCK, BLOCK, BLOCK, i, NS, f"key-{i:04}".encode(), "t")
+              for i in range(n)]
+    starts = []
+    for p in placed:
+        starts.append(journal.bytes)
+        journal.put(p)
+    starts.append(journal.bytes)
+    journal.close()
+    return path, starts, placed
+
+
+def _offsets(path: str) -> list[int]:
+    j = Journal(path, SIZE, EXTENT)
+    try:
+        return sorted(p.offset for p in j.load())
+    finally:
+        j.close()
+
+
+def test_each_byte_of_a_record_corrupted_costs_that_record_alone(tmp_path, caplog):
+    """Any one byte of the records in the middle (their heads: mark, length, CRCs; and
+    their bodies) flipped: replay keeps every other record, says "corrupt record at offset N"
+    with the record's own offset (never "a write cut short"), and rewrites the journal so the
+    next replay finds nothing wrong."""
+    path, starts, placed = _journal_of(tmp_path, 16)
+    with open(path, "rb") as f:
+        good = f.read()
+    every = [p.offset for p in placed]
+    for i in (7, 8):
+        for at in range(starts[i], starts[i + 1]):
+            damaged = bytearray(good)
+            damaged[at] ^= 0xFF
+            with open(path, "wb") as f:
+                f.write(damaged)
+            caplog.clear()
+            assert _offsets(path) == every[:i] + every[i + 1:], at
+            assert f"corrupt record at offset {starts[i]} " in caplog.text, (at, caplog.text)
+            assert "a write cut short" not in caplog.text
+            caplog.clear()
+            assert _offsets(path) == every[:i] + every[i + 1:]      # rewritten: found again
+            assert "corrupt" not in caplog.text
+
+
+def test_a_run_of_damage_costs_the_records_it_touches_and_a_torn_tail_is_still_a_torn_tail(
+        tmp_path, caplog):
+    path, starts, placed = _journal_of(tmp_path, 16)
+    with open(path, "r+b") as f:            # 3 records' worth of zeros from inside record 5
+        f.seek(starts[5] + 3)
+        f.write(bytes(starts[8] - starts[5]))
+    every = [p.offset for p in placed]
+    assert _offsets(path) == every[:5] + every[9:]
+    assert f"corrupt record at offset {starts[5]} " in caplog.text
+    caplog.clear()
+    with open(path, "r+b") as f:            # the last record cut short: a torn tail
+        f.truncate(os.path.getsize(path) - 5)
+    assert _offsets(path) == every[:5] + every[9:15]
+    assert "a write cut short" in caplog.text and "corrupt record" not in caplog.text
+
+
+def test_a_version_1_journal_is_read_and_rewritten_as_version_2(tmp_path, caplog):
+    """A journal an earlier kvd wrote (version 1: records framed by length and body CRC
+    alone) keeps its blocks; it is rewritten in the current framing at once."""
+    caplog.set_level("INFO")
+    path = str(tmp_path / "j")
+    placed = [Placed(i * BLOCK, BLOCK, BLOCK, 1000 + i, NS, f"old-{i}".encode(), "t")
+              for i in range(5)]
+
+    def v1(body: bytes) -> bytes:
+        return struct.pack("<II", 8 + len(body), zlib.crc32(body)) + body
+
+    data = struct.pack("<8sIQQ", b"KVDDISK1", 1, SIZE, EXTENT)
+    for p in placed:
+        ns, key, tenant = p.namespace.encode(), p.key, p.tenant.encode()
+        data += v1(struct.pack("<BQIIIHHH", 1, p.offset, p.length, p.alloc, p.crc, len(ns),
+                               len(key), len(tenant)) + ns + key + tenant)
+    data += v1(struct.pack("<BQ", 2, placed[2].offset))                 # DEL
+    with open(path, "wb") as f:
+        f.write(data)
+    j = Journal(path, SIZE, EXTENT)
+    try:
+        got = sorted(j.load(), key=lambda p: p.offset)
+    finally:
+        j.close()
+    assert got == [p for i, p in enumerate(placed) if i != 2]
+    assert "version 1, rewritten as version 2" in caplog.text
+    with open(path, "rb") as f:
+        assert struct.unpack_from("<8sI", f.read(12)) == (b"KVDDISK1", 2)
+    j = Journal(path, SIZE, EXTENT)
+    try:
+        assert sorted(j.load(), key=lambda p: p.offset) == got
+    finally:
+        j.close()
+
+
+def test_a_read_only_load_changes_nothing_on_the_disk(tmp_path, caplog):
+    path, starts, placed = _journal_of(tmp_path, 8)
+    with open(path, "r+b") as f:
+        f.seek(starts[3] + 20)
+        f.write(b"\xff")
+        f.truncate(os.path.getsize(path) - 3)
+    with open(path, "rb") as f:
+        before = f.read()
+    j = Journal(path, SIZE, EXTENT)
+    assert sorted(p.offset for p in j.load(read_only=True)) == \
+        [p.offset for i, p in enumerate(placed) if i not in (3, 7)]
+    with pytest.raises(OSError):
+        j.put(placed[0])
+    j.close()
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert "rewritten" not in caplog.text
+
+
+# ------------------------------------------------- the directory, removed or shared
+
+
+def _open_paths() -> list[str]:
+    """What this process's descriptors point at (an unlinked file: "PATH (deleted)")."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return out
+
+
+def test_a_directory_removed_under_the_tier_is_given_up_and_opened_again(tmp_path, caplog):
+    """rm -rf of the tier's directory: within a tick or two the tier is degraded (the reason
+    names the directory), its blocks are forgotten and told, its files closed, no demotion is
+    taken; after retry_s it makes the directory again, empty, and writes."""
+    told: list[TierKey] = []
+    t = DiskTier(str(tmp_path / "disk"), SIZE, extent_bytes=EXTENT, io_threads=2, retry_s=1.0)
+    t.on_dropped = told.extend
+    try:
+        keys = [key(i) for i in range(4)]
+        demote_all(t, keys)
+        shutil.rmtree(t.directory)
+        for _ in range(300):
+            if t.stats().health is TierHealth.DEGRADED:
+                break
+            time.sleep(0.01)
+        st = t.stats()
+        assert st.health is TierHealth.DEGRADED and st.reason.startswith("directory removed")
+        assert t.directory in st.reason and "removed while in use" in caplog.text
+        assert (st.blocks, st.used_bytes) == (0, 0) and set(told) == set(keys)
+        assert not t.readable and read(t, keys[0]) is None
+        assert t.demote(key(9), block(9)) is None
+        for _ in range(300):                   # closed once no I/O batch uses it
+            if not [p for p in _open_paths() if DATA_FILE in p]:
+                break
+            time.sleep(0.01)
+        assert not [p for p in _open_paths() if DATA_FILE in p]
+        for _ in range(500):
+            if t.stats().health is TierHealth.OK:
+                break
+            time.sleep(0.01)
+        assert t.stats().health is TierHealth.OK
+        demote_all(t, [key(10)])
+        assert read(t, key(10)) == block(10)
+    finally:
+        t.close()

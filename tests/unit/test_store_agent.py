@@ -134,6 +134,48 @@ def test_a_set_up_that_fails_or_never_ends_is_unavailable_with_the_reason():
         AgentStore("no_such_module:make", {})
 
 
+# What Mooncake's client logged when its set-up could not find a LAN address (a container
+# with loopback only): ~900 lines in all, the cause in the first error line.
+_LAN = [
+    "WARNING: Logging before InitGoogleLogging() is written to STDERR",
+    "I1129 00:55:33.475910  5208 transfer_engine_impl.cpp:116] Transfer Engine "
+    "parseHostNameWithPort. server_name: 127.0.0.1 port: 13588",
+    "E1129 00:55:33.476007  5208 transfer_engine_impl.cpp:166] not valid LAN address found",
+    "E1129 00:55:33.476011  5208 client_service.cpp:853] Failed to initialize transfer "
+    "engine, rc=-1",
+    "W1129 00:55:33.476578  5208 real_client.cpp:858] Failed to create client on port 13588, "
+    "retry 1/20",
+] * 150 + ["E1129 00:55:35.476012  5208 real_client.cpp:865] Failed to create client after "
+           "20 retries"]
+
+
+def test_a_failed_set_up_names_the_cause_its_client_logged(capfd):
+    """Mooncake answers a failed set-up with a bare -1 and logs why among hundreds of lines:
+    the failure names the first error line (the cause), how many, and the last, bounded; every
+    line still reaches the daemon's stderr."""
+    with pytest.raises(StoreUnavailable) as err:
+        AgentStore(FACTORY, {"log": _LAN, "fail": "Mooncake's set-up failed (code -1)"})
+    message = str(err.value)
+    assert message.startswith("Mooncake's set-up failed (code -1); its client logged: not "
+                              "valid LAN address found [transfer_engine_impl.cpp:166]"), message
+    assert "first of 301 error lines" in message
+    assert "last: Failed to create client after 20 retries [real_client.cpp:865]" in message
+    assert "is the master" not in message and len(message) < 700, message
+    passed_on = capfd.readouterr().err
+    assert passed_on.count("not valid LAN address found") == 150
+
+
+def test_a_failed_call_names_the_cause_its_client_logged(agent):
+    with pytest.raises(StoreError) as err:
+        agent.put("logfail-1", b"x")
+    assert err.value.code == -800
+    assert str(err.value) == ("put logfail-1: code -800; its client logged: Failed to open "
+                              "segment for logfail-1: connection reset by peer "
+                              "[transfer_task.cpp:77]")
+    with pytest.raises(StoreError, match="refused fail-2$"):   # nothing logged: nothing added
+        agent.put("fail-2", b"x")
+
+
 def test_a_crash_in_the_client_fails_the_call_at_once_and_every_later_one(agent):
     pid = agent.pid
     t0 = time.monotonic()

@@ -87,7 +87,7 @@ class SharingTier(MemoryTier):
         self.watched: list[tuple[str, str]] = []
         self.published: list[bytes] = []
 
-    def join_namespace(self, namespace: str, tenant: str) -> None:
+    def join_namespace(self, namespace: str, tenant: str, block_bytes: int = 0) -> None:
         self.watched.append((namespace, tenant))
 
     def publish(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
@@ -135,8 +135,9 @@ class RecordingPort:
     def stored(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         self.stored_told.append((list(keys), list(slots)))
 
-    def reset(self) -> None:
+    def reset(self) -> int:
         self.resets += 1
+        return 0
 
 
 def _store(m: NamespaceManager, *keys: bytes) -> list[int]:

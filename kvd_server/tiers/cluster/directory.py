@@ -75,6 +75,15 @@ class Directory:
         with self._lock:
             return sum(map(len, self._own.values())) + sum(map(len, self._found.values()))
 
+    def counts(self) -> dict[str, int]:
+        """`count` by namespace (what the tier's used bytes are made of)."""
+        with self._lock:
+            out = {ns: len(keys) for ns, keys in self._own.items() if keys}
+            for ns, found in self._found.items():
+                if found:
+                    out[ns] = out.get(ns, 0) + len(found)
+            return out
+
     def published(self, namespace: str, key: bytes) -> list[bytes]:
         """This node published `key`; the own keys it no longer lists (past max_keys, the
         oldest: they stay in the store until it evicts them, named by no manifest)."""

@@ -11,7 +11,8 @@ down: 90 s; `close`: ~3 s), so the daemon runs this client in a child process of
 store agent (kvd_server/tiers/cluster/store_agent.py), and calls it from the tier's threads only. Mooncake answers errors as negative codes; they come back here as
 `StoreError` with the code and a message.
 
-Mooncake is optional: `pip install 'kvd[cluster]'` (x86-64 Linux; its client also needs the
+Mooncake is optional: the `cluster` extra of kvd's distribution, kvd-offload (`pip install
+'kvd-offload[cluster]'` into the daemon's environment; x86-64 Linux; its client also needs the
 Debian packages libibverbs1 and librdmacm1, even over TCP). Without it the tier reports
 itself degraded with the reason, and the daemon serves without it.
 """
@@ -24,8 +25,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-INSTALL_HINT = ("pip install 'kvd[cluster]' (mooncake-transfer-engine-non-cuda) and, on "
-                "Debian/Ubuntu, apt-get install libibverbs1 librdmacm1")
+# kvd's distribution is kvd-offload: the `kvd` on the package index is another project.
+INSTALL_HINT = ("pip install 'kvd-offload[cluster]' into the daemon's environment (Mooncake's "
+                "mooncake-transfer-engine-non-cuda) and, on Debian/Ubuntu, apt-get install "
+                "libibverbs1 librdmacm1")
 
 
 class StoreError(Exception):
@@ -104,8 +107,11 @@ class MooncakeStore:
         rc = self._client.setup(cfg.local_hostname, cfg.metadata_url, cfg.segment_bytes,
                                 cfg.buffer_bytes, cfg.protocol, cfg.device, cfg.master)
         if rc != 0:
-            raise StoreUnavailable(f"Mooncake setup failed (code {rc}): is the master at "
-                                   f"{cfg.master} with metadata at {cfg.metadata_url} up?", rc)
+            # The master answered (`_reachable`): the code alone does not say why (-1 for a
+            # missing LAN address, RDMA device or metadata server alike); the store agent adds
+            # the cause its client logged (store_agent_main.ErrorLog), never a guess here.
+            raise StoreUnavailable(f"Mooncake's set-up failed (code {rc}; master {cfg.master}, "
+                                   f"metadata {cfg.metadata_url})", rc)
         self._lock = threading.Lock()
         self._closed = False
 

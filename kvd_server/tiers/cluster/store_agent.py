@@ -164,8 +164,9 @@ class AgentStore:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StoreUnavailable(f"the store's client did not set up in {wait_s:.0f}s "
-                                       "(is the master up?)")
+                raise StoreUnavailable(f"the store's client did not set up in {wait_s:.0f}s: "
+                                       "killed (its lines in the daemon's log say what it "
+                                       "waited for)")
             readable, _, _ = select.select([self._sock], [], [], min(left, 0.5))
             if readable:
                 break

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 10.0
 SYNC_S = 1.0
+MAX_REASON = 1000       # characters of a degraded reason (the store agent's are ~600 at most)
 CLOSE_WAIT_S = 5.0      # the daemon's stop waits this long for the client to leave the store
 
 
@@ -81,6 +82,9 @@ class ClusterTier(Tier):
         self.on_named: Callable[[list[TierKey], bool], None] | None = None
         self._in_flight = 0
         self._pending: set[TierKey] = set()
+        # Each namespace's block size (one layout, so one size, on every node): told when it
+        # joins, else learned from a block put or got. Used bytes are blocks x this.
+        self._block_bytes: dict[str, int] = {}
         self._retry_at = 0.0
         self._puts = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-put")
         self._gets = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-get")
@@ -90,6 +94,8 @@ class ClusterTier(Tier):
 
     # ----------------------------------------------------------------- health
     def _degrade(self, reason: str) -> None:
+        if len(reason) > MAX_REASON:                  # bounded: `kvd stats` shows it whole
+            reason = reason[:MAX_REASON - 3] + "..."
         with self._lock:
             st = self._stats
             if st.health is not TierHealth.DEGRADED or st.reason != reason:
@@ -117,9 +123,12 @@ class ClusterTier(Tier):
     def contains(self, key: TierKey) -> bool:
         return self.directory.known(key.namespace, key.key)
 
-    def join_namespace(self, namespace: str, tenant: str) -> None:
+    def join_namespace(self, namespace: str, tenant: str, block_bytes: int = 0) -> None:
         """A namespace of this daemon (its engines use it): read the other nodes' blocks of it
         from the next sync on, if its tenant shares through the store."""
+        if block_bytes > 0:
+            with self._lock:
+                self._block_bytes[namespace] = block_bytes
         if self.shares(tenant):
             self.directory.watch(namespace)
 
@@ -171,6 +180,7 @@ class ClusterTier(Tier):
             if error is None:
                 st.demotions_total += 1
                 st.demoted_bytes_total += len(value) - BLOCK_HEADER.size
+                self._block_bytes.setdefault(key.namespace, len(value) - BLOCK_HEADER.size)
         if error is not None:
             self._failed(error)
             return False
@@ -215,6 +225,7 @@ class ClusterTier(Tier):
                 st.hits_total += 1
                 st.promotions_total += 1
                 st.promoted_bytes_total += len(data)
+                self._block_bytes.setdefault(key.namespace, len(data))
             elif corrupt:
                 st.corrupt_total += 1
             elif error is None:
@@ -349,9 +360,13 @@ class ClusterTier(Tier):
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> TierStats:
+        """The counters; `blocks` what the store holds as far as this node knows (its own and
+        the others' of its namespaces), `used_bytes` those blocks at their namespace's size."""
+        counts = self.directory.counts()
         with self._lock:
             st = self._stats
-            st.blocks = self.directory.count
+            st.blocks = sum(counts.values())
+            st.used_bytes = sum(n * self._block_bytes.get(ns, 0) for ns, n in counts.items())
             return dataclasses.replace(st)
 
     def close(self) -> None:

@@ -17,11 +17,18 @@ the disk.
 
 A missing or read-only directory, a full disk or an I/O error degrades the tier (one WARNING,
 counted, `kvd health` says so): it refuses demotions for `retry_s`, then tries again; the pool
-and the engines carry on without it.
+and the engines carry on without it. A directory the daemon may not write at start (read-only,
+no permission) is opened for reading only: the tier serves what it holds, refuses demotions,
+and tries for writing again every `retry_s`. A directory removed under the daemon (`rm -rf`) is
+noticed on the housekeeping thread's tick (the files' link counts, the directory's and the lock
+file's identity): its blocks are forgotten, its files closed (their space freed: nothing is
+written into files nobody can find) and its lock let go (another daemon may take the path);
+after `retry_s` the tier opens the path again, as at start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -36,7 +43,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvd_server.tiers.base import HELD_ALREADY, Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.disk import block_io
 from kvd_server.tiers.disk.buffers import AlignedBuffers
-from kvd_server.tiers.disk.files import DATA_FILE, JOURNAL_FILE, LOCK_FILE, open_files
+from kvd_server.tiers.disk.files import (
+    DATA_FILE,
+    JOURNAL_FILE,
+    LOCK_FILE,
+    FileIds,
+    OpenFiles,
+    OpenRefused,
+    open_files,
+)
 from kvd_server.tiers.disk.io_batches import IoBatches
 from kvd_server.tiers.disk.journal import Journal, Placed
 from kvd_server.tiers.disk.space import DiskSpace, Entry, State, aligned
@@ -59,7 +74,12 @@ _REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
 
 
 def _reason(exc: OSError) -> str:
+    if isinstance(exc, OpenRefused):
+        return exc.reason
     return f"{_REASONS.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
+
+
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)   # may still be opened for reading
 
 
 def _placed(entry: Entry) -> Placed:
@@ -109,8 +129,15 @@ class DiskTier(Tier):
         self._retry_at = 0.0
         self._reads_fail_until = 0.0
         self.direct = False
+        self.read_only = False           # opened for reading only: serves, takes no demotion
         self._fd = self._lock_fd = -1    # set (under the lock) only once the tier is open
+        self._ids: FileIds | None = None
         self._journal: Journal | None = None
+        # Batches using a data file descriptor now, and descriptors let go of meanwhile
+        # (the directory removed, opened again for writing): closed only once no batch uses
+        # one, so a descriptor number is never reused under a batch's reads and writes.
+        self._fd_users = 0
+        self._retired: list[int] = []
         # Reads (promotions: an engine waits on them) never queue behind write-behind
         # demotions (up to queue_bytes of them): each has its own threads.
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-disk-write")
@@ -138,21 +165,214 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------------- files
     def _try_open(self) -> None:
-        """Open the tier's files (off the daemon's event loop); degrade when they cannot be."""
+        """Open, preallocate and replay (kvd_server/tiers/disk/files.py; off the daemon's
+        event loop), then install it under the lock: demotions see either no tier or a whole
+        one. A directory it may not write is opened for reading only; degraded when neither
+        can be."""
         try:
-            self._open()
+            files = open_files(self.directory, self.size, self.extent_bytes, self._quota_of)
         except OSError as exc:
-            with self._lock:
-                self._degrade(_reason(exc))
+            read_only = self._open_read_only(exc)
+            if read_only is None:
+                with self._lock:
+                    self._degrade(_reason(exc))
+                return
+            self._install(read_only, f"{_reason(exc)}: opened read-only, serving what it holds")
+            return
+        self._install(files, "")
 
-    def _open(self) -> None:
-        """Open, preallocate and replay (kvd_server/tiers/disk/files.py), then install it
-        under the lock: demotions see either no tier or a whole one."""
-        files = open_files(self.directory, self.size, self.extent_bytes, self._quota_of)
+    def _open_read_only(self, why: OSError) -> OpenFiles | None:
+        """The files opened for reading, where `why` (opening them for writing failed) says
+        the directory may not be written; None when that was not why, or they cannot be."""
+        if isinstance(why, OpenRefused) or why.errno not in _READ_ONLY:
+            return None
+        try:
+            return open_files(self.directory, self.size, self.extent_bytes, self._quota_of,
+                              read_only=True)
+        except OSError as exc:
+            log.debug("disk tier %s: not opened read-only either: %s", self.directory, exc)
+            return None
+
+    def _install(self, files: OpenFiles, read_only: str) -> None:
+        """Under the lock: the tier's files are these (`read_only`: why they were opened for
+        reading only, its degraded reason; "" when writable)."""
         with self._lock:
+            if self._closed.is_set():        # closed while they were opened: let them go
+                self._close_files(files.data_fd, files.lock_fd, files.journal)
+                return
             self._space, self._journal, self.direct = files.space, files.journal, files.direct
-            self._lock_fd, self._fd = files.lock_fd, files.data_fd
+            self._lock_fd, self._fd, self._ids = files.lock_fd, files.data_fd, files.ids
+            self.read_only = files.read_only
+            st = self._stats
+            if not read_only:
+                if st.health is TierHealth.DEGRADED:
+                    log.info("disk tier %s: open again (was degraded: %s)", self.directory,
+                             st.reason)
+                st.health, st.reason = TierHealth.OK, ""
+                return
+            log.warning("disk tier %s: %s (%d blocks); demotions refused, opened for writing "
+                        "again once it can be (tried every %.0fs)", self.directory, read_only,
+                        len(self._space.entries), self.retry_s)
+            st.health, st.reason = TierHealth.DEGRADED, read_only
+            self._retry_at = self._clock() + self.retry_s
+
+    def _try_writable(self) -> None:
+        """A tier opened read-only, once its directory may be written again: its files opened
+        for writing under the lock it holds, the blocks it serves kept as they are (the
+        journal told of those it dropped meanwhile)."""
+        with self._lock:
+            self._retry_at = self._clock() + self.retry_s
+            lock_fd = self._lock_fd
+        try:
+            os.close(os.open(os.path.join(self.directory, LOCK_FILE),
+                             os.O_WRONLY | os.O_CLOEXEC))
+            files = open_files(self.directory, self.size, self.extent_bytes, self._quota_of,
+                               lock_fd=lock_fd)
+        except OSError as exc:
+            log.debug("disk tier %s: still not writable: %s", self.directory, exc)
+            return
+        with self._lock:
+            if self._closed.is_set() or not self.read_only or self._lock_fd != lock_fd:
+                self._close_files(files.data_fd, -1, files.journal)
+                return
+            live = {e.offset for e in self._space.entries.values() if not e.dropped}
+            self._retire(self._fd)
+            self._fd, self._journal, self.direct = files.data_fd, files.journal, files.direct
+            self._ids, self.read_only = files.ids, False
+            for offset in files.space.entries:
+                if offset not in live:
+                    self._journal_delete_at(offset)
+            log.info("disk tier %s: writable again (was %s): demotions taken", self.directory,
+                     self._stats.reason)
             self._stats.health, self._stats.reason = TierHealth.OK, ""
+
+    def _close_files(self, data_fd: int, lock_fd: int, journal: Journal | None) -> None:
+        """Let go of files opened for nothing (the tier closed or changed meanwhile)."""
+        if journal is not None:
+            with contextlib.suppress(OSError):
+                journal.close()
+        for fd in (data_fd, lock_fd):
+            if fd >= 0:
+                os.close(fd)
+
+    # ------------------------------------------- descriptors in use, removed directories
+    def _take_fd(self) -> int:
+        """Under the lock: the data file's descriptor for a batch (-1: none, not open), held
+        open until `_give_fd`."""
+        if self._fd >= 0:
+            self._fd_users += 1
+        return self._fd
+
+    def _give_fd(self, fd: int) -> None:
+        """Under the lock: a batch is done with `fd`; descriptors let go of meanwhile are
+        closed once no batch uses one."""
+        if fd < 0:
+            return
+        self._fd_users -= 1
+        if self._fd_users == 0:
+            while self._retired:
+                os.close(self._retired.pop())
+
+    def _retire(self, fd: int) -> None:
+        """Under the lock: close `fd` (no longer the tier's) now, or once the batches using a
+        descriptor end."""
+        if fd < 0:
+            return
+        if self._fd_users:
+            self._retired.append(fd)
+        else:
+            os.close(fd)
+
+    def _check_files(self) -> None:
+        """On the housekeeping thread (the only one that opens or closes the tier's files, so
+        it may look at them unlocked): whether the files are still the directory's. When they
+        are not (removed, `rm -rf`), give them up."""
+        with self._lock:
+            fd, lock_fd, ids = self._fd, self._lock_fd, self._ids
+            journal_fd = self._journal.fileno() if self._journal is not None else -1
+        if fd < 0 or ids is None:
+            return
+        gone = self._files_gone(fd, lock_fd, journal_fd, ids)
+        if gone:
+            kept = self._blocks_kept()
+            with self._lock:
+                if self._fd == fd:
+                    self._give_up(gone, kept)
+
+    def _files_gone(self, fd: int, lock_fd: int, journal_fd: int, ids: FileIds) -> str:
+        """Why the open files are no longer the directory's ("" while they are): a few
+        fstat/stat calls, once a second. An error other than "not there" (EIO on a dead
+        drive) is not a verdict: the reads and writes say what that is."""
+        lock_path = os.path.join(self.directory, LOCK_FILE)
+        unlinked = []
+        try:
+            if os.fstat(fd).st_nlink == 0:
+                unlinked.append(DATA_FILE)
+            if journal_fd >= 0 and os.fstat(journal_fd).st_nlink == 0:
+                unlinked.append(JOURNAL_FILE)
+            try:
+                same_lock = os.path.samestat(os.stat(lock_path), os.fstat(lock_fd))
+            except (FileNotFoundError, NotADirectoryError):
+                same_lock = False
+            if not same_lock:
+                unlinked.append(LOCK_FILE)
+            try:
+                st = os.stat(self.directory)
+                same_dir = (st.st_dev, st.st_ino) == ids.directory
+            except (FileNotFoundError, NotADirectoryError):
+                same_dir = False
+        except OSError:
+            return ""
+        if not same_dir:
+            return f"directory removed: {self.directory} was removed while in use"
+        if unlinked:
+            return (f"files removed: {', '.join(unlinked)} removed from {self.directory} "
+                    "while in use")
+        return ""
+
+    def _blocks_kept(self) -> bool:
+        """After `_files_gone`: whether the data file and the journal are still there (only
+        the lock went): opening the path again finds the blocks again."""
+        names = {DATA_FILE, JOURNAL_FILE}
+        try:
+            return names <= set(os.listdir(self.directory))
+        except OSError:
+            return False
+
+    def _give_up(self, reason: str, kept: bool) -> None:
+        """Under the lock: the files are gone from the directory: forget their blocks (told:
+        their removed events go out, engines stop naming them), close them (an unlinked
+        file's space is freed once its last descriptor closes; nothing more is written into
+        it) and let go of the lock (another daemon may take the path); the tier is degraded
+        and opens the path again after retry_s. `kept`: only the lock went, the blocks are
+        found again then."""
+        doomed = [e for e in self._space.entries.values() if not e.dropped]
+        fate = ("let go (found again when the path is opened again)" if kept
+                else "lost with its files, which are closed (their space freed)")
+        log.warning("disk tier %s: %s: its %d blocks are %s and the path given up (another "
+                    "daemon may take it); the pool carries on without the tier, which tries "
+                    "the path again in %.0fs", self.directory, reason, len(doomed), fate,
+                    self.retry_s)
+        journal, self._journal = self._journal, None
+        if journal is not None:
+            with contextlib.suppress(OSError):
+                journal.close()
+        for entry in doomed:
+            self._drop(entry)            # the journal gone: nothing written for them
+        self._retire(self._fd)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+        self._fd = self._lock_fd = -1
+        self._ids, self.read_only = None, False
+        st = self._stats
+        st.health, st.reason = TierHealth.DEGRADED, reason
+        self._retry_at = self._clock() + self.retry_s
+        self._tell_dropped([e.key for e in doomed])
+
+    def _idle(self) -> bool:
+        """Under the lock: no demotion or promotion queued or running (the files may be
+        opened anew: no batch of the old ones is left)."""
+        return self._in_flight == 0 and self._stats.queue_depth == 0 and self._fd_users == 0
 
     # ----------------------------------------------------------------- health
     def _degrade(self, reason: str) -> None:
@@ -167,7 +387,7 @@ class DiskTier(Tier):
     def _usable(self) -> bool:
         """Under the lock: whether demotions are taken now."""
         st = self._stats
-        if self._fd < 0 or self._closed.is_set():
+        if self._fd < 0 or self._closed.is_set() or self.read_only:
             return False                   # not open (yet, or any more): the flusher opens
         # Degraded past RETRY_S: tried again (the health is OK again once a write succeeds).
         return st.health is not TierHealth.DEGRADED or self._clock() >= self._retry_at
@@ -222,10 +442,12 @@ class DiskTier(Tier):
         """On an I/O thread: write a batch of demotions (kvd_server/tiers/disk/block_io.py), then
         record the written ones in the index and the journal (one write for the batch).
         `cancelled`: the tier is closing: none is written (not a failure)."""
+        with self._lock:
+            fd = -1 if cancelled else self._take_fd()
         t0 = time.perf_counter()
         try:
-            results = [CANCELLED] * len(batch) if cancelled else block_io.write_blocks(
-                self._fd, [(buf, e.offset, e.length) for e, buf, _ in batch])
+            results = [CANCELLED] * len(batch) if fd < 0 else block_io.write_blocks(
+                fd, [(buf, e.offset, e.length) for e, buf, _ in batch])
         except Exception:  # a bug, not the disk: the blocks are lost, the tier goes on
             log.exception("disk tier %s: a batch of writes failed", self.directory)
             results = [-errno.EIO] * len(batch)
@@ -235,6 +457,7 @@ class DiskTier(Tier):
         st = self._stats
         good = [False] * len(batch)
         with self._lock:
+            self._give_fd(fd)
             st.write_seconds_total += seconds
             for i, ((entry, _, _), result) in enumerate(zip(batch, results, strict=True)):
                 self._in_flight -= entry.alloc
@@ -292,9 +515,14 @@ class DiskTier(Tier):
                 log.exception("disk tier: the dropped-blocks hook failed")
 
     def _journal_delete(self, entry: Entry) -> None:
-        if self._journal is not None:
+        self._journal_delete_at(entry.offset)
+
+    def _journal_delete_at(self, offset: int) -> None:
+        """Under the lock: a DEL record (none while read-only: the drop lasts until the
+        daemon stops, or the journal is told once it may be written again)."""
+        if self._journal is not None and not self.read_only:
             try:
-                self._journal.delete(entry.offset)
+                self._journal.delete(offset)
             except OSError as exc:
                 self._stats.failures_total += 1
                 self._degrade(_reason(exc))
@@ -323,22 +551,25 @@ class DiskTier(Tier):
         """On an I/O thread: read a batch of promotions, then settle each (whatever happens,
         every promotion of the batch ends: a failure reads as an I/O error). `cancelled`:
         the tier is closing: none is read (each fails, the blocks kept)."""
+        with self._lock:
+            fd = -1 if cancelled else self._take_fd()
         t0 = time.perf_counter()
         try:
-            results = [CANCELLED] * len(batch) if cancelled else \
-                self._read_all([(entry, dest) for entry, dest, _ in batch])
+            results = [CANCELLED] * len(batch) if fd < 0 else \
+                self._read_all(fd, [(entry, dest) for entry, dest, _ in batch])
         except Exception:  # a bug or no memory for a buffer, not the disk: the tier goes on
             log.exception("disk tier %s: a batch of reads failed", self.directory)
             results = [-errno.EIO] * len(batch)
         seconds = time.perf_counter() - t0
         with self._lock:
+            self._give_fd(fd)
             self._stats.read_seconds_total += seconds
             good = [self._read_done(entry, result)
                     for (entry, _, _), result in zip(batch, results, strict=True)]
         for (_, _, future), ok in zip(batch, good, strict=True):
             future.set_result(ok)
 
-    def _read_all(self, reads: list[tuple[Entry, memoryview]]) -> list[int]:
+    def _read_all(self, fd: int, reads: list[tuple[Entry, memoryview]]) -> list[int]:
         """Each block checked against its CRC-32 (`read_blocks`), read straight into its
         destination (a pool slot: page-aligned, its stride covers the padding) where it can
         take the whole aligned read, else through a buffer."""
@@ -352,7 +583,7 @@ class DiskTier(Tier):
                 else:
                     bufs.append(self._buffers.take(entry.alloc))
                     items.append((bufs[-1], entry.offset, entry.length, entry.crc, dest))
-            return block_io.read_blocks(self._fd, items)
+            return block_io.read_blocks(fd, items)
         finally:
             for item in items:
                 if isinstance(item[0], memoryview):
@@ -434,8 +665,14 @@ class DiskTier(Tier):
         """The tier's housekeeping thread: opens the files (at start and again after a failed
         open, every RETRY_S), fsyncs and compacts the journal, lets idle buffers go."""
         while not self._closed.is_set():
-            if self._fd < 0 and self._clock() >= self._retry_at:
+            self._check_files()
+            with self._lock:
+                due = self._clock() >= self._retry_at and self._idle()
+                closed, read_only = self._fd < 0, self.read_only
+            if due and closed:
                 self._try_open()
+            elif due and read_only:
+                self._try_writable()
             self._flush()
             self._buffers.trim()
             self._closed.wait(FLUSH_S)
@@ -470,8 +707,9 @@ class DiskTier(Tier):
                 except OSError as exc:
                     log.warning("disk tier %s: closing its journal: %s", self.directory, exc)
                 self._journal = None
-            for fd in (self._fd, self._lock_fd):
+            for fd in (self._fd, self._lock_fd, *self._retired):
                 if fd >= 0:
                     os.close(fd)
             self._fd = self._lock_fd = -1
+            self._retired.clear()
 
