@@ -414,10 +414,10 @@ static void ahead_forget(Lookups *self);
 
 
 static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
-    PyObject *stores, *miss, *hit, *fallback;
-    static char *names[] = {"stores", "miss", "hit", "fallback", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO", names, &PyDict_Type, &stores, &miss,
-                                     &hit, &fallback))
+    PyObject *stores, *miss, *hit, *fallback, *kept = NULL;
+    static char *names[] = {"stores", "miss", "hit", "fallback", "kept", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO|O!", names, &PyDict_Type, &stores, &miss,
+                                     &hit, &fallback, &PyDict_Type, &kept))
         return -1;
     if (!PyCallable_Check(fallback)) {
         PyErr_SetString(PyExc_TypeError, "fallback must be callable");
@@ -431,6 +431,7 @@ static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
     Py_XSETREF(self->miss, Py_NewRef(miss));
     Py_XSETREF(self->hit, Py_NewRef(hit));
     Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    Py_XSETREF(self->kept, Py_XNewRef(kept));
     return 0;
 }
 
@@ -444,6 +445,7 @@ static void Lookups_dealloc(Lookups *self) {
     Py_XDECREF(self->miss);
     Py_XDECREF(self->hit);
     Py_XDECREF(self->fallback);
+    Py_XDECREF(self->kept);
     ahead_forget(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -652,6 +654,8 @@ static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t
         return Py_NewRef(self->hit);
     }
     int own = PyDict_Contains(self->stores, key);
+    if (own == 0 && self->kept != NULL && PyDict_GET_SIZE(self->kept))
+        own = PyDict_Contains(self->kept, key);
     if (own < 0) return NULL;
     if (own || (self->below.bound &&
                 below_has(&self->below, (unsigned char *)PyBytes_AS_STRING(key),

@@ -19,6 +19,7 @@
 #define KIND_RELEASE_HELD 11
 #define KIND_RETURN_SLOTS 12
 #define KIND_PROMOTE 13
+#define KIND_RESTORE 14
 /* Down: daemon -> engine. */
 #define KIND_GRANTED 1
 #define KIND_RESET_DONE 2

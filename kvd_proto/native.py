@@ -262,11 +262,14 @@ class IndexLookups(Protocol):
 
 
 class LookupsType(Protocol):
-    """`Lookups(stores, miss, hit, fallback)`: over the session's stores dict (key -> `Store`),
-    answering `miss` / `hit`, and `fallback(key)` for the rest."""
+    """`Lookups(stores, miss, hit, fallback, kept=None)`: over the session's stores dict (key
+    -> `Store`), answering `miss` / `hit`, and `fallback(key)` for the rest: a key the index
+    does not hold that is one of `stores` or `kept` (the evicted blocks the session's granted
+    slots still hold) or the held-below table names."""
 
     def __call__(self, stores: dict[bytes, Store], miss: Any, hit: Any,
-                 fallback: Callable[[bytes], Any], /) -> IndexLookups: ...
+                 fallback: Callable[[bytes], Any], kept: dict[bytes, int] | None = None, /
+                 ) -> IndexLookups: ...
 
 
 class IndexWrites(Protocol):
@@ -333,9 +336,11 @@ class PyLookups:
     (`store`, `pin`, `complete`, `settle`): their twin is the session's own Python path."""
 
     def __init__(self, stores: dict[bytes, Store], miss: Any, hit: Any,
-                 fallback: Callable[[bytes], Any]) -> None:
+                 fallback: Callable[[bytes], Any], kept: dict[bytes, int] | None = None
+                 ) -> None:
         self._hits: dict[bytes, int] = {}          # this step's HITs -> offset
         self._stores = stores
+        self._kept = kept if kept is not None else {}
         self._miss = miss
         self._hit = hit
         self._fallback = fallback
@@ -394,7 +399,7 @@ class PyLookups:
             self.lookups += 1
             self.hits += 1
             return self._hit
-        if key in self._stores or (self._below is not None and probe_below(
+        if key in self._stores or key in self._kept or (self._below is not None and probe_below(
                 self._below, self._below_mask, fingerprint(key)) >= 0):
             return self._fallback(key)
         self.lookups += 1

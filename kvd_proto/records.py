@@ -37,6 +37,7 @@ from kvd_proto.record_kinds import (
     RESERVE,
     RESET,
     RESET_DONE,
+    RESTORE,
     RETURN_SLOTS,
     STORE,
     TAKE_EVENTS,
@@ -114,10 +115,12 @@ def encode_request_finished(req_id: str) -> bytes:
 
 
 RESERVE_EVICT = 1
+RESERVE_KEPT = 2       # GRANTED may name the evicted block a granted slot still holds
 
 
-def encode_reserve(target: int, evict: bool = False) -> bytes:
-    return record(RESERVE, _U32.pack(target) + _U32.pack(RESERVE_EVICT if evict else 0))
+def encode_reserve(target: int, evict: bool = False, kept: bool = False) -> bytes:
+    flags = (RESERVE_EVICT if evict else 0) | (RESERVE_KEPT if kept else 0)
+    return record(RESERVE, _U32.pack(target) + _U32.pack(flags))
 
 
 def encode_reset(token: int) -> bytes:
@@ -144,8 +147,24 @@ def encode_promote(keys: Sequence[bytes]) -> bytes:
     return record(PROMOTE, _keys(keys))
 
 
-def encode_granted(offsets: Sequence[int]) -> bytes:
-    return record(GRANTED, _U32.pack(len(offsets)) + array("Q", offsets).tobytes())
+def encode_restore(keys: Sequence[bytes], offsets: Sequence[int]) -> bytes:
+    """Granted slots (`offsets`) taken back as the evicted blocks (`keys`) GRANTED said they
+    still hold."""
+    if len(offsets) != len(keys):
+        raise ValueError("one slot per restored key")
+    return record(RESTORE, _keys(keys) + array("Q", offsets).tobytes())
+
+
+def encode_granted(offsets: Sequence[int], kept_index: Sequence[int] = (),
+                   kept_keys: Sequence[bytes] = ()) -> bytes:
+    """`kept_index[i]`: the position in `offsets` of a slot that still holds the evicted
+    block `kept_keys[i]` (written only when there is one: a session that did not ask for
+    them with RESERVE's flag 2 never gets the trailer)."""
+    body = _U32.pack(len(offsets)) + array("Q", offsets).tobytes()
+    if kept_index:
+        body += _U32.pack(len(kept_index)) + array("I", kept_index).tobytes() \
+            + _keys(kept_keys)
+    return record(GRANTED, body)
 
 
 def encode_reset_done(token: int, epoch: int, dropped: int) -> bytes:
@@ -195,6 +214,10 @@ class Cursor:
             raise RecordError(f"{self.what}: {field} runs past the end of the record")
         self.at = at + n
         return at
+
+    def left(self) -> int:
+        """Bytes not read yet."""
+        return len(self.data) - self.at
 
     def u8(self, field: str) -> int:
         return self.data[self._take(1, field)]
@@ -306,6 +329,7 @@ class RequestFinished(NamedTuple):
 class Reserve(NamedTuple):
     target: int
     evict: bool
+    kept: bool = False
 
 
 class Reset(NamedTuple):
@@ -334,8 +358,13 @@ class Promote(NamedTuple):
     keys: list[bytes]
 
 
+class Restore(NamedTuple):
+    keys: list[bytes]
+    offsets: list[int]
+
+
 UpRecord = (Store | CompleteStore | Pin | CompleteLoad | Touch | RequestFinished | Reserve | Reset
-            | TakeEvents | Counters | ReleaseHeld | ReturnSlots | Promote)
+            | TakeEvents | Counters | ReleaseHeld | ReturnSlots | Promote | Restore)
 
 
 # The records a stepping engine sends every step, decoded compiled where built (a pass that
@@ -406,9 +435,9 @@ def decode_up_checked(kind: int, payload: bytes) -> UpRecord:
             raise RecordError(f"reserve: target {target} is more than MAX_GRANTED_SLOTS "
                               f"({MAX_GRANTED_SLOTS})")
         flags = c.u32("flags")
-        if flags & ~RESERVE_EVICT:
+        if flags & ~(RESERVE_EVICT | RESERVE_KEPT):
             raise RecordError(f"reserve: unknown flags {flags:#x}")
-        out = Reserve(target, bool(flags & RESERVE_EVICT))
+        out = Reserve(target, bool(flags & RESERVE_EVICT), bool(flags & RESERVE_KEPT))
     elif kind == RESET:
         out = Reset(c.u64("token"))
     elif kind == TAKE_EVENTS:
@@ -426,6 +455,9 @@ def decode_up_checked(kind: int, payload: bytes) -> UpRecord:
         out = ReleaseHeld(c.text("session_id"))
     elif kind == PROMOTE:
         out = Promote(c.keys())
+    elif kind == RESTORE:
+        keys = c.keys()
+        out = Restore(keys, c.values("Q", len(keys), "slot offsets"))
     else:  # RETURN_SLOTS
         n = c.u32("count")
         if n > MAX_GRANTED_SLOTS:
@@ -438,6 +470,8 @@ def decode_up_checked(kind: int, payload: bytes) -> UpRecord:
 
 class Granted(NamedTuple):
     offsets: list[int]
+    kept_index: Sequence[int] = ()      # offsets[kept_index[i]] still holds kept_keys[i]
+    kept_keys: Sequence[bytes] = ()
 
 
 class ResetDone(NamedTuple):
@@ -473,7 +507,18 @@ def decode_down(kind: int, payload: bytes) -> DownRecord:
     c = Cursor(payload, name)
     out: DownRecord
     if kind == GRANTED:
-        out = Granted(c.values("Q", c.u32("count"), "offsets"))
+        offsets = c.values("Q", c.u32("count"), "offsets")
+        if c.left():
+            m = c.u32("kept count")
+            if m > len(offsets):
+                raise RecordError(f"granted: {m} kept blocks for {len(offsets)} slots")
+            index = c.values("I", m, "kept slot indices")
+            keys = c.keys()
+            if len(keys) != m or (index and max(index) >= len(offsets)):
+                raise RecordError("granted: the kept blocks do not match the slots")
+            out = Granted(offsets, index, keys)
+        else:
+            out = Granted(offsets)
     elif kind == RESET_DONE:
         out = ResetDone(c.u64("token"), c.u64("epoch"), c.u64("dropped"))
     elif kind == EVENTS:

@@ -103,3 +103,13 @@ def touch(keys: Sequence[bytes], req_id: str, limit: int) -> list[bytes]:
 def promote(keys: Sequence[bytes], limit: int) -> list[bytes]:
     """PROMOTE: keys answered HIT_PENDING from the "held below" table (distinct already)."""
     return [rec.encode_promote(keys[start:start + limit]) for start in range(0, len(keys), limit)]
+
+
+def restore(kept: Sequence[tuple[bytes, int]], limit: int) -> list[bytes]:
+    """RESTORE: granted slots taken back as the evicted blocks they still hold, (key, offset)
+    each (distinct keys), `limit` a record."""
+    out = []
+    for start in range(0, len(kept), limit):
+        part = kept[start:start + limit]
+        out.append(rec.encode_restore([key for key, _ in part], [offset for _, offset in part]))
+    return out

@@ -148,7 +148,8 @@ class DaemonLink:
             self.acked = self.outbox.acked(channel, self.seq)
             for answer in answers:
                 if isinstance(answer, rec.Granted):
-                    self._reserve.granted(answer.offsets)
+                    self._reserve.granted(answer.offsets, answer.kept_index,
+                                          answer.kept_keys)
                 elif isinstance(answer, rec.Events):
                     self._events.add(answer)
                 elif isinstance(answer, rec.Rejected):
@@ -158,6 +159,7 @@ class DaemonLink:
                 elif isinstance(answer, rec.ResetDone):
                     self._resets.answered(answer, self.put, per_record)
         self._stores.settle(self.acked)
+        self._reserve.restored(self.acked)
 
     def _refused(self, answer: rec.Rejected) -> None:
         self.rejected += 1

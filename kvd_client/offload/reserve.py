@@ -14,12 +14,21 @@ young session has not seen its bursts yet). What demand
 adds above the floor is capped at a quarter of the pool's slots (a small pool stays a cache;
 an engine that asks for a larger floor gets it). Slots far above the target (demand fell and
 stayed low for a window) go back.
+
+A granted slot came free by an eviction and still holds the evicted block until it is
+written: the daemon names those blocks (GRANTED, for a session that set RESERVE's flag 2;
+docs/attach.md, "Kept blocks in granted slots"), and while such a slot is still here the
+session may take it back as its block (`reclaim`; the session sends RESTORE) instead of
+missing a block vLLM's own manager, which evicts only when a store needs the room, would hit.
+Stores take the oldest-granted slots first (`slots` is taken from its end; grants go in at
+its front): the order in which vLLM would have evicted their blocks.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
 from kvd_proto import records as rec
 from kvd_proto.wire import MAX_GRANTED_SLOTS
@@ -63,14 +72,22 @@ class _WindowMax:
 class StoreReserve:
     """Granted slot offsets and the target the daemon keeps them at (see the module doc)."""
 
-    def __init__(self, floor: int = DEFAULT_FLOOR, initial: int = DEFAULT_INITIAL) -> None:
+    def __init__(self, floor: int = DEFAULT_FLOOR, initial: int = DEFAULT_INITIAL, *,
+                 keep_evicted: bool = True) -> None:
         self.floor = max(1, min(floor, MAX_GRANTED_SLOTS))
         self.initial = max(self.floor, min(initial, MAX_GRANTED_SLOTS))
         self.cap = MAX_GRANTED_SLOTS              # see `size_for`
         self.young = self.initial                 # the least held in the first steps
         self.target = self.initial
         self.sent = -1                            # the target the daemon last heard
-        self.slots: list[int] = []                # taken from the end (a slice)
+        self.slots: list[int] = []                # taken from the end (a slice), oldest
+        # Evicted blocks granted slots still hold: key -> the slot's offset while it is in
+        # `slots`, or -(seq + 1) once taken back (RESTORE sent in step `seq`, until the daemon
+        # has read it); the lookups hand these keys to the session (kvd_proto/native.py).
+        self.kept: dict[bytes, int] = {}
+        self.keep_evicted = keep_evicted          # ask the daemon to name them (flag 2)
+        self._kept_at: dict[int, bytes] = {}      # offset -> key, for the slots in `slots`
+        self._restoring = 0                       # entries of `kept` below 0
         self._demand = _WindowMax()
         self._deficit = _WindowMax()
         self._step_demand = 0
@@ -103,13 +120,55 @@ class StoreReserve:
             return []
         taken = self.slots[-n:]
         del self.slots[-n:]
+        if self._kept_at:
+            self._forget(taken)
         return taken
 
-    def took(self, n: int) -> None:
-        """`n` slots were taken from the end of `slots` (`take`, or the compiled store path
-        of kvd_proto/_steps.c, which takes them itself)."""
+    def took(self, n: int, taken: Sequence[int] = ()) -> None:
+        """`n` slots (`taken`) were taken from the end of `slots` (`take`, or the compiled
+        store path of kvd_proto/_steps.c, which takes them itself): written from now on."""
         self._step_demand += n
         self._unreplaced += n
+        if self._kept_at and taken:
+            self._forget(taken)
+
+    def _forget(self, offsets: Sequence[int]) -> None:
+        """The blocks these slots held are no longer this session's to take back."""
+        kept_at, kept = self._kept_at, self.kept
+        for offset in offsets:
+            key = kept_at.pop(offset, None)
+            if key is not None and kept.get(key) == offset:
+                del kept[key]
+
+    def reclaim(self, key: bytes, seq: int) -> int | None:
+        """Take the slot still holding the evicted block `key` out of the reserve, to be that
+        block again (the session sends RESTORE in step `seq`): its offset, or None when no
+        slot here holds it."""
+        offset = self.kept.get(key)
+        if offset is None or offset < 0 or self._kept_at.get(offset) != key:
+            return None
+        try:
+            self.slots.remove(offset)
+        except ValueError:                          # not held any more: forget it
+            del self._kept_at[offset]
+            del self.kept[key]
+            return None
+        del self._kept_at[offset]
+        self.kept[key] = -(seq + 1)
+        self._restoring += 1
+        self._step_demand += 1                      # a slot left the reserve: replaced as one
+        self._unreplaced += 1
+        return offset
+
+    def restored(self, acked: int) -> None:
+        """The daemon has read every record up to step `acked`: the blocks taken back in
+        those steps are in the index (or were refused): the lookups go there again."""
+        if not self._restoring:
+            return
+        done = [key for key, value in self.kept.items() if value < 0 and -value - 1 <= acked]
+        for key in done:
+            del self.kept[key]
+        self._restoring -= len(done)
 
     def begin_step(self) -> None:
         """The step starts (after the daemon's grants were applied): the slots taken and not
@@ -139,17 +198,33 @@ class StoreReserve:
         urgent, self.urgent = self.urgent, False
         return self.target, urgent
 
-    def granted(self, offsets: list[int]) -> None:
-        """Slots the daemon granted (a top-up)."""
-        self.slots.extend(offsets)
+    def granted(self, offsets: list[int], kept_index: Sequence[int] = (),
+                kept_keys: Sequence[bytes] = ()) -> None:
+        """Slots the daemon granted (a top-up), at the front (taken last); `kept_index` and
+        `kept_keys`: which of them still hold which evicted block."""
+        self.slots[:0] = offsets
         self._unreplaced = max(0, self._unreplaced - len(offsets))
+        if kept_index:
+            kept, kept_at = self.kept, self._kept_at
+            for i, key in zip(kept_index, kept_keys, strict=True):
+                offset = offsets[i]
+                if kept.get(key, 0) < 0:            # being taken back from another slot
+                    continue
+                old = kept.get(key)
+                if old is not None:
+                    kept_at.pop(old, None)
+                kept[key] = offset
+                kept_at[offset] = key
 
     def surplus(self) -> list[int]:
         """Slots far above the target (demand fell): to give back to the daemon, after the
         lowered target (or the daemon would top them up again)."""
         if len(self.slots) <= 2 * self.target or self.sent != self.target:
             return []
-        return [self.slots.pop() for _ in range(len(self.slots) - self.target)]
+        surplus = [self.slots.pop() for _ in range(len(self.slots) - self.target)]
+        if self._kept_at:
+            self._forget(surplus)
+        return surplus
 
     def step_records(self) -> list[bytes]:
         """Close the step (`end_step`); what to tell the daemon: the target when it changed
@@ -158,7 +233,7 @@ class StoreReserve:
         out = []
         told = self.to_send()
         if told is not None:
-            out.append(rec.encode_reserve(*told))
+            out.append(rec.encode_reserve(*told, kept=self.keep_evicted))
         surplus = self.surplus()
         for i in range(0, len(surplus), MAX_GRANTED_SLOTS):
             out.append(rec.encode_return_slots(surplus[i:i + MAX_GRANTED_SLOTS]))
@@ -167,6 +242,13 @@ class StoreReserve:
     def clear(self) -> None:
         """A new session: no slot of the old one is ours any more, and it has heard nothing."""
         self.slots.clear()
+        self.forget_kept()
         self._unreplaced = 0
         self.sent = -1
         self.urgent = False
+
+    def forget_kept(self) -> None:
+        """No slot's evicted block is to be taken back any more (a new session, a reset)."""
+        self.kept.clear()
+        self._kept_at.clear()
+        self._restoring = 0

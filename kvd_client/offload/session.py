@@ -73,18 +73,22 @@ class OffloadSession(SessionTransfers):
 
     def __init__(self, client: KvdClient, *, reserve: int = DEFAULT_RESERVE,
                  initial_reserve: int = 0, enable_events: bool = False,
+                 keep_evicted: bool = True,
                  answers: tuple[Any, Any, Any] = (Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING)
                  ) -> None:
         """`reserve`: 0 sizes the slots held for stores from the store rate; N > 0 keeps at
         least N. `initial_reserve`: what to hold before any store was seen (0: `reserve`, or
         a default; an engine that knows how many blocks one step may store passes twice
-        that). `answers`: what `lookup` returns for a miss, a hit and a pending store; an
+        that). `keep_evicted` (default True): blocks the daemon evicted into this session's
+        reserve stay its hits until it stores into their slots (docs/attach.md, kept blocks).
+        `answers`: what `lookup` returns for a miss, a hit and a pending store; an
         engine may pass its own values, so that its scheduler can call `lookup` directly (it
         is the hottest call: once per chunk of every waiting request, every step)."""
         self.client = client
         self._miss, self._hit, self._pending = answers
         self._reserve = StoreReserve(reserve or DEFAULT_FLOOR,
-                                     initial_reserve or reserve or DEFAULT_INITIAL)
+                                     initial_reserve or reserve or DEFAULT_INITIAL,
+                                     keep_evicted=keep_evicted)
         self.enable_events = enable_events
         self._generation = -1
         self._index: IndexReader | None = None
@@ -111,7 +115,9 @@ class OffloadSession(SessionTransfers):
         # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
         # (kvd_proto/native.py), everything else by `_lookup_slow`; the answers are counted
         # there, and the daemon hears the counts.
-        self._lookups = Lookups(self._stores.stores, self._miss, self._hit, self._lookup_slow)
+        self._lookups = Lookups(self._stores.stores, self._miss, self._hit, self._lookup_slow,
+                                self._reserve.kept)
+        self._restores: list[tuple[bytes, int]] = []   # blocks taken back this step
         # vLLM: once per chunk, straight into the lookups (the context passed by position)
         self.lookup = self._lookups.lookup  # type: ignore[method-assign,assignment]
         # The scheduler's steps compiled (kvd_proto/_steps.c) where built; else None, and the
@@ -169,6 +175,7 @@ class OffloadSession(SessionTransfers):
         self._loads.clear()
         self._stores.clear()
         self._promotions.clear()
+        self._restores.clear()
         self._reserve.clear()
         self._resets.clear()
         self._adopt()
@@ -244,6 +251,8 @@ class OffloadSession(SessionTransfers):
             own: int | None | bool = found[1]
         else:
             own = self._stores.answer(key, found, self._link.acked)
+        if own is None and found is None and key in self._reserve.kept:
+            own = self._kept(key)
         if own is None and found is None and self._promotions.answer(
                 key, self._link.seq, self._link.acked, counts.below, counts.find):
             own = True                               # held below: promoted on request
@@ -255,6 +264,19 @@ class OffloadSession(SessionTransfers):
         self._lookups.hit(key, own)
         counts.hits += 1
         return self._hit
+
+    def _kept(self, key: bytes) -> bool | None:
+        """`key` is an evicted block a granted slot of this session still holds (or one it
+        is taking back): True (pending: the index shows it once the daemon has read the
+        RESTORE this step sends), None when the slot went to a store meanwhile."""
+        seq = self._link.seq
+        if self._reserve.kept[key] < 0:
+            return True                              # taken back: the daemon has not read it
+        offset = self._reserve.reclaim(key, seq)
+        if offset is None:
+            return None
+        self._restores.append((key, offset))
+        return True
 
     @property
     def lookups_total(self) -> int:
@@ -293,6 +315,9 @@ class OffloadSession(SessionTransfers):
         self._lookups.enabled = 0
         self._resets.ask(self._put)
         self._promotions.clear()
+        # The reset drops those blocks too (a RESTORE already made still goes: the daemon
+        # frees its slot, which left the reserve).
+        self._reserve.forget_kept()
         self._lookups.clear_hits()
 
     def reset_flushed(self) -> None:
@@ -328,6 +353,9 @@ class OffloadSession(SessionTransfers):
         if self._finished:
             self._put(list(map(rec.encode_request_finished, self._finished)))
             self._finished.clear()
+        if self._restores:
+            self._put(messages.restore(self._restores, self._per_record))
+            self._restores.clear()
         self._put(self._reserve.step_records(), essential=False)
         promote = self._promotions.take()
         if promote:

@@ -32,7 +32,9 @@ class KvdOffloadingSpec(OffloadingSpec):
     kv_connector_extra_config keys: `kvd_socket` (default: $KVD_SOCKET, else the daemon's
     default path), `kvd_deadline_ms` (per background call, default 500), `kvd_reserve` (the
     fewest slots held granted for stores; default 0: sized from the store rate, starting at
-    256, twice what vLLM's default step budget of 2048 tokens stores in 16-token chunks), `kvd_key_bytes` (longest offload key, default
+    256, twice what vLLM's default step budget of 2048 tokens stores in 16-token chunks),
+    `kvd_keep_evicted` (default true: blocks evicted into the reserve's slots stay this
+    engine's hits until it stores into them), `kvd_key_bytes` (longest offload key, default
     40: a 32-byte block hash and its group), the GPU data plane's `kvd_copy_backend`,
     `kvd_copy_blocks`, `kvd_pin_chunk_mib` (dataplane/options.py), plus vLLM's own
     (`block_size` / `blocks_per_chunk`, `offload_prompt_only`, `store_threshold` /
@@ -52,6 +54,7 @@ class KvdOffloadingSpec(OffloadingSpec):
         self.socket_path = str(extra.get("kvd_socket") or default_socket_path())
         self.deadline_s = float(extra.get("kvd_deadline_ms", 500)) / 1000.0
         self.reserve = int(extra.get("kvd_reserve", DEFAULT_RESERVE))
+        self.keep_evicted = _flag(extra.get("kvd_keep_evicted", True), "kvd_keep_evicted")
         self.key_bytes = int(extra.get("kvd_key_bytes", DEFAULT_KEY_BYTES))
         # vLLM's admission filter, read as its CPU spec reads it (0, 64000: no filter)
         self.store_threshold, self.max_tracker_size = admission_options(extra)
@@ -71,7 +74,7 @@ class KvdOffloadingSpec(OffloadingSpec):
                 engine_id=self.config.engine_id, engine_kind="vllm",
                 engine_version=getattr(vllm, "__version__", ""), deadline_s=self.deadline_s)
             session = OffloadSession(
-                client, reserve=self.reserve,
+                client, reserve=self.reserve, keep_evicted=self.keep_evicted,
                 enable_events=self.kv_events_config.enable_kv_cache_events, answers=ANSWERS)
             self._manager = KvdOffloadingManager(session, store_threshold=self.store_threshold,
                                                  max_tracker_size=self.max_tracker_size)
@@ -89,3 +92,15 @@ class KvdOffloadingSpec(OffloadingSpec):
                 * self.blocks_per_chunk, replicated=self.replicated_layout,
                 options=self.copy_options, engine_id=self.config.engine_id)
         return self._worker
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A boolean extra-config key (JSON true/false, or the strings vLLM's CLI may pass)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, not {value!r}")

@@ -67,11 +67,13 @@ class ChannelService:
         if s.closed or not fast.owes(s):
             return None
         try:
-            offsets = fast.top_up(s)
+            granted = fast.top_up_kept(s)
         except Exception:  # a bug must not end the daemon or the session
             log.exception("topping up the reserve of session %s failed", s.id)
             return None
-        return rec.encode_granted(offsets) if offsets else None
+        if not granted.offsets:
+            return None
+        return rec.encode_granted(*granted)
 
     def forget(self, session_id: str) -> None:
         self._carry.pop(session_id, None)
@@ -101,7 +103,7 @@ class ChannelService:
         elif isinstance(r, rec.RequestFinished):
             core.request_finished(s, r.req_id)
         elif isinstance(r, rec.Reserve):
-            fast.set_reserve(s, r.target, r.evict)
+            fast.set_reserve(s, r.target, r.evict, r.kept)
             return self.refill(s)
         elif isinstance(r, rec.Reset):
             answer = core.reset_namespace(s)
@@ -116,6 +118,8 @@ class ChannelService:
             fast.return_slots(s, r.offsets)
         elif isinstance(r, rec.Promote):
             fast.promote(s, r.keys)
+        elif isinstance(r, rec.Restore):
+            fast.restore(s, r.keys, r.offsets)
         return None
 
     def _events(self, s: Session, max_events: int) -> bytes:

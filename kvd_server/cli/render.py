@@ -183,6 +183,7 @@ def render_stats(snap: StatsSnapshot) -> str:
                    f"{totals.stores_completed_total} completed, "
                    f"{totals.stores_failed_total} failed"),
         ("evictions_total", totals.evictions_total),
+        ("blocks_restored_total", totals.blocks_restored_total),
         ("store_rejections_total", totals.store_rejections_total),
         ("events_dropped_total", totals.events_dropped_total),
         ("load pins", totals.pins),

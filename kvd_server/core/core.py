@@ -349,8 +349,10 @@ class KvdCore:
         dropped, below = ns.mgr.reset_below()
         # Leases die with the epoch: release their zombie refs now.
         for s in self.sessions:
-            if s.ns is ns and s.leases:
-                self.leases.release(s, ns.mgr)
+            if s.ns is ns:
+                s.kept.clear()      # the blocks its granted slots held are gone with the epoch
+                if s.leases:
+                    self.leases.release(s, ns.mgr)
         ns.release_extents()
         self.resets_total += 1
         log.info("namespace %s reset: %d blocks dropped (%d below the pool), epoch %d -> %d",

@@ -53,6 +53,11 @@ class Session:
     requests: set[str] = field(default_factory=set)
     granted: set[int] = field(default_factory=set)   # slots for stores it will decide itself
     reserve_target: int = 0                            # how many granted slots it wants
+    # Granted slots that still hold the block evicted from them, as GRANTED named it to the
+    # session (slot -> key; only a session that asked, RESERVE flag 2): it may take one back
+    # as that block (RESTORE) until it stores into it or gives it back.
+    kept: dict[int, bytes] = field(default_factory=dict)
+    wants_kept: bool = False
     reader: bool = False                               # maps its namespace's shared index
     closed: bool = False
 

@@ -47,6 +47,7 @@ class ManagerCounters:
     a counter kept here and shown nowhere would cost the hot path for no reader."""
 
     evictions_total: int = 0
+    blocks_restored_total: int = 0        # evicted blocks a session took back (restore)
     stores_started_total: int = 0
     stores_completed_total: int = 0
     stores_failed_total: int = 0
@@ -247,7 +248,9 @@ class NamespaceManager:
         evicted = [key for key, _ in victims]
         slots = [slot for _, slot in victims]
         self.table.drop_many(slots)
-        self.slots.free_many(slots)
+        # The victims' bytes stay in their slots until a writer is given them: a session
+        # granted one may take it back as its block (`restore`).
+        self.slots.free_many(slots, evicted)
         self.counters.evictions_total += len(victims)
         self._emit_removed(evicted, kept)
         return evicted
@@ -363,6 +366,23 @@ class NamespaceManager:
                 self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))
         return len(changed)
 
+    def restore(self, key: bytes, slot: int) -> bool:
+        """An engine takes a slot granted to it back as the block evicted from it (`key`), its
+        bytes untouched since (NamespaceSlots.kept): READY there again, as recent as a block
+        just used (where vLLM, which had not evicted it yet, answers it a hit). False when the
+        key was stored again elsewhere meanwhile (the caller frees the slot)."""
+        table = self.table
+        if table.find(key) >= 0:
+            return False
+        table.add_many((key,), (slot,))
+        self.policy.insert_many((key,), (slot,), self.requests.get(None))
+        table.set_ready(slot)
+        self._evictable += 1
+        self.policy.mark_evictable_many((slot,))
+        self.counters.blocks_restored_total += 1
+        self._emit(OffloadEvent((key,), removed=False))
+        return True
+
     def _move(self, key: bytes, old: int, slot: int) -> None:
         """A duplicate store completed first: the block takes its slot. The old slot stays in
         use until its own (losing) store completes."""
@@ -441,6 +461,7 @@ class NamespaceManager:
         freed = self._zombies.take_over(self.epoch, table)
         self.policy.clear()
         table.clear()
+        self.slots.forget_kept()        # evicted before the reset: never readable again
         # Without zombies the slots go back to vLLM's fresh allocation order.
         if self._zombies or not self.slots.reset():
             for slot in freed:

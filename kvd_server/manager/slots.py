@@ -37,8 +37,11 @@ class FixedSlots:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
-    def free_many(self, slots: Sequence[int]) -> None:
-        self._free.extend(slots)
+    def free_many(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> None:
+        self._free.extend(slots)        # nobody is granted slots here: no kept blocks
+
+    def forget_kept(self) -> None:
+        return
 
     def in_limbo(self) -> int:
         return 0                # no readers: freed slots are reusable at once

@@ -83,8 +83,13 @@ class SlotSource(Protocol):
         """Give one slot id back."""
         ...
 
-    def free_many(self, slots: Sequence[int]) -> None:
-        """`free` of each slot id, in order."""
+    def free_many(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> None:
+        """`free` of each slot id, in order; `keys`: the evicted blocks the slots still hold
+        (an eviction's), which the source may name when it hands the slots out again."""
+        ...
+
+    def forget_kept(self) -> None:
+        """No freed slot's block may be named again (a reset dropped them)."""
         ...
 
     def capacity(self) -> int:

@@ -179,6 +179,11 @@ class NamespaceSlots:
         # Python int each until handed out), and the lists that were on top when one came.
         self._free_below: list[list[int] | np.ndarray] = []
         self._runs_in_limbo = 0             # arrays retired whole (retire_run) not back yet
+        # Free (or retired) slots that still hold the block evicted from them, intact: slot ->
+        # its key (`free_many` with keys). An entry lives from the eviction to the slot's next
+        # allocation (which pops it) or its extent's leaving; only slots of `_free` and
+        # limbo have one, so it is bounded by them.
+        self.kept: dict[int, bytes] = {}
         self._in_use = 0
         self._retired: dict[int, int] = {}  # extent -> slots of it waiting in limbo
         # Draining extents -> the namespace each is emptied for (None: the pool); their
@@ -199,7 +204,9 @@ class NamespaceSlots:
         self.collect()
         return self.capacity() - self._in_use
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, kept: list[bytes | None] | None = None) -> list[int]:
+        """`n` free slots. `kept` (a list): each slot's intact evicted block's key appended
+        to it, None for a slot that holds none; every allocation forgets them either way."""
         self.collect()
         if n > self.free_count():
             raise RuntimeError(f"asked for {n} slots with {self.free_count()} free")
@@ -226,6 +233,15 @@ class NamespaceSlots:
         for slot in out:
             self._used[slot // per] += 1
         self._in_use += n
+        if self.kept:
+            pop = self.kept.pop
+            if kept is None:
+                for slot in out:
+                    pop(slot, None)
+            else:
+                kept.extend([pop(slot, None) for slot in out])
+        elif kept is not None:
+            kept.extend([None] * n)
         return out
 
     def _hold(self, index: int) -> None:
@@ -283,8 +299,12 @@ class NamespaceSlots:
             return
         self._release(slot)
 
-    def free_many(self, slots: Sequence[int]) -> None:
-        """`free` of each slot (an eviction's victims, in one call)."""
+    def free_many(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> None:
+        """`free` of each slot (an eviction's victims, in one call). `keys`: the blocks the
+        slots still hold intact (evicted READY, nothing written since), kept until each slot
+        is allocated again (`allocate`'s `kept`)."""
+        if keys is not None:
+            self.kept.update(zip(slots, keys, strict=True))
         if self.limbo is not None and self.limbo.active:
             self.limbo.retire_many(list(slots))
             retired, per = self._retired, self.per_extent
@@ -371,20 +391,27 @@ class NamespaceSlots:
         else:
             self._free_below[-1] = below[:-RUN_BATCH]
 
+    def forget_kept(self) -> None:
+        """No freed slot's block is named again (a reset dropped them)."""
+        self.kept.clear()
+
     def _drop_free_of(self, extent: int) -> None:
         """Free slots of `extent` are no longer handed out (it drains or leaves)."""
         per = self.per_extent
+        if self.kept:
+            for slot in [s for s in self.kept if s // per == extent]:
+                del self.kept[slot]
         self._free = [s for s in self._free if s // per != extent]
         if self._free_below:
-            kept: list[list[int] | np.ndarray] = []
+            remaining: list[list[int] | np.ndarray] = []
             for below in self._free_below:
                 if isinstance(below, list):
                     below = [s for s in below if s // per != extent]
                 else:
                     below = below[below // per != extent]
                 if len(below):
-                    kept.append(below)
-            self._free_below = kept
+                    remaining.append(below)
+            self._free_below = remaining
 
     def reset(self) -> bool:
         """Never all at once: granted, held and retired slots are in use too."""
@@ -526,6 +553,7 @@ class NamespaceSlots:
         self._fresh.clear()
         self._free.clear()
         self._free_below.clear()
+        self.kept.clear()
         if self.budget is not None:
             self.budget.held -= n
         return n

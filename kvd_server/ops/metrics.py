@@ -213,6 +213,8 @@ _NS_COUNTERS = (
     ("kvd_hits", "Lookups that found a readable block.", "hits_total"),
     ("kvd_misses", "Lookups that found nothing readable.", "misses_total"),
     ("kvd_evictions", "Blocks evicted to make room.", "evictions_total"),
+    ("kvd_blocks_restored", "Evicted blocks an engine took back, intact, from the slots "
+     "granted to it (readable again without a copy).", "blocks_restored_total"),
     ("kvd_store_rejections", "prepare_store calls answered 'cannot store'.",
      "store_rejections_total"),
     ("kvd_events_dropped", "Stored/removed events dropped unseen: nobody took them before "

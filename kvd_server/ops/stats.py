@@ -86,6 +86,7 @@ class OffloadCounters:
     stores_completed_total: int = 0
     stores_failed_total: int = 0
     evictions_total: int = 0
+    blocks_restored_total: int = 0     # evicted blocks an engine took back from its reserve
     store_rejections_total: int = 0
     events_dropped_total: int = 0      # stored/removed events dropped: nobody took them
 

@@ -25,6 +25,21 @@ if TYPE_CHECKING:
     from kvd_server.protocols.callpath import Below
 
 
+class GrantedSlots(NamedTuple):
+    """A top-up: the slots' offsets, and which of them (`kept_index` into them) still hold
+    an evicted block (`kept_keys`)."""
+
+    offsets: list[int]
+    kept_index: list[int]
+    kept_keys: list[bytes]
+
+
+NO_SLOTS = GrantedSlots([], [], [])
+# Slots one top-up grants a session that is told the blocks they hold: its GRANTED record
+# (8 + 4 + up to 129 bytes a slot) stays within the down ring's largest record (512 KiB).
+MAX_KEPT_GRANT = 2048
+
+
 class StoreGrantedAnswer(NamedTuple):
     accepted: int
     duplicates: int
@@ -85,12 +100,14 @@ class FastPath:
         ns.carry_reserve(s, *before)
         return ns.slots.offsets(slots)
 
-    def set_reserve(self, s: Session, target: int, evict: bool = False) -> None:
+    def set_reserve(self, s: Session, target: int, evict: bool = False,
+                    kept: bool = False) -> None:
         """The session wants `target` slots held granted (the channel's RESERVE): `top_up`
         hands them out as they come free. Its stores evict for them (store_granted, where
         vLLM's prepare_store evicts); with `evict` (it declined a store for want of slots,
         so no store would come) ready blocks are evicted for them now."""
         ns = self._ns(s)
+        s.wants_kept = kept
         before = (s.reserve_target, reserve_owed(s))
         s.reserve_target = min(MAX_GRANTED_SLOTS, target)
         ns.carry_reserve(s, *before)
@@ -99,18 +116,54 @@ class FastPath:
 
     def top_up(self, s: Session) -> list[int]:
         """Free slots up to the session's reserve target (none while draining): offsets."""
+        return self.top_up_kept(s).offsets
+
+    def top_up_kept(self, s: Session) -> GrantedSlots:
+        """`top_up`, and (for a session that asked, RESERVE flag 2) which of the slots still
+        hold the block evicted from them: the session may take those back (`restore`)
+        where its own lookups would have hit them had the eviction waited until it stored
+        into them, as vLLM's prepare_store waits."""
         owed = reserve_owed(s)
         if not owed or self.core.draining or s.ns is None:
-            return []
+            return NO_SLOTS
         ns = s.ns
         count = min(owed, ns.free_for_reserves())
+        if s.wants_kept:
+            count = min(count, MAX_KEPT_GRANT)     # one GRANTED record, keys and all
         if count <= 0:
-            return []
+            return NO_SLOTS
         before = (s.reserve_target, owed)
-        slots = ns.slots.allocate(count)
+        kept: list[bytes | None] | None = [] if s.wants_kept else None
+        slots = ns.slots.allocate(count, kept)
         s.granted.update(slots)
         ns.carry_reserve(s, *before)
-        return ns.slots.offsets(slots)
+        offsets = ns.slots.offsets(slots)
+        if not kept:
+            return GrantedSlots(offsets, [], [])
+        index = [i for i, key in enumerate(kept) if key is not None]
+        keys = [kept[i] for i in index]
+        s.kept.update((slots[i], key) for i, key in zip(index, keys, strict=True))
+        return GrantedSlots(offsets, index, keys)  # type: ignore[arg-type]
+
+    def restore(self, s: Session, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
+        """Granted slots the session takes back as the blocks GRANTED said they still hold
+        (RESTORE): each leaves the reserve and is its block, READY, again; a slot whose key
+        does not match what was named, or whose key was stored again meanwhile, is freed
+        (it was never written). How many blocks came back."""
+        ns = self._ns(s)
+        mgr = ns.mgr
+        before = (s.reserve_target, reserve_owed(s))
+        restored = 0
+        for key, slot in zip(keys, ns.slots.slots_at(offsets), strict=True):
+            if slot is None or slot not in s.granted:
+                continue
+            s.granted.discard(slot)
+            if s.kept.pop(slot, None) == key and mgr.restore(key, slot):
+                restored += 1
+            else:
+                ns.slots.free(slot)
+        ns.carry_reserve(s, *before)
+        return restored
 
     def owes(self, s: Session) -> bool:
         """Whether the session's reserve is below its target."""
@@ -127,6 +180,7 @@ class FastPath:
             if slot is None or slot not in s.granted:
                 continue
             s.granted.discard(slot)
+            s.kept.pop(slot, None)
             ns.slots.free(slot)
             returned += 1
         ns.carry_reserve(s, *before)
@@ -156,6 +210,9 @@ class FastPath:
         owed = ns.reserve_owed            # before these slots leave the reserve
         before = (s.reserve_target, reserve_owed(s))
         s.granted.difference_update(taken)
+        if s.kept:
+            for slot in taken:
+                s.kept.pop(slot, None)
         ns.carry_reserve(s, *before)
         result = mgr.offer(keys, bound, core.request_key(s, req_id), positions or None, owed)
         # Duplicates too: they settle at completion.

@@ -98,12 +98,14 @@ def _random_record(rng: random.Random, victim_keys: list[bytes], offsets: list[i
         rec.REQUEST_FINISHED: lambda: rec.encode_request_finished("x"),
         # No eviction (a store, or a reserve asked with `evict`, may evict the victim's
         # blocks: any session of a namespace may, and then store those keys itself).
-        rec.RESERVE: lambda: rec.encode_reserve(rng.randint(0, 64)),
+        rec.RESERVE: lambda: rec.encode_reserve(rng.randint(0, 64), kept=rng.random() < 0.5),
         rec.TAKE_EVENTS: lambda: rec.encode_take_events(rng.randint(0, 70000)),
         rec.COUNTERS: lambda: rec.encode_counters(5, 3, 2),
         rec.RELEASE_HELD: lambda: rec.encode_release_held("s1-nobody"),
         rec.RETURN_SLOTS: lambda: rec.encode_return_slots(offs),
         rec.PROMOTE: lambda: rec.encode_promote(keys),
+        # Another engine's blocks, taken "back" from slots this session does not hold.
+        rec.RESTORE: lambda: rec.encode_restore(keys, offs),
     }[kind]()
     if roll > 0.9:                                  # a field cut short
         length = struct.unpack_from("<I", forged)[0]

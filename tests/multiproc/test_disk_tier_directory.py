@@ -53,7 +53,7 @@ def test_a_tier_directory_removed_under_the_daemon_is_noticed_and_given_up(
     # Long enough for the second daemon to start before the first tries the path again.
     daemon = _start(start_daemon, disk, KVD_TIERS_DISK_RETRY_INTERVAL=f"{SLOW_RETRY_S}s")
     wait_health(daemon, "ok", "the disk tier to open")
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         first = keys_for("removed-first", 2 * POOL_BLOCKS)
         below = fill_tier(daemon, session, first)
@@ -114,7 +114,7 @@ def test_with_the_directory_back_the_tier_starts_again_empty(start_daemon, tmp_p
     disk = tmp_path / "disk"
     daemon = _start(start_daemon, disk)
     wait_health(daemon, "ok", "the disk tier to open")
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         fill_tier(daemon, session, keys_for("again-first", 2 * POOL_BLOCKS))
         shutil.rmtree(disk)

@@ -6,6 +6,9 @@ never with wrong bytes and never stuck.
 
 Needs root and a kernel that lets the test mount filesystems; skipped with the reason
 otherwise (tests/support/loopfs.py probes it).
+
+The engines keep no evicted blocks in their reserves (`keep_evicted=False`): every block the
+pool evicted is then the disk's to serve or not, which is what is checked.
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ def test_a_tier_larger_than_its_filesystem_degrades_at_start_and_the_pool_serves
     assert "disk tier" in daemon.log() and reason in daemon.log()
     _says_degraded(daemon, reason)
 
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         keys = keys_for(f"full-at-start-{fstype}", 3 * POOL_BLOCKS)
         _store_all(session, keys)                 # three times the pool: evictions
@@ -183,7 +186,7 @@ def test_a_disk_that_fills_mid_run_degrades_the_tier_and_it_recovers_when_freed(
     disk = fs.path / "disk"
     daemon = _start(start_daemon, disk)
     wait_until(_health_is(daemon, "ok"), WAIT_S, "the disk tier to open")
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         first = keys_for("fills-first", 2 * POOL_BLOCKS)
         below = _fill_tier(daemon, session, first)
@@ -254,7 +257,7 @@ def test_a_filesystem_shut_down_mid_run_degrades_the_tier_and_reads_end_as_miss(
     fs = make_fs("ext4", FS, mkfs_args=["-b", "4096"])
     daemon = _start(start_daemon, fs.path / "disk")
     wait_until(_health_is(daemon, "ok"), WAIT_S, "the disk tier to open")
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         first = keys_for("shutdown-first", 2 * POOL_BLOCKS)
         below = _fill_tier(daemon, session, first)
@@ -295,7 +298,7 @@ def test_a_filesystem_gone_read_only_mid_run_degrades_demotions_and_still_serves
         pytest.skip(f"this kernel has no {fs.error_trigger()} (ext4 error injection)")
     daemon = _start(start_daemon, fs.path / "disk")
     wait_until(_health_is(daemon, "ok"), WAIT_S, "the disk tier to open")
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         first = keys_for("read-only-first", 2 * POOL_BLOCKS)
         below = _fill_tier(daemon, session, first)
@@ -348,7 +351,7 @@ def test_every_block_the_tier_held_when_its_disk_filled_is_found_after_a_restart
     disk = fs.path / "disk"
     daemon = _start(start_daemon, disk)
     wait_until(_health_is(daemon, "ok"), WAIT_S, "the disk tier to open")
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         _fill_tier(daemon, session, keys_for("torn-first", 2 * POOL_BLOCKS))
         fs.fill()
@@ -393,7 +396,7 @@ def test_a_tier_restarted_on_a_read_only_filesystem_serves_what_it_holds(
     disk = fs.path / "disk"
     daemon = _start(start_daemon, disk)
     wait_until(_health_is(daemon, "ok"), WAIT_S, "the disk tier to open")
-    session = open_session(daemon.socket, MODEL, reserve=64)
+    session = open_session(daemon.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         first = keys_for("ro-restart-first", 2 * POOL_BLOCKS)
         below = _fill_tier(daemon, session, first)
@@ -413,7 +416,7 @@ def test_a_tier_restarted_on_a_read_only_filesystem_serves_what_it_holds(
     tier = _tier(again)
     assert tier["health"] == "degraded" and tier["blocks"] >= below, tier
     _says_degraded(again, reason)
-    session = open_session(again.socket, MODEL, reserve=64)
+    session = open_session(again.socket, MODEL, reserve=64, keep_evicted=False)
     try:
         # Every block the disk held comes back (HIT_PENDING, then HIT), byte-exact.
         assert read_back(session, first[:below], BATCH, READ_S) == (below, 0)

@@ -93,7 +93,7 @@ def _keys_field(n: int, width: int, body: bytes = b"") -> bytes:
     (rec.TOUCH, b"\0\0" + _keys_field(2, 1, b"aa"), "names a key twice"),
     (rec.TOUCH, b"\0\0" + _keys_field(3, 4, b"abc"), "keys runs past"),
     (rec.RESERVE, struct.pack("<II", MAX_GRANTED_SLOTS + 1, 0), "MAX_GRANTED_SLOTS"),
-    (rec.RESERVE, struct.pack("<II", 1, 2), "unknown flags"),
+    (rec.RESERVE, struct.pack("<II", 1, 4), "unknown flags"),
     (rec.COUNTERS, struct.pack("<QQQ", 1, 1, 1), "are not lookups"),
     (rec.COMPLETE_STORE, struct.pack("<QB", 0, 2), "success is 2"),
     (rec.TAKE_EVENTS, struct.pack("<I", 10**6), "max_events"),

@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 
 from kvd_client.link.channel import SessionChannel
 from kvd_client.link.connection import Connection
-from kvd_client.link.index_reader import STATE_FREE, IndexReader, Marks
+from kvd_client.link.index_reader import STATE_FREE, STATE_READY, IndexReader, Marks
 from kvd_client.offload import daemon_link
 from kvd_client.offload import session as session_module
 from kvd_client.offload.session import Lookup, OffloadSession
@@ -136,6 +136,8 @@ def state(s: OffloadSession) -> dict[str, Any]:
                   {e: list(k) for e, k in loads._stale_loads.items()}),
         "reserve": (list(reserve.slots), reserve.target, reserve.sent, reserve.declined,
                     reserve.urgent, reserve._step_demand, reserve._unreplaced),
+        "kept": (dict(reserve.kept), dict(reserve._kept_at), reserve._restoring,
+                 list(s._restores)),
         "resets": (s._resets.pending, s._resets.epoch),
         "link": (list(link.records), link._optional, link.seq, link.acked,
                  link._staged_essential, link.outbox.sent, list(link.outbox._written),
@@ -161,11 +163,23 @@ class TwoEngines(RuleBasedStateMachine):
         self.py = Engine(PyLookups, self.index, granted)
         assert self.c.session._steps is not None and self.py.session._steps is None
         self.storing: dict[int, bytes] = {}      # slot -> key the daemon published storing
+        self.kept: dict[int, bytes] = {}         # free slot -> the block evicted from it
+        self.granted_kept: dict[int, bytes] = {}  # granted slot -> the block GRANTED named
         self.calls: list[list[bytes]] = []       # recent store calls' new keys
 
     def _take(self, n: int) -> list[int]:
         taken, self.free = self.free[:n], self.free[n:]
         return [offset_of(slot) for slot in taken]
+
+    def _taken_kept(self, offsets: list[int]) -> tuple[list[int], list[bytes]]:
+        """Which of the slots just taken still hold an evicted block (GRANTED's trailer)."""
+        index, keys = [], []
+        for i, offset in enumerate(offsets):
+            key = self.kept.pop(SLOT_OF[offset], None)
+            if key is not None and self.index.find(key) < 0:
+                index.append(i)
+                keys.append(key)
+        return index, keys
 
     def moves_now(self, key: bytes) -> bool:
         """Whether a change of `key`'s slot now would make it a HIT at two offsets in this
@@ -317,6 +331,7 @@ class TwoEngines(RuleBasedStateMachine):
         if isinstance(up, rec.Store):
             for key, offset in zip(up.granted_keys, up.granted_offsets, strict=True):
                 slot = SLOT_OF[offset]
+                self.granted_kept.pop(slot, None)
                 if index.find(key) < 0 and index.state(slot) == STATE_FREE:
                     index.insert(slot, key)
                     self.storing[slot] = key
@@ -333,6 +348,8 @@ class TwoEngines(RuleBasedStateMachine):
         elif isinstance(up, rec.Reset):
             dropped = sum(index.state(slot) != STATE_FREE for slot in range(CAPACITY))
             index.clear()
+            self.kept.clear()
+            self.granted_kept.clear()
             self.free.extend(self.storing)  # (the real daemon keeps them until copies end)
             self.storing.clear()
             index.reset_epoch += 1
@@ -341,18 +358,31 @@ class TwoEngines(RuleBasedStateMachine):
                 engine.answer(done)
         elif isinstance(up, rec.ReturnSlots):
             self.free.extend(SLOT_OF[offset] for offset in up.offsets)
+            for offset in up.offsets:
+                self.granted_kept.pop(SLOT_OF[offset], None)
+        elif isinstance(up, rec.Restore):
+            for key, offset in zip(up.keys, up.offsets, strict=True):
+                slot = SLOT_OF[offset]
+                if self.granted_kept.pop(slot, None) == key and index.find(key) < 0:
+                    index.insert(slot, key)
+                    index.set_ready(slot)
+                else:
+                    self.free.append(slot)
 
     @rule(n=st.integers(1, 6))
     def grant(self, n: int) -> None:
         offsets = self._take(n)
         if offsets:
+            index, keys = self._taken_kept(offsets)
+            self.granted_kept.update((SLOT_OF[offsets[i]], k) for i, k in zip(index, keys))
             for engine in (self.c, self.py):
-                engine.answer(rec.encode_granted(offsets))
+                engine.answer(rec.encode_granted(offsets, index, keys))
 
     @rule(key=st.sampled_from(KEYS), ready=st.booleans())
     def another_engine_stores(self, key: bytes, ready: bool) -> None:
         if self.free and self.index.find(key) < 0 and not self.moves_now(key):
             slot = self.free.pop()
+            self.kept.pop(slot, None)
             self.index.insert(slot, key)
             if ready:
                 self.index.set_ready(slot)
@@ -375,7 +405,23 @@ class TwoEngines(RuleBasedStateMachine):
         slot = self.index.find(key)
         if slot >= 0 and slot not in self.storing and not self.moves_now(key):
             self.index.remove(slot)
-            self.free.append(slot)
+            self.free.insert(0, slot)          # granted next, as the daemon's freed slots are
+            self.kept[slot] = key              # intact until the slot is taken
+
+    @rule(key=st.sampled_from(KEYS))
+    def evict_into_reserve(self, key: bytes) -> None:
+        """The daemon evicts a block and grants its slot to both engines' reserves, naming
+        the block it still holds; their next step looks it up (HIT_PENDING: taken back from
+        the reserve, RESTORE sent) and the daemon reads that (the block READY again)."""
+        slot = self.index.find(key)
+        if slot >= 0 and self.index.state(slot) == STATE_READY and slot not in self.storing \
+                and not self.moves_now(key):
+            self.evict(key)
+            self.grant(1)
+            self.end_step()
+            self.lookup([key])
+            self.end_step()
+            self.daemon_reads()
 
     @rule()
     def reclaim(self) -> None:

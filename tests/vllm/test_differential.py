@@ -48,7 +48,7 @@ def replay(engine: Engine, requests) -> dict[str, int]:
 
 
 def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 1,
-             sliding_window: int | None = None):
+             sliding_window: int | None = None, keep_evicted: bool = False):
     """Replay `requests` with vLLM's own manager, then with kvd at the same capacity:
     (vLLM's hits, kvd's hits, the daemon)."""
     baseline = Engine("/nonexistent", num_gpu_blocks=512, blocks_per_chunk=per_chunk,
@@ -61,12 +61,16 @@ def run_both(start_daemon, requests, chunks: int, policy: str, per_chunk: int = 
         baseline.close()
     slot = -(-PAGE * per_chunk // 4096) * 4096          # a chunk, rounded up to 4 KiB
     # kvd grants RESERVE slots to the engine in advance (its stores never wait for the
-    # daemon): those are on top of the capacity the cache holds, as vLLM's own are not.
+    # daemon): those are on top of the capacity the cache holds, as vLLM's own are not. So
+    # that the cache holds exactly `chunks` blocks, the blocks evicted into them are not kept
+    # (`kvd_keep_evicted`, on by default, makes them this engine's hits: more than vLLM's at
+    # this capacity; test_kept_blocks_only_add_hits says so).
     pool = (chunks + RESERVE) * slot
     daemon = start_daemon("--pool-size", str(pool), "--extent-size", str(pool),
                           "--policy", policy)
     engine = Engine(daemon.socket, num_gpu_blocks=512, blocks_per_chunk=per_chunk,
-                    sliding_window=sliding_window, extra={"kvd_reserve": RESERVE})
+                    sliding_window=sliding_window,
+                    extra={"kvd_reserve": RESERVE, "kvd_keep_evicted": keep_evicted})
     try:
         assert engine.manager.client.wait_available(10)
         got = replay(engine, requests)
@@ -109,3 +113,17 @@ def test_kvd_hits_equal_vllms_own_offload_on_a_hybrid_model(start_daemon, shape,
     expected, got, _ = run_both(start_daemon, generate(shape, "smoke"), chunks, "lru",
                                 sliding_window=64)
     assert got == expected
+
+
+@pytest.mark.parametrize("shape, chunks", [("chat", 60), ("agentic", 80)])
+def test_kept_blocks_only_add_hits(start_daemon, shape, chunks):
+    """With the blocks evicted into the engine's reserve kept (the default), kvd's LRU holds
+    those blocks too: with vLLM's own manager at `chunks`, every request hits at least as many
+    tokens (LRU's hits only grow with its capacity), and some hit more."""
+    expected, got, daemon = run_both(start_daemon, generate(shape, "smoke"), chunks, "lru",
+                                     keep_evicted=True)
+    assert all(got[rid] >= hits for rid, hits in expected.items()), \
+        {rid: (got[rid], hits) for rid, hits in expected.items() if got[rid] < hits}
+    assert sum(got.values()) > sum(expected.values())
+    restored = sum(ns["blocks_restored_total"] for ns in daemon.stats()["namespaces"])
+    assert restored > 0
