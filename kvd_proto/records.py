@@ -495,12 +495,41 @@ class Rejected(NamedTuple):
 DownRecord = Granted | ResetDone | Events | Rejected
 
 
+def _granted_kept(payload: bytes) -> Granted | None:
+    """A GRANTED with its kept blocks (fixed-width keys, as the daemon writes them) in a few
+    slices; None for any other shape (the checked decoder then reads it, or says why)."""
+    size = len(payload)
+    if size < 4:
+        return None
+    count = _U32.unpack_from(payload)[0]
+    at = 4 + 8 * count
+    if at + 4 + _KEYS.size > size:
+        return None
+    m = _U32.unpack_from(payload, at)[0]
+    keys_at = at + 4 + 4 * m
+    if m > count or keys_at + _KEYS.size > size:
+        return None
+    n, width, zero = _KEYS.unpack_from(payload, keys_at)
+    start = keys_at + _KEYS.size
+    if n != m or zero or not 0 < width <= MAX_KEY_BYTES or start + n * width != size:
+        return None
+    view = memoryview(payload)
+    index = view[at + 4:keys_at].cast("I").tolist()
+    if index and max(index) >= count:
+        return None
+    keys = [payload[i:i + width] for i in range(start, size, width)]
+    return Granted(view[4:at].cast("Q").tolist(), index, keys)
+
+
 def decode_down(kind: int, payload: bytes) -> DownRecord:
     """A daemon's answer (RecordError for one this version does not know)."""
     if kind == GRANTED:             # the common answer (a reserve's top-up), read at once
         n = len(payload) - 4
         if n >= 0 and not n % 8 and _U32.unpack_from(payload)[0] == n >> 3:
             return Granted(memoryview(payload)[4:].cast("Q").tolist())
+        kept = _granted_kept(payload)
+        if kept is not None:
+            return kept
     name = DOWN_KINDS.get(kind)
     if name is None:
         raise RecordError(f"unknown answer kind {kind}")
@@ -513,7 +542,7 @@ def decode_down(kind: int, payload: bytes) -> DownRecord:
             if m > len(offsets):
                 raise RecordError(f"granted: {m} kept blocks for {len(offsets)} slots")
             index = c.values("I", m, "kept slot indices")
-            keys = c.keys()
+            keys = c.keys("kept keys", unique=False)      # the daemon's: checked there
             if len(keys) != m or (index and max(index) >= len(offsets)):
                 raise RecordError("granted: the kept blocks do not match the slots")
             out = Granted(offsets, index, keys)

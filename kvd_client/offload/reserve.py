@@ -42,6 +42,7 @@ DEFAULT_INITIAL = 768        # the least a session holds in its first DEMAND_WIN
                              # (measured through vLLM's scheduler at 128 sequences flat out:
                              # up to ~740 slots stored before the first refill; 256 answered
                              # up to 57 prepare_store calls None)
+COMPACT_SLACK = 4096         # kept blocks of slots not held any more, forgotten beyond this
 CAP_SHARE = 4                # demand takes the reserve to at most 1/CAP_SHARE of the pool
 YOUNG_SHARE = 16             # a young session's floor is at most 1/YOUNG_SHARE of the pool
 
@@ -87,7 +88,7 @@ class StoreReserve:
         self.kept: dict[bytes, int] = {}
         self.keep_evicted = keep_evicted          # ask the daemon to name them (flag 2)
         self._kept_at: dict[int, bytes] = {}      # offset -> key, for the slots in `slots`
-        self._restoring = 0                       # entries of `kept` below 0
+        self._restoring: deque[tuple[int, bytes]] = deque()   # (seq, key) taken back, in order
         self._demand = _WindowMax()
         self._deficit = _WindowMax()
         self._step_demand = 0
@@ -120,25 +121,25 @@ class StoreReserve:
             return []
         taken = self.slots[-n:]
         del self.slots[-n:]
-        if self._kept_at:
-            self._forget(taken)
         return taken
 
-    def took(self, n: int, taken: Sequence[int] = ()) -> None:
-        """`n` slots (`taken`) were taken from the end of `slots` (`take`, or the compiled
-        store path of kvd_proto/_steps.c, which takes them itself): written from now on."""
+    def took(self, n: int) -> None:
+        """`n` slots were taken from the end of `slots` (`take`, or the compiled store path
+        of kvd_proto/_steps.c, which takes them itself). What they held is not forgotten
+        here (a store must not pay for it): `reclaim` finds such a slot gone from `slots`,
+        and `granted` drops what no slot here holds once there is much of it."""
         self._step_demand += n
         self._unreplaced += n
-        if self._kept_at and taken:
-            self._forget(taken)
 
-    def _forget(self, offsets: Sequence[int]) -> None:
-        """The blocks these slots held are no longer this session's to take back."""
-        kept_at, kept = self._kept_at, self.kept
-        for offset in offsets:
-            key = kept_at.pop(offset, None)
-            if key is not None and kept.get(key) == offset:
-                del kept[key]
+    def _compact(self) -> None:
+        """Forget the kept blocks of slots no longer held (stored into, given back)."""
+        held = set(self.slots)
+        kept_at = self._kept_at = {o: k for o, k in self._kept_at.items() if o in held}
+        kept = self.kept
+        restoring = {key: kept[key] for _, key in self._restoring if kept.get(key, 0) < 0}
+        kept.clear()                 # in place: the lookups hold this dict
+        kept.update(zip(kept_at.values(), kept_at.keys(), strict=True))
+        kept.update(restoring)
 
     def reclaim(self, key: bytes, seq: int) -> int | None:
         """Take the slot still holding the evicted block `key` out of the reserve, to be that
@@ -155,7 +156,7 @@ class StoreReserve:
             return None
         del self._kept_at[offset]
         self.kept[key] = -(seq + 1)
-        self._restoring += 1
+        self._restoring.append((seq, key))
         self._step_demand += 1                      # a slot left the reserve: replaced as one
         self._unreplaced += 1
         return offset
@@ -163,12 +164,11 @@ class StoreReserve:
     def restored(self, acked: int) -> None:
         """The daemon has read every record up to step `acked`: the blocks taken back in
         those steps are in the index (or were refused): the lookups go there again."""
-        if not self._restoring:
-            return
-        done = [key for key, value in self.kept.items() if value < 0 and -value - 1 <= acked]
-        for key in done:
-            del self.kept[key]
-        self._restoring -= len(done)
+        restoring, kept = self._restoring, self.kept
+        while restoring and restoring[0][0] <= acked:
+            seq, key = restoring.popleft()
+            if kept.get(key) == -(seq + 1):
+                del kept[key]
 
     def begin_step(self) -> None:
         """The step starts (after the daemon's grants were applied): the slots taken and not
@@ -205,26 +205,18 @@ class StoreReserve:
         self.slots[:0] = offsets
         self._unreplaced = max(0, self._unreplaced - len(offsets))
         if kept_index:
-            kept, kept_at = self.kept, self._kept_at
-            for i, key in zip(kept_index, kept_keys, strict=True):
-                offset = offsets[i]
-                if kept.get(key, 0) < 0:            # being taken back from another slot
-                    continue
-                old = kept.get(key)
-                if old is not None:
-                    kept_at.pop(old, None)
-                kept[key] = offset
-                kept_at[offset] = key
+            at = [offsets[i] for i in kept_index]
+            self.kept.update(zip(kept_keys, at, strict=True))
+            self._kept_at.update(zip(at, kept_keys, strict=True))
+            if len(self._kept_at) > 2 * len(self.slots) + COMPACT_SLACK:
+                self._compact()
 
     def surplus(self) -> list[int]:
         """Slots far above the target (demand fell): to give back to the daemon, after the
         lowered target (or the daemon would top them up again)."""
         if len(self.slots) <= 2 * self.target or self.sent != self.target:
             return []
-        surplus = [self.slots.pop() for _ in range(len(self.slots) - self.target)]
-        if self._kept_at:
-            self._forget(surplus)
-        return surplus
+        return [self.slots.pop() for _ in range(len(self.slots) - self.target)]
 
     def step_records(self) -> list[bytes]:
         """Close the step (`end_step`); what to tell the daemon: the target when it changed
@@ -251,4 +243,4 @@ class StoreReserve:
         """No slot's evicted block is to be taken back any more (a new session, a reset)."""
         self.kept.clear()
         self._kept_at.clear()
-        self._restoring = 0
+        self._restoring.clear()

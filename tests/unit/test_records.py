@@ -233,3 +233,22 @@ def test_the_compiled_decoder_refuses_each_broken_rule():
         assert compiled(kind, payload) is None
         with pytest.raises(rec.RecordError):
             rec.decode_up(kind, payload)
+
+
+@pytest.mark.parametrize("kept", [([], []), ([0, 2], [b"a" * 36, b"b" * 36]), ([1], [b"ab"]),
+                                  ([0, 1], [b"a", b"bc"])])
+def test_granted_with_its_kept_blocks_decodes_alike_on_the_quick_path_and_the_checked_one(kept):
+    index, keys = kept
+    record_bytes = rec.encode_granted([8, 16, 24], index, keys)
+    length, kind, _ = struct.unpack_from("<IHH", record_bytes)
+    payload = record_bytes[8:length]
+    out = rec.decode_down(kind, payload)
+    assert (list(out.offsets), list(out.kept_index), list(out.kept_keys)) == \
+        ([8, 16, 24], index, keys)
+    for cut in range(len(payload)):                     # cut short: refused, never misread
+        try:
+            short = rec.decode_down(kind, payload[:cut])
+        except rec.RecordError:
+            continue
+        assert list(short.kept_keys) in ([], keys[:len(short.kept_keys)])
+        assert set(short.kept_index) <= set(range(len(short.offsets)))
