@@ -190,7 +190,8 @@ def test_kvd_hits_equal_vllms_own_with_a_store_threshold(daemon, threshold, trac
 @pytest.mark.parametrize("seed", range(1, 41))
 def test_kvd_hits_equal_vllms_own_with_a_store_threshold_on_random_traces(start_daemon, seed):
     """Random traces, thresholds 2-3, trackers that age counts out, and (odd seeds) a cache
-    that evicts, sized as test_differential.py sizes it."""
+    that evicts, sized as test_differential.py sizes it (capacity plus the reserve, whose
+    evicted blocks are not kept: `kvd_keep_evicted` false, so the cache holds `chunks`)."""
     import random
 
     rng = random.Random(seed)
@@ -204,5 +205,5 @@ def test_kvd_hits_equal_vllms_own_with_a_store_threshold_on_random_traces(start_
                          **options)
     pool = str((chunks + RESERVE) * -(-PAGE // 4096) * 4096)
     daemon = start_daemon("--pool-size", pool, "--extent-size", pool, "--policy", policy)
-    got = kvd_hits(daemon, requests, kvd_reserve=RESERVE, **options)
+    got = kvd_hits(daemon, requests, kvd_reserve=RESERVE, kvd_keep_evicted=False, **options)
     assert got == expected, (options, chunks, policy)
