@@ -26,6 +26,9 @@ from kvd_client.offload.session import Lookup, OffloadSession
 from kvd_server.tiers.disk.tier import DATA_FILE
 from kvd_server.units import format_size
 from tests.support.daemon import HEARTBEAT, LIVENESS, Daemon, clean_env
+from tests.support.disk_tier import fill_tier as _fill_tier
+from tests.support.disk_tier import settled as _settled
+from tests.support.disk_tier import tier_of as _tier
 from tests.support.engine import keys_for
 from tests.support.loopfs import MountedFs, mounted, unavailable
 from tests.support.offload_engine import (
@@ -87,11 +90,6 @@ def _start(start_daemon: Callable[..., Daemon], disk: Path, size: int = TIER) ->
     return start_daemon("--pool-size", POOL, "--extent-size", "4MiB", env=_env(disk, size))
 
 
-def _tier(daemon: Daemon) -> dict[str, Any]:
-    (tier,) = daemon.stats()["tiers"]
-    return tier
-
-
 def _health_is(daemon: Daemon, health: str) -> Callable[[], bool]:
     return lambda: _tier(daemon)["health"] == health
 
@@ -99,27 +97,6 @@ def _health_is(daemon: Daemon, health: str) -> Callable[[], bool]:
 def _store_all(session: OffloadSession, keys: Sequence[bytes]) -> None:
     for i in range(0, len(keys), BATCH):
         assert store(session, keys[i:i + BATCH]) is not None
-
-
-def _settled(daemon: Daemon) -> Callable[[], bool]:
-    """Nothing in flight in the tier: no write or read queued, no promotion open."""
-    def check() -> bool:
-        tier = _tier(daemon)
-        return tier["queue_depth"] == 0 and tier["promotions_open"] == 0
-    return check
-
-
-def _fill_tier(daemon: Daemon, session: OffloadSession, keys: Sequence[bytes]) -> int:
-    """Store `keys` (more than the pool holds) and wait until what the pool evicted is on
-    the disk; how many blocks that is. (No lookup: a lookup of a key below would promote
-    it.)"""
-    _store_all(session, keys)
-    below = len(keys) - daemon.stats()["blocks"]["ready"]
-    assert below > 0, "nothing was evicted"
-    wait_until(lambda: _tier(daemon)["blocks"] >= below and _settled(daemon)(), WAIT_S,
-               f"{below} blocks to be written to the disk tier",
-               detail=lambda: _tier(daemon))
-    return below
 
 
 def _pool_serves(session: OffloadSession, seed: str) -> None:
