@@ -14,7 +14,7 @@ IMAGE ?= ghcr.io/kvd/kvd:$(VERSION)
 ENGINE_IMAGE ?= ghcr.io/kvd/vllm-openai:v0.33.0-kvd$(VERSION)
 CONTAINER ?= podman
 
-.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env image engine-image wheel clean
+.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env sglang-env image engine-image wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-13s %s\n", $$1, $$2}'
@@ -57,26 +57,37 @@ $(VENV)/.stamp-vllm: tools/vllm-test-requirements.txt tools/setup_vllm_testenv.p
 	$(PY) tools/setup_vllm_testenv.py
 	@touch $@
 
+# SGLang 0.5.23's Python code (no CUDA), for kvd's SGLang backend tests (tests/sglang): the
+# pure-Python subset its storage side imports, then sglang itself with --no-deps, torch held
+# at the CPU build.
+$(VENV)/.stamp-sglang: tools/sglang-test-requirements.txt tools/torch-constraint.txt $(VENV)/.stamp-vllm
+	$(PIP) install --no-warn-conflicts -r tools/sglang-test-requirements.txt -c tools/torch-constraint.txt
+	$(PIP) install --no-deps sglang==0.5.23
+	@echo "sglang 0.5.23 installed without its dependencies, for tests/sglang"
+	@touch $@
+
 venv: $(VENV)/.stamp-run ## create .venv with kvd installed
 
-dev: $(VENV)/.stamp-vllm ## create .venv with test extras and the vLLM test environment
+dev: $(VENV)/.stamp-sglang ## create .venv with test extras and the vLLM and SGLang test environments
 
 vllm-env: $(VENV)/.stamp-vllm ## install vLLM 0.33.0 (CPU, no deps) for the conformance tests
+
+sglang-env: $(VENV)/.stamp-sglang ## install SGLang 0.5.23 (CPU, no deps) for the SGLang backend tests
 
 run: $(VENV)/.stamp-run ## start the daemon in the foreground with the embedded defaults
 	$(BIN)/kvd serve
 
-test: $(VENV)/.stamp-vllm ## run the whole test suite (what CI runs)
+test: $(VENV)/.stamp-sglang ## run the whole test suite (what CI runs)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not soak" $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.stamp-test ## unit tests only
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-soak: $(VENV)/.stamp-vllm ## long fault runs (100 crash rounds), < 30 min
+soak: $(VENV)/.stamp-sglang ## long fault runs (100 crash rounds), < 30 min
 	KVD_SOAK_ROUNDS=100 KVD_SOAK_FUZZ=10000 KVD_SOAK_LOAD_S=60 KVD_SOAK_HARDEN_S=20 \
 	  KVD_SOAK_CONNECTIONS=19000 $(PY) -m pytest -q -m "fault or soak" -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: $(VENV)/.stamp-vllm ## run the benchmarks, write bench/results/
+bench: $(VENV)/.stamp-sglang ## run the benchmarks, write bench/results/
 	$(PIP) install -e '.[bench]'
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) bench/run_all.py $(BENCH_ARGS)
 	$(PY) bench/tiers.py $(BENCH_ARGS)

@@ -127,6 +127,12 @@ class KvdClient:
                 self._rate_limited_warning("kvd client queue full; dropping the oldest op")
             self._queue.append(op)
 
+    def current_pool(self) -> tuple[str | None, PoolMapping | None]:
+        """(pool id, this process's mapping of it) as one pair: a reconnect replaces both at
+        once, so an engine that copies by slot offsets checks the id its offsets came with."""
+        with self._lock:
+            return self.pool_id, self.pool
+
     def map_index(self) -> tuple[int, ...] | None:
         """Descriptors of this session's namespace index (read-only) and of its marks file, or
         None (degraded, or a daemon without a shared index). The caller owns them."""
