@@ -72,6 +72,10 @@ def main() -> int:
     print("warm restart: exec to serving with 1, 16 and 64 GiB adopted; hits after a "
           "restart ...", flush=True)
     rs = restart.run((1,) if quick else (1, 16, 64), "chat/smoke" if quick else "chat/small")
+    print("sglang: kvd's HiCache storage backend vs memcpy and HiCacheFile ...", flush=True)
+    # its own process: bench/sglang.py must not be imported as `sglang` (SGLang's name)
+    sg = json.loads(subprocess.run([sys.executable, str(HERE / "sglang.py"), "--no-record"],
+                                   stdout=subprocess.PIPE, text=True, check=True).stdout)
     print("control plane: scheduler-thread manager time, kvd vs vLLM in-process, LRU and ARC "
           "...", flush=True)
     size = CONTROL_PLANE_QUICK if quick else CONTROL_PLANE_FULL
@@ -124,6 +128,7 @@ def main() -> int:
         "memory": {"bytes_per_block": d["memory"]["bytes_per_block"], **d["memory"]},
         "hit_rate": hr,
         "restart": rs,
+        "sglang": sg,
     }
     p99_growth = d["lookup_big"]["p99_seconds"] / d["lookup_10k"]["p99_seconds"]
     within = [abs(c["hits"]["kvd_over_vllm"] - 1) for c in cells]
@@ -148,6 +153,7 @@ def main() -> int:
         "lookup_p99_growth": p99_growth,
         "dataplane_cpu_ge_70pct_memcpy": dp["fraction_of_memcpy"] >= 0.7,
         **{f"restart_{name}": met for name, met in rs["met"].items()},
+        **{f"sglang_{name}": met for name, met in sg["met"].items()},
     }
     latest["elapsed_seconds"] = time.time() - t0
     RESULTS.mkdir(exist_ok=True)

@@ -152,6 +152,11 @@ class OffloadSession(SessionTransfers):
         return self._reserve.target
 
     @property
+    def reserve_held(self) -> int:
+        """Granted slots held now: what `store_slots` can take at once."""
+        return len(self._reserve)
+
+    @property
     def acked_steps(self) -> int:
         """Steps whose every record the daemon has read (as of the last answers read)."""
         return self._link.acked + 1

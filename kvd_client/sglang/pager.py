@@ -141,32 +141,36 @@ class PageStore:
 
     # ----------------------------------------------------------------- stores
     def store(self, keys: Sequence[bytes], copy: Callable[[int, Sequence[int], list[int]], int],
-              first_position: int = 0) -> bool:
+              first_position: int = 0) -> int:
         """Store the pages of `keys` kvd does not hold yet: `copy(base, offsets, indices)`
-        writes page `keys[indices[i]]` into the slot at `offsets[i]`. True when every page is
-        now held (stored now, or already), False when none was stored (no daemon, the session
-        short of slots, a failed copy): the caller may offer them again."""
+        writes page `keys[indices[i]]` into the slot at `offsets[i]`. How many of `keys`, from
+        the first, are now held (stored now, or already): all of them, or the prefix the
+        session's slots held at once (a call larger than the reserve stores what fits; the
+        reserve grows for the next), or 0 (no daemon, a failed copy)."""
         if not keys:
-            return True
+            return 0
         with self._lock:
             if self._closed:
-                return False
+                return 0
             session = self.session
             req = f"sgl-store-{next(self._ids)}"
             positions = list(range(first_position, first_position + len(keys)))
             # (the step's start adopts a new connection: only then does `available` say)
             stored = session.store_slots(keys, req, positions)
+            if stored is None and session.reserve_held:       # short: the prefix that fits
+                keys = keys[:session.reserve_held]
+                stored = session.store_slots(keys, req, positions[:len(keys)])
             base = self._pool_base(session) \
                 if stored is not None and session.available else None
             if stored is None or base is None:
                 session.request_finished(req)
                 session.end_step()
-                return False
+                return 0
             new, offsets = stored
             if not new:
                 session.request_finished(req)
                 session.end_step()
-                return True
+                return len(keys)
             session.end_step()
         where = {key: i for i, key in enumerate(keys)}
         started = time.perf_counter()
@@ -187,7 +191,7 @@ class PageStore:
         if ok:
             self.counters.add(self.counters.stores, len(new), seconds)
             self._reporter.record(is_store=True, size=copied, seconds=seconds)
-        return ok
+        return len(keys) if ok else 0
 
     # ------------------------------------------------------------------ admin
     def reset(self) -> None:

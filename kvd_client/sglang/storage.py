@@ -152,16 +152,16 @@ class KvdHiCacheStorage(HiCacheStorage):
         store, geometry = self._store, self._geometry
         if store is None or geometry is None or not keys:
             return [False] * len(keys) if keys else []
+        held = 0
         try:
             firsts = geometry.firsts(host_indices, len(keys))
-            ok = store.store(page_keys(keys),
-                             lambda base, offsets, idx: geometry.store(firsts[idx], base,
-                                                                       offsets),
-                             _position(extra_info))
+            held = store.store(page_keys(keys),
+                               lambda base, offsets, idx: geometry.store(firsts[idx], base,
+                                                                         offsets),
+                               _position(extra_info))
         except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
             store._failed("batch_set_v1")
-            ok = False
-        return [ok] * len(keys)
+        return [True] * held + [False] * (len(keys) - held)
 
     # ---------------------------------------------- flat pages (no interface_v1)
     def _flat(self, tensor: Any) -> int:
@@ -217,7 +217,7 @@ class KvdHiCacheStorage(HiCacheStorage):
                     ctypes.memmove(base + offset, addresses[i], store.page_bytes)
                 return len(offsets) * store.page_bytes
 
-            return store.store(page_keys(keys), copy)
+            return store.store(page_keys(keys), copy) == len(keys)
         except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
             store._failed("batch_set")
             return False

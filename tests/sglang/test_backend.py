@@ -226,3 +226,31 @@ def test_kvd_stats_of_a_daemon_that_served_only_sglang(daemon):
         assert moved["store_bytes_total"] == 3 * page_size
     finally:
         backend.close()
+
+
+def test_a_batch_larger_than_the_reserve_stores_the_prefix_that_fits(workdir: Path):
+    """Pages of 128 KiB in an 8 MiB pool (64 slots) and a batch of 128 pages, SGLang's batch
+    size: the pages the reserve holds are stored, from the first (SGLang keeps that prefix and
+    logs the rest as failed), byte-exact; nothing is refused whole."""
+    d = spawn_daemon(workdir, "--pool-size", "8MiB", "--extent-size", "1MiB")
+    try:
+        pool = E.mha_host_pool("page_first", layers=16, heads=8, head_dim=64, pages=130)
+        backend = make(d.socket, pool)
+        try:
+            assert backend._store.client.wait_available(WAIT_S)
+            keys = keys_for("big-batch", 128)
+            pages = list(range(1, 129))
+            E.fill_pages(pool, pages, seed=8)
+            first = backend.batch_set_v1(keys, E.page_indices(pool, pages))
+            held = first.count(True)
+            assert 0 < held < 128 and first == [True] * held + [False] * (128 - held)
+            assert wait_exists(backend, keys[:held]) == held
+            got = backend.batch_get_v1(keys[:2], E.page_indices(pool, [0, 129]))
+            assert got == [True, True]
+            assert E.page_bytes(pool, 0) == E.page_pattern(pool, 1, 8)
+            assert E.page_bytes(pool, 129 * pool.page_size) == E.page_pattern(pool, 2, 8)
+        finally:
+            backend.close()
+    finally:
+        d.close()
+    assert "Traceback" not in d.log(), d.log()
