@@ -207,9 +207,12 @@ def assert_no_slot_leaked(daemon: Any, model: str) -> None:
     doc = wait_idle(daemon)
     pool = doc["pool"]
     assert pool["free_bytes"] + pool["used_bytes"] == pool["total_bytes"], pool
-    capacity = pool["extents_total"] * (pool["extent_bytes"] // namespace(doc, model)["slot_bytes"])
     probe = Engine(daemon.socket, model, engine_id="leak-probe")
     try:
+        # Read with the probe's session open: an empty namespace is forgotten once its last
+        # session has gone (after the readers' grace), and the probe's brings it back.
+        slot_bytes = namespace(daemon.stats(), model)["slot_bytes"]
+        capacity = pool["extents_total"] * (pool["extent_bytes"] // slot_bytes)
         keys = keys_for("whole-pool-probe", capacity)
         grant = probe.call("PrepareStore", kvd_pb2.PrepareStoreRequest(keys=keys, req_id="p"))
         assert not grant.cannot_store, "a slot is still held though every session ended"
