@@ -61,7 +61,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -95,6 +94,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 from kvd_client.sglang.pages import PageGeometry  # noqa: E402
 from tests.support import sglang_env as env  # noqa: E402
+from tests.support.offload_engine import count_blocking_calls  # noqa: E402
 
 BATCH = STORAGE_BATCH_SIZE                  # 128 pages a call, as SGLang's controller sends
 PAGE_TOKENS = 64
@@ -143,23 +143,6 @@ def _timed(fn: Callable[[], Any], repeats: int, warmup: int = WARMUP) -> list[fl
 
 def _gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
-
-
-def _count_daemon_calls(client: Any) -> list[int]:
-    """Calls to the daemon (KvdClient.step / flush) made on this thread from now on."""
-    me = threading.get_ident()
-    count = [0]
-    for name in ("step", "flush"):
-        fn = getattr(client, name, None)
-        if fn is None:
-            continue
-
-        def wrapped(*args: Any, _fn: Callable[..., Any] = fn, **kwargs: Any) -> Any:
-            if threading.get_ident() == me:
-                count[0] += 1
-            return _fn(*args, **kwargs)
-        setattr(client, name, wrapped)
-    return count
 
 
 def _touch(pool: Any) -> None:
@@ -212,7 +195,7 @@ def _wait(be: Any, probe: list[str], until: Callable[[], bool]) -> bool:
 
 
 def _exists(be: Any, held: list[str], repeats: int) -> dict:
-    counted = _count_daemon_calls(be._store.client)
+    counted = count_blocking_calls(be._store.client)
     out: dict = {"keys_per_call": len(held), "calls_per_round": EXISTS_CALLS}
     for name, keys, want in (("hit", held, len(held)), ("miss", _keys(len(held)), 0)):
         got = be.batch_exists(keys)

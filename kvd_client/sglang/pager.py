@@ -124,8 +124,8 @@ class PageStore:
             if base is not None and cut:
                 copied = copy(base, offsets[:cut])
                 done = cut
-        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
-            self._failed("a load")
+        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed
+            self.failed("a load")
             done = 0
         finally:
             seconds = time.perf_counter() - started
@@ -179,8 +179,8 @@ class PageStore:
         try:
             copied = copy(base, offsets, [where[key] for key in new])
             ok = True
-        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
-            self._failed("a store")
+        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed
+            self.failed("a store")
         finally:
             seconds = time.perf_counter() - started
             with self._lock:
@@ -224,7 +224,9 @@ class PageStore:
             views = self._views = (pool, pool.numpy())
         return int(views[1].ctypes.data)
 
-    def _failed(self, what: str) -> None:
+    def failed(self, what: str) -> None:
+        """Count a call that failed and log it with its traceback, at most every
+        ERROR_LOG_INTERVAL_S (SGLang's threads call again at once: no flood)."""
         self.counters.failures += 1
         now = time.monotonic()
         if now - self._logged_at >= ERROR_LOG_INTERVAL_S:

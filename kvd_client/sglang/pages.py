@@ -72,8 +72,8 @@ class PageGeometry:
         try:
             at = [_runs_of(pool.get_data_page(p * page_size, flat=False))
                   for p in (0, 1, pages - 1)]
-            flat_bytes = int(pool.get_data_page(0, flat=True).numel()) * \
-                int(pool.get_data_page(0, flat=True).element_size())
+            flat = pool.get_data_page(0, flat=True)
+            flat_bytes = int(flat.numel()) * int(flat.element_size())
         except (NotImplementedError, ValueError, AssertionError, AttributeError,
                 TypeError) as exc:
             raise LayoutError(f"{kind}: no page view ({exc})") from None

@@ -126,8 +126,8 @@ class KvdHiCacheStorage(HiCacheStorage):
             return 0
         try:
             return store.exists(page_keys(keys))
-        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
-            store._failed("an existence query")
+        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed
+            store.failed("an existence query")
             return 0
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -143,8 +143,8 @@ class KvdHiCacheStorage(HiCacheStorage):
                                                                  offsets),
                              _position(extra_info))
             out[:got] = [True] * got
-        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
-            store._failed("batch_get_v1")
+        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed
+            store.failed("batch_get_v1")
         return out
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -159,8 +159,8 @@ class KvdHiCacheStorage(HiCacheStorage):
                                lambda base, offsets, idx: geometry.store(firsts[idx], base,
                                                                          offsets),
                                _position(extra_info))
-        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
-            store._failed("batch_set_v1")
+        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed
+            store.failed("batch_set_v1")
         return [True] * held + [False] * (len(keys) - held)
 
     # ---------------------------------------------- flat pages (no interface_v1)
@@ -193,8 +193,8 @@ class KvdHiCacheStorage(HiCacheStorage):
 
             got = store.load(page_keys(keys), copy)
             out[:got] = targets[:got]
-        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
-            store._failed("batch_get")
+        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed
+            store.failed("batch_get")
         return out
 
     def get(self, key: str, target_location: Any = None,
@@ -218,8 +218,8 @@ class KvdHiCacheStorage(HiCacheStorage):
                 return len(offsets) * store.page_bytes
 
             return store.store(page_keys(keys), copy) == len(keys)
-        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by _failed
-            store._failed("batch_set")
+        except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed
+            store.failed("batch_set")
             return False
 
     def set(self, key: str, value: Any = None, target_location: Any = None,

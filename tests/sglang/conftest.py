@@ -12,4 +12,5 @@ from tests.support.sglang_env import install_stand_ins
 
 install_stand_ins()
 
-from tests.support.fixtures import start_daemon, workdir  # noqa: E402, F401
+from tests.support.fixtures import daemon, start_daemon, workdir  # noqa: E402, F401
+

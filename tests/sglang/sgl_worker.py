@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from tests.support.sglang_env import install_stand_ins
 
@@ -36,11 +37,14 @@ def keys_for(prefix: str, n: int) -> list[str]:
     return [hashlib.sha256(f"{prefix}/{i}".encode()).hexdigest() for i in range(n)]
 
 
-def backend_for(sock: str, pool: object, **extra: object) -> object:
-    config = sglang_env.storage_config(extra_config={
+def backend_for(sock: str, pool: object, extra: dict | None = None, **config: object) -> Any:
+    """kvd's backend made by SGLang's factory from the dynamic extra config (plus `extra`),
+    `config` overriding fields of the storage config, with `pool` registered."""
+    storage = sglang_env.storage_config(extra_config={
         "backend_name": "kvd", "module_path": "kvd_client.sglang",
-        "class_name": "KvdHiCacheStorage", "interface_v1": 1, "kvd_socket": sock, **extra})
-    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+        "class_name": "KvdHiCacheStorage", "interface_v1": 1, "kvd_socket": sock,
+        **(extra or {})}, **config)
+    backend = StorageBackendFactory.create_backend("dynamic", storage, pool)
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()
     return backend

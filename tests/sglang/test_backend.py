@@ -9,7 +9,6 @@ TP > 1 run (torch.distributed); kvd's part of both is the host-pool path tested 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -18,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvd_client.sglang import KvdHiCacheStorage
 from kvd_client.sglang.identity import namespace_of
 from kvd_client.sglang.options import OptionError
+from tests.sglang.sgl_worker import backend_for, keys_for
 from tests.support import sglang_env as E
 from tests.support.daemon import spawn_daemon
 
@@ -31,19 +30,7 @@ pytestmark = pytest.mark.multiproc
 WAIT_S = 10.0
 
 
-def keys_for(prefix: str, n: int) -> list[str]:
-    return [hashlib.sha256(f"{prefix}/{i}".encode()).hexdigest() for i in range(n)]
-
-
-def make(sock: str, pool: object, **config: object) -> KvdHiCacheStorage:
-    extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang",
-             "class_name": "KvdHiCacheStorage", "interface_v1": 1, "kvd_socket": sock}
-    extra.update(config.pop("extra", {}))  # type: ignore[arg-type]
-    backend = StorageBackendFactory.create_backend(
-        "dynamic", E.storage_config(extra_config=extra, **config), pool)
-    backend.register_mem_pool_host(pool)
-    backend.on_host_pools_registered()
-    return backend
+make = backend_for
 
 
 def wait_exists(backend: KvdHiCacheStorage, keys: list[str]) -> int:
@@ -51,16 +38,6 @@ def wait_exists(backend: KvdHiCacheStorage, keys: list[str]) -> int:
     while (found := backend.batch_exists(keys)) < len(keys) and time.monotonic() < deadline:
         time.sleep(0.01)
     return found
-
-
-@pytest.fixture
-def daemon(workdir: Path):
-    d = spawn_daemon(workdir, "--pool-size", "64MiB", "--extent-size", "4MiB")
-    try:
-        yield d
-    finally:
-        d.close()
-    assert "Traceback" not in d.log(), d.log()
 
 
 def test_factory_loads_the_backend_by_module_path(daemon):

@@ -29,16 +29,6 @@ def worker(sock: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture
-def daemon(workdir: Path):
-    d = spawn_daemon(workdir, "--pool-size", "64MiB", "--extent-size", "4MiB")
-    try:
-        yield d
-    finally:
-        d.close()
-    assert "Traceback" not in d.log(), d.log()
-
-
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_two_sglang_processes_share_a_prefix_byte_exact(daemon, layout):
     wrote = worker(daemon.socket, "store", layout, "shared-prefix", "8", "11")
