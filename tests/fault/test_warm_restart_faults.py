@@ -29,7 +29,7 @@ from kvd_proto import kvd_pb2
 from tests.fault.warm_worker import universe
 from tests.support.daemon import HEARTBEAT, LIVENESS, PY, ROOT, clean_env
 from tests.support.engine import Engine, block_bytes_of
-from tests.support.offload_engine import namespace, wait_idle
+from tests.support.offload_engine import wait_idle
 from tests.support.processes import readline_within
 from tests.support.summary import record
 from tests.support.systemd import FakeSystemd
@@ -122,7 +122,10 @@ def _served(socket: str) -> dict[str, set[bytes]]:
 
 
 def _ready(doc: dict, model: str) -> int:
-    return namespace(doc, model)["blocks"]["ready"]
+    """READY blocks of `model`'s namespace; 0 when it is gone (a namespace left with no block
+    and no session is forgotten after the readers' grace)."""
+    found = [ns for ns in doc["namespaces"] if ns["model"] == model]
+    return found[0]["blocks"]["ready"] if found else 0
 
 
 @pytest.fixture(params=["directory", "systemd"])
