@@ -12,7 +12,7 @@ FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers
 setup(ext_modules=[
     Extension("kvd_proto._native",
               sources=["kvd_proto/_native.c", "kvd_proto/_records.c", "kvd_proto/_steps.c",
-                       "kvd_proto/_rings.c", "kvd_proto/_decode.c"],
+                       "kvd_proto/_rings.c", "kvd_proto/_decode.c", "kvd_proto/_grants.c"],
               depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h", "kvd_proto/_rings.h"],
               extra_compile_args=FLAGS, optional=True),
     # The disk tier's batched block I/O (twin: kvd_server/tiers/disk/block_io.py).

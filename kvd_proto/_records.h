@@ -1,4 +1,4 @@
-/* The channel's record encoders (kvd_proto/_records.c) and decoder (_decode.c), for the module table in _native.c. */
+/* The channel's record encoders (kvd_proto/_records.c), decoder (_decode.c) and grants (_grants.c), for the module table in _native.c. */
 #ifndef KVD_RECORDS_H
 #define KVD_RECORDS_H
 #include <Python.h>
@@ -30,5 +30,9 @@ PyObject *native_keys_block(PyObject *self, PyObject *keys);
 PyObject *native_keys_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* The strict decoder of the keyed up records (kvd_proto/_decode.c). */
 PyObject *native_decode_keyed(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* A reserve's top-up applied, and its kept blocks compacted (kvd_proto/_grants.c). */
+PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *native_kept_compact(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *native_list_discard(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

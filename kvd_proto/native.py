@@ -26,6 +26,9 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
 - `keys_block`, `keys_record`: the channel's records that carry keys (a store, a pin, a
   completion: one per offload call of the scheduler, with up to hundreds of keys), encoded in
   one pass (kvd_proto/records.py has the layout).
+- `granted_apply`, `kept_compact`, `list_discard`: a session's reserve topped up by a GRANTED (its slots, and
+  the evicted blocks they still hold), those blocks forgotten once their slots are gone, and
+  one taken back (kvd_client/offload/reserve.py keeps the containers).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import mmap
 import os
 import struct
 from array import array
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol, cast
 
 from kvd_proto.below_layout import MAX_PROBE as BELOW_MAX_PROBE
@@ -55,6 +58,7 @@ from kvd_proto.index_layout import (
     meta_word,
     slot_offset,
 )
+from kvd_proto.wire import MAX_KEY_BYTES
 
 Geometry = tuple[int, int, int, int, int, int, int, int, int]
 """buckets offset, buckets, meta offset, capacity, keys offset, key width, per extent, extent
@@ -608,6 +612,85 @@ def py_eventfd_signal(fd: int) -> bool:
     return True
 
 
+_U32 = struct.Struct("<I")
+_KEYS = struct.Struct("<IHH")        # a keys field's head: count, width, 0 (fixed width)
+
+
+def granted_shape(payload: bytes
+                  ) -> tuple[list[int], Sequence[int], Sequence[bytes]] | None:
+    """A GRANTED payload of the two shapes the daemon writes (docs/attach.md): (offsets, kept
+    blocks' indices into them, their keys), read in a few slices; None for any other shape
+    (kvd_proto/records.py's checked decoder reads it, or says why)."""
+    size = len(payload)
+    if size < 4:
+        return None
+    count = _U32.unpack_from(payload)[0]
+    at = 4 + 8 * count
+    view = memoryview(payload)
+    if size == at:                                  # offsets alone
+        return view[4:].cast("Q").tolist(), (), ()
+    if at + 4 + _KEYS.size > size:
+        return None
+    m = _U32.unpack_from(payload, at)[0]
+    keys_at = at + 4 + 4 * m
+    if m > count or keys_at + _KEYS.size > size:
+        return None
+    n, width, zero = _KEYS.unpack_from(payload, keys_at)
+    start = keys_at + _KEYS.size
+    if n != m or zero or not 0 < width <= MAX_KEY_BYTES or start + n * width != size:
+        return None
+    index = view[at + 4:keys_at].cast("I").tolist()
+    if index and max(index) >= count:
+        return None
+    keys = [payload[i:i + width] for i in range(start, size, width)]
+    return view[4:at].cast("Q").tolist(), index, keys
+
+
+def py_granted_apply(payload: bytes, slots: list[int], kept: dict[bytes, int],
+                     kept_at: dict[int, bytes]) -> int | None:
+    """The Python twin of `_native.granted_apply` (kvd_proto/_grants.c): a GRANTED of the
+    shapes the daemon writes applied to a reserve's containers (its offsets in at the front
+    of `slots`; each kept block as kept[key] = offset, kept_at[offset] = key): the slots
+    granted, or None (nothing changed) for any other shape, which the checked decoder reads."""
+    granted = granted_shape(payload)
+    if granted is None:
+        return None
+    offsets, index, keys = granted
+    slots[:0] = offsets
+    if index:
+        at = [offsets[i] for i in index]
+        kept.update(zip(keys, at, strict=True))
+        kept_at.update(zip(at, keys, strict=True))
+    return len(offsets)
+
+
+def py_kept_compact(slots: Collection[int], kept: dict[bytes, int],
+                    kept_at: dict[int, bytes], restoring: Iterable[tuple[int, bytes]]
+                    ) -> None:
+    """The Python twin of `_native.kept_compact`: forget the kept blocks of slots not in
+    `slots` (both dicts changed in place; the keys being taken back, negative in `kept`,
+    stay)."""
+    held = set(slots)
+    still = {o: k for o, k in kept_at.items() if o in held}
+    taking_back = {key: kept[key] for _, key in restoring if kept.get(key, 0) < 0}
+    kept.clear()                 # in place: the lookups hold this dict
+    kept.update(zip(still.values(), still.keys(), strict=True))
+    kept.update(taking_back)
+    kept_at.clear()
+    kept_at.update(still)
+
+
+def py_list_discard(items: list[Any], obj: object) -> bool:
+    """The Python twin of `_native.list_discard`: `obj` removed from `items` (False: absent).
+    The compiled one finds the very object first: the same list after, wherever no two
+    elements are equal (a reserve's slots never are)."""
+    try:
+        items.remove(obj)
+    except ValueError:
+        return False
+    return True
+
+
 def compiled(module: str) -> Any:
     """The compiled extension `module` (e.g. "kvd_proto._native"), or None where it was not
     built or `KVD_NATIVE=0` forces the pure-Python twins (kvd_server/tiers/disk/block_io.py asks
@@ -641,6 +724,15 @@ ring_read: RingRead | None = \
 # None: kvd_proto/records.py's decode_up (the twin, and what says why a record is refused).
 decode_keyed: DecodeKeyed | None = \
     _native.decode_keyed if _native is not None else None
+# A reserve's top-up and its kept blocks' upkeep in one pass (kvd_proto/_grants.c); the twins
+# above otherwise.
+granted_apply: Callable[[bytes, list[int], dict[bytes, int], dict[int, bytes]], int | None] = \
+    _native.granted_apply if _native is not None else py_granted_apply
+kept_compact: Callable[[Collection[int], dict[bytes, int], dict[int, bytes],
+                        Iterable[tuple[int, bytes]]], None] = \
+    _native.kept_compact if _native is not None else py_kept_compact
+list_discard: Callable[[list[Any], object], bool] = \
+    _native.list_discard if _native is not None else py_list_discard
 key_positions: KeyPositions = \
     _native.key_positions if _native is not None else py_key_positions
 same_set: Callable[[object, object], bool] = \

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvd_proto.channel import record
-from kvd_proto.native import decode_keyed, keys_block, keys_record
+from kvd_proto.native import decode_keyed, granted_shape, keys_block, keys_record
 from kvd_proto.record_kinds import (
     COMPLETE_LOAD,
     COMPLETE_STORE,
@@ -495,41 +495,20 @@ class Rejected(NamedTuple):
 DownRecord = Granted | ResetDone | Events | Rejected
 
 
-def _granted_kept(payload: bytes) -> Granted | None:
-    """A GRANTED with its kept blocks (fixed-width keys, as the daemon writes them) in a few
-    slices; None for any other shape (the checked decoder then reads it, or says why)."""
-    size = len(payload)
-    if size < 4:
-        return None
-    count = _U32.unpack_from(payload)[0]
-    at = 4 + 8 * count
-    if at + 4 + _KEYS.size > size:
-        return None
-    m = _U32.unpack_from(payload, at)[0]
-    keys_at = at + 4 + 4 * m
-    if m > count or keys_at + _KEYS.size > size:
-        return None
-    n, width, zero = _KEYS.unpack_from(payload, keys_at)
-    start = keys_at + _KEYS.size
-    if n != m or zero or not 0 < width <= MAX_KEY_BYTES or start + n * width != size:
-        return None
-    view = memoryview(payload)
-    index = view[at + 4:keys_at].cast("I").tolist()
-    if index and max(index) >= count:
-        return None
-    keys = [payload[i:i + width] for i in range(start, size, width)]
-    return Granted(view[4:at].cast("Q").tolist(), index, keys)
+def granted_fast(payload: bytes) -> Granted | None:
+    """A GRANTED of the two shapes the daemon writes (offsets alone, or with its kept blocks'
+    fixed-width keys) read in a few slices; None for any other (`decode_down` reads it, or
+    says why). kvd_proto/native.py's `granted_apply` applies the same shapes to a reserve."""
+    shape = granted_shape(payload)
+    return None if shape is None else Granted(*shape)
 
 
 def decode_down(kind: int, payload: bytes) -> DownRecord:
     """A daemon's answer (RecordError for one this version does not know)."""
     if kind == GRANTED:             # the common answer (a reserve's top-up), read at once
-        n = len(payload) - 4
-        if n >= 0 and not n % 8 and _U32.unpack_from(payload)[0] == n >> 3:
-            return Granted(memoryview(payload)[4:].cast("Q").tolist())
-        kept = _granted_kept(payload)
-        if kept is not None:
-            return kept
+        fast = granted_fast(payload)
+        if fast is not None:
+            return fast
     name = DOWN_KINDS.get(kind)
     if name is None:
         raise RecordError(f"unknown answer kind {kind}")

@@ -18,10 +18,11 @@ import logging
 import mmap
 import os
 from collections import deque
+from collections.abc import Callable
 
 from kvd_proto.channel import UP_HEAD, ChannelHeader, ChannelView, fence
 from kvd_proto.native import eventfd_signal
-from kvd_proto.records import DownRecord, RecordError, decode_down
+from kvd_proto.records import GRANTED, DownRecord, RecordError, decode_down
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,15 @@ class SessionChannel:
                 with contextlib.suppress(OSError):   # a full counter still wakes it
                     eventfd_signal(self.wake_fd)     # keeps the GIL (kvd_proto/native.py)
 
-    def receive(self) -> list[DownRecord]:
-        """Every answer the daemon has published since the last call."""
+    def receive(self, granted: Callable[[bytes], bool] | None = None) -> list[DownRecord]:
+        """Every answer the daemon has published since the last call. `granted`, when given,
+        takes each GRANTED's payload first (the common answer, applied undecoded: the
+        reserve's `granted_record`); one it returns False for is decoded with the rest."""
         out: list[DownRecord] = []
         reader = self.reader
         for item in reader.read_all():
+            if granted is not None and item[0] == GRANTED and granted(item[1]):
+                continue
             try:
                 out.append(decode_down(*item))
             except RecordError as exc:     # a newer daemon's answer: skip it

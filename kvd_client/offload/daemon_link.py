@@ -144,7 +144,7 @@ class DaemonLink:
         REJECTED_LOG_INTERVAL_S): the rest goes on."""
         channel = self.channel
         if channel is not None:
-            answers = channel.receive()
+            answers = channel.receive(self._reserve.granted_record)
             self.acked = self.outbox.acked(channel, self.seq)
             for answer in answers:
                 if isinstance(answer, rec.Granted):

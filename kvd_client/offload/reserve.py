@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvd_proto import records as rec
+from kvd_proto.native import granted_apply, kept_compact, list_discard
 from kvd_proto.wire import MAX_GRANTED_SLOTS
 
 DEMAND_WINDOW = 64           # steps over which the peak demand and the largest deficit count
@@ -132,14 +133,10 @@ class StoreReserve:
         self._unreplaced += n
 
     def _compact(self) -> None:
-        """Forget the kept blocks of slots no longer held (stored into, given back)."""
-        held = set(self.slots)
-        kept_at = self._kept_at = {o: k for o, k in self._kept_at.items() if o in held}
-        kept = self.kept
-        restoring = {key: kept[key] for _, key in self._restoring if kept.get(key, 0) < 0}
-        kept.clear()                 # in place: the lookups hold this dict
-        kept.update(zip(kept_at.values(), kept_at.keys(), strict=True))
-        kept.update(restoring)
+        """Forget the kept blocks of slots no longer held (stored into, given back), once
+        there is much of them (compiled: kvd_proto/native.py `kept_compact`)."""
+        if len(self._kept_at) > 2 * len(self.slots) + COMPACT_SLACK:
+            kept_compact(self.slots, self.kept, self._kept_at, self._restoring)
 
     def reclaim(self, key: bytes, seq: int) -> int | None:
         """Take the slot still holding the evicted block `key` out of the reserve, to be that
@@ -148,9 +145,7 @@ class StoreReserve:
         offset = self.kept.get(key)
         if offset is None or offset < 0 or self._kept_at.get(offset) != key:
             return None
-        try:
-            self.slots.remove(offset)
-        except ValueError:                          # not held any more: forget it
+        if not list_discard(self.slots, offset):   # not held any more: forget it
             del self._kept_at[offset]
             del self.kept[key]
             return None
@@ -208,8 +203,19 @@ class StoreReserve:
             at = [offsets[i] for i in kept_index]
             self.kept.update(zip(kept_keys, at, strict=True))
             self._kept_at.update(zip(at, kept_keys, strict=True))
-            if len(self._kept_at) > 2 * len(self.slots) + COMPACT_SLACK:
-                self._compact()
+            self._compact()
+
+    def granted_record(self, payload: bytes) -> bool:
+        """A GRANTED record's payload applied as `granted` applies it decoded, in one pass
+        (kvd_proto/native.py `granted_apply`, compiled where built: the top-up comes every
+        step or two when the engine stores flat out); False, nothing changed, for a shape
+        only the checked decoder reads (the caller decodes it and calls `granted`)."""
+        count = granted_apply(payload, self.slots, self.kept, self._kept_at)
+        if count is None:
+            return False
+        self._unreplaced = max(0, self._unreplaced - count)
+        self._compact()
+        return True
 
     def surplus(self) -> list[int]:
         """Slots far above the target (demand fell): to give back to the daemon, after the
