@@ -12,9 +12,11 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/kvd/kvd:$(VERSION)
 # vLLM's image with kvd_client added, for deploy/k8s/engine-deployment.yaml.
 ENGINE_IMAGE ?= ghcr.io/kvd/vllm-openai:v0.33.0-kvd$(VERSION)
+# SGLang's image with kvd_client added, for deploy/k8s/sglang-deployment.yaml.
+SGLANG_IMAGE ?= ghcr.io/kvd/sglang:v0.5.23-kvd$(VERSION)
 CONTAINER ?= podman
 
-.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env sglang-env image engine-image wheel clean
+.PHONY: help run test test-fast soak bench proto lint fmt venv dev vllm-env sglang-env image engine-image sglang-image wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-13s %s\n", $$1, $$2}'
@@ -105,6 +107,9 @@ image: ## build the daemon image ghcr.io/kvd/kvd:VERSION from deploy/Containerfi
 
 engine-image: ## build vLLM 0.33.0's image with kvd_client added, from deploy/engine.Containerfile
 	$(CONTAINER) build -f deploy/engine.Containerfile -t $(ENGINE_IMAGE) .
+
+sglang-image: ## build SGLang 0.5.23's image with kvd_client added, from deploy/sglang-engine.Containerfile
+	$(CONTAINER) build -f deploy/sglang-engine.Containerfile -t $(SGLANG_IMAGE) .
 
 lint: $(VENV)/.stamp-test ## ruff over the tree, mypy over kvd_proto and kvd_client (pyproject.toml)
 	$(BIN)/ruff check .

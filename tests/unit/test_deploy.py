@@ -9,6 +9,7 @@ the wheel the Containerfile installs.)
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -287,7 +288,45 @@ def test_the_engine_example_runs_vllm_with_kvd_client_added():
     assert '"spec_module_path":"kvd_client.vllm"' in "".join(container["args"])
 
 
-CONTAINERFILES = ("Containerfile", "engine.Containerfile")
+def test_the_sglang_example_runs_sglang_with_kvd_as_its_storage_backend():
+    """The stock lmsysorg/sglang image has no kvd_client: the SGLang example runs the image
+    deploy/sglang-engine.Containerfile makes from it (`make sglang-image`), for the SGLang
+    release kvd's backend is tested with (the one `make test` installs), loading the backend by
+    module path with the options docs/sglang.md documents."""
+    import json
+
+    import yaml
+
+    manifest = yaml.safe_load((DEPLOY / "k8s" / "sglang-deployment.yaml").read_text())
+    spec = manifest["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    image = container["image"]
+    assert not image.startswith("lmsysorg/"), image
+    assert f"podman build -f deploy/sglang-engine.Containerfile -t {image} ." in \
+        _make_n("sglang-image")
+    (tested,) = re.findall(r"install --no-deps sglang==([0-9.]+)",
+                           (ROOT / "Makefile").read_text())
+    recipe = (DEPLOY / "sglang-engine.Containerfile").read_text()
+    froms = [line.split()[1] for line in recipe.splitlines() if line.startswith("FROM ")]
+    assert froms and set(froms) == {f"lmsysorg/sglang:v{tested}"}, froms
+    assert "kvd_offload-*.whl" in recipe and "from kvd_client.sglang import" in recipe
+    assert f"v{tested}" in image and _version() in image, image
+    args = dict(arg.removeprefix("--").split("=", 1) if "=" in arg else (arg[2:], "")
+                for arg in container["args"])
+    assert args["hicache-storage-backend"] == "dynamic" and "enable-hierarchical-cache" in args
+    extra = json.loads(args["hicache-storage-backend-extra-config"])
+    assert (extra["module_path"], extra["class_name"]) == ("kvd_client.sglang",
+                                                           "KvdHiCacheStorage")
+    docs = (ROOT / "docs" / "sglang.md").read_text()
+    for key in extra:
+        assert f"`{key}`" in docs or f'"{key}"' in docs, key
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts[str(pathlib.Path(extra["kvd_socket"]).parent)]]["hostPath"]["path"] \
+        == "/run/kvd"
+
+
+CONTAINERFILES = ("Containerfile", "engine.Containerfile", "sglang-engine.Containerfile")
 
 
 def test_containerfile_runs_as_the_daemonsets_user_with_its_socket_directory():
