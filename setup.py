@@ -15,6 +15,10 @@ setup(ext_modules=[
                        "kvd_proto/_rings.c", "kvd_proto/_decode.c", "kvd_proto/_grants.c"],
               depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h", "kvd_proto/_rings.h"],
               extra_compile_args=FLAGS, optional=True),
+    # A copy plan's runs in one call, large ones streamed (twin: kvd_client/dataplane/cpu.py).
+    Extension("kvd_client.dataplane._copy", sources=["kvd_client/dataplane/_copy.c"],
+              extra_compile_args=["-pthread", *FLAGS], extra_link_args=["-pthread"],
+              optional=True),
     # The disk tier's batched block I/O (twin: kvd_server/tiers/disk/block_io.py).
     Extension("kvd_server.tiers.disk._blockio", sources=["kvd_server/tiers/disk/_blockio.c"], libraries=["dl"],
               extra_compile_args=["-D_GNU_SOURCE", *FLAGS], optional=True),

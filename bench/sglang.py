@@ -38,9 +38,12 @@ and SGLang's `HiCacheFile` on tmpfs (/dev/shm, removed afterwards).
   Ratios `kvd_over_memcpy` and `kvd_over_file` (of GB/s), and `met` per cell: kvd's get and
   set each >= 0.8x memcpy and faster than the file backend (pages of 256 KiB and more).
 
-kvd copies one thread's worth (ctypes.memmove per run, kvd_client/sglang/pages.py through
-kvd_client/dataplane/cpu.py); memcpy is one thread too; torch's copies in the file path use
-torch's own intra-op threads, as SGLang's would.
+kvd copies as a user's default backend does (kvd_client/sglang/pages.py through
+kvd_client/dataplane/cpu.py's compiled copy, kvd_client/dataplane/_copy.c): non-temporal
+stores, a batch shared among `kvd_copy_threads` threads (default: the CPUs the process may use,
+up to 4; `copy_threads` in each cell). The same calls with one copy thread are reported beside
+them (`one_thread`). memcpy is one thread; torch's copies in the file path use torch's own
+intra-op threads, as SGLang's would.
 
 Run: `python bench/sglang.py [--repeats N] [--layouts page_first,layer_first] [--no-record]`;
 it writes `sglang` into bench/results/latest.json (the other keys kept); `make bench` runs it
@@ -52,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import json
 import os
@@ -247,6 +251,17 @@ def _kvd(pool: Any, sock: str, page_bytes: int, repeats: int) -> dict:
         exact = all(got) and all(env.page_bytes(pool, (BATCH + i) * PAGE_TOKENS) == written[i]
                                  for i in range(BATCH))
         get_s = _timed(lambda: be.batch_get_v1(last, dst), repeats)
+        threads = be._geometry.copy_threads
+        # The same calls with the copy in one thread (kvd_copy_threads 1), for comparison.
+        be._geometry = dataclasses.replace(be._geometry, copy_threads=1)
+        get1_s = _timed(lambda: be.batch_get_v1(last, dst), repeats)
+        set1_s: list[float] = []
+        for _ in range(repeats):
+            _wait(be, probe, lambda: _reserve_slots(be) >= BATCH)
+            t0 = time.perf_counter()
+            ok = be.batch_set_v1(_keys(BATCH), src)
+            if all(ok):
+                set1_s.append(time.perf_counter() - t0)
         exists = _exists(be, last, repeats)
         failures = be._store.counters.failures
     finally:
@@ -254,6 +269,9 @@ def _kvd(pool: Any, sock: str, page_bytes: int, repeats: int) -> dict:
     nbytes = BATCH * page_bytes
     return {"set_gb_per_s": _gbps(nbytes, set_s) if set_s else 0.0,
             "get_gb_per_s": _gbps(nbytes, get_s), "set_seconds": set_s, "get_seconds": get_s,
+            "copy_threads": threads,
+            "one_thread": {"get_gb_per_s": _gbps(nbytes, get1_s),
+                           "set_gb_per_s": _gbps(nbytes, set1_s) if set1_s else 0.0},
             "pool_slots": slots, "warmup_sets": warm, "sets_refused": refused,
             "reserve_refill_timeouts": refill_timeouts, "copy_failures": failures,
             "byte_exact": exact, "exists": exists}
@@ -383,7 +401,9 @@ def run(repeats: int = REPEATS, layouts: tuple[str, ...] = LAYOUTS,
             cells.append(c)
             log(f"{layout:11s} {name:27s} get kvd {c['kvd']['get_gb_per_s']:5.2f} "
                 f"file {c['file']['get_gb_per_s']:5.2f} | set kvd {c['kvd']['set_gb_per_s']:5.2f} "
-                f"file {c['file']['set_gb_per_s']:5.2f} | memcpy {c['memcpy']['gb_per_s']:5.2f} "
+                f"file {c['file']['set_gb_per_s']:5.2f} (one copy thread: get "
+                f"{c['kvd']['one_thread']['get_gb_per_s']:5.2f} set "
+                f"{c['kvd']['one_thread']['set_gb_per_s']:5.2f}) | memcpy {c['memcpy']['gb_per_s']:5.2f} "
                 f"(per page {c['memcpy']['per_page_gb_per_s']:5.2f}) GB/s | exists hit {c['exists']['hit_us_per_key']:.3f} miss "
                 f"{c['exists']['miss_us_per_key']:.3f} us/key")
     exists = {k: max(c["exists"][k] for c in cells)

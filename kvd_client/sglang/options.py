@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvd_client.dataplane.cpu import MAX_COPY_THREADS, default_copy_threads
 from kvd_proto.paths import default_socket_path
 
 DEFAULT_DEADLINE_MS = 500
@@ -20,7 +21,7 @@ MAX_DEADLINE_MS = 60_000
 MAX_MODEL_CHARS = 512
 MAX_RESERVE = 4096            # MAX_GRANTED_SLOTS: more is never granted at once
 KNOWN_KEYS = frozenset({"kvd_socket", "kvd_deadline_ms", "kvd_reserve", "kvd_model",
-                        "kvd_namespace", "kvd_keep_evicted"})
+                        "kvd_namespace", "kvd_keep_evicted", "kvd_copy_threads"})
 
 
 class OptionError(ValueError):
@@ -35,6 +36,7 @@ class BackendOptions:
     model: str                # "" : SGLang's model name
     namespace: str            # extra scope for the namespace ("" : none)
     keep_evicted: bool
+    copy_threads: int         # threads a large batch's copy is shared among (>= 1)
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -85,4 +87,6 @@ def parse(extra: Mapping[str, Any] | None) -> BackendOptions:
         reserve=_int(extra, "kvd_reserve", 0, 0, MAX_RESERVE),
         model=_str(extra, "kvd_model"),
         namespace=_str(extra, "kvd_namespace"),
-        keep_evicted=_flag(extra, "kvd_keep_evicted", True))
+        keep_evicted=_flag(extra, "kvd_keep_evicted", True),
+        copy_threads=_int(extra, "kvd_copy_threads", 0, 0, MAX_COPY_THREADS)
+        or default_copy_threads())

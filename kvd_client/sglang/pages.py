@@ -59,9 +59,10 @@ class PageGeometry:
     run_bytes: int
     page_bytes: int
     last_first: int             # the first token index of the pool's last page
+    copy_threads: int = 1       # threads a large batch's copy is shared among
 
     @classmethod
-    def probe(cls, pool: Any) -> PageGeometry:
+    def probe(cls, pool: Any, copy_threads: int = 1) -> PageGeometry:
         """Measure the pool's page geometry from its own page views."""
         page_size = int(pool.page_size)
         size = int(pool.size)
@@ -86,7 +87,7 @@ class PageGeometry:
         if step <= 0 or step % page_size or pn - p0 != step * (pages - 1):
             raise LayoutError(f"{kind}: pages do not move by one stride")
         return cls(page_size, p0 + off, step // page_size, run, flat_bytes,
-                   (pages - 1) * page_size)
+                   (pages - 1) * page_size, copy_threads)
 
     def firsts(self, host_indices: Any, pages: int) -> np.ndarray:
         """The first token index of each of the first `pages` pages (SGLang's v1 calls pass
@@ -114,12 +115,12 @@ class PageGeometry:
         """Copy slots into the host pages starting at `firsts`; the bytes copied."""
         host, slot, lengths = self._runs(firsts, pool_base, offsets)
         plan = coalesce(slot, host, lengths)
-        execute(plan)
+        execute(plan, self.copy_threads)
         return plan.total_bytes
 
     def store(self, firsts: np.ndarray, pool_base: int, offsets: Sequence[int]) -> int:
         """Copy the host pages starting at `firsts` into slots; the bytes copied."""
         host, slot, lengths = self._runs(firsts, pool_base, offsets)
         plan = coalesce(host, slot, lengths)
-        execute(plan)
+        execute(plan, self.copy_threads)
         return plan.total_bytes

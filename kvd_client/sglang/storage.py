@@ -70,7 +70,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         """The host KV pool: its page geometry and the namespace follow from it, and the
         session with the daemon starts (degraded, reconnecting by itself, if it is away)."""
         super().register_mem_pool_host(mem_pool_host)
-        geometry = PageGeometry.probe(mem_pool_host)
+        geometry = PageGeometry.probe(mem_pool_host, self.options.copy_threads)
         dtype = str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch.")
         ns = namespace_of(self.storage_config, page_size=geometry.page_size,
                           page_bytes=geometry.page_bytes,

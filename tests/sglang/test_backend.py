@@ -134,11 +134,44 @@ def test_no_daemon_costs_nothing(workdir: Path):
         backend.close()
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_batch_shared_among_copy_threads_is_byte_exact(daemon, layout):
+    """Pages of 2 MiB, 8 a batch (16 MiB: four shares of 4 MiB, the runs cut between
+    threads wherever the shares fall), stored and read back with `kvd_copy_threads` 4; and
+    the default takes the CPUs this process may use, up to 4."""
+    from kvd_client.dataplane.cpu import default_copy_threads
+
+    pool = E.mha_host_pool(layout, layers=16, heads=4, head_dim=64, page_size=128, pages=20)
+    backend = make(daemon.socket, pool, extra={"kvd_copy_threads": 4, "kvd_reserve": 16})
+    default = make(daemon.socket, pool)
+    try:
+        assert backend._geometry.copy_threads == 4 and backend._geometry.page_bytes == 2 << 20
+        assert default._geometry.copy_threads == default_copy_threads()
+        assert backend._store.client.wait_available(WAIT_S)
+        keys = keys_for(f"threads/{layout}", 8)
+        written = E.fill_pages(pool, list(range(8)), seed=21)
+        deadline = time.monotonic() + WAIT_S
+        while (done := backend.batch_set_v1(keys, E.page_indices(pool, list(range(8))))) != \
+                [True] * 8 and time.monotonic() < deadline:
+            time.sleep(0.02)                # the reserve grows to hold the whole batch
+        assert done == [True] * 8
+        assert wait_exists(backend, keys) == 8
+        targets = list(range(19, 11, -1))
+        E.fill_pages(pool, targets, seed=77)
+        assert backend.batch_get_v1(keys, E.page_indices(pool, targets)) == [True] * 8
+        for page, source in zip(targets, range(8), strict=True):
+            assert E.page_bytes(pool, page * pool.page_size) == written[source]
+    finally:
+        backend.close()
+        default.close()
+
+
 def test_options_are_checked_at_start(daemon):
     pool = E.mha_host_pool("page_first")
     for extra, word in (({"kvd_deadline_ms": "soon"}, "kvd_deadline_ms"),
                         ({"kvd_reserve": -1}, "kvd_reserve"),
                         ({"kvd_keep_evicted": "maybe"}, "kvd_keep_evicted"),
+                        ({"kvd_copy_threads": 17}, "kvd_copy_threads"),
                         ({"kvd_sokcet": "/x"}, "kvd_sokcet")):
         with pytest.raises(OptionError, match=word):
             make(daemon.socket, pool, extra=extra)
