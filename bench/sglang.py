@@ -251,6 +251,7 @@ def _kvd(pool: Any, sock: str, page_bytes: int, repeats: int) -> dict:
         exact = all(got) and all(env.page_bytes(pool, (BATCH + i) * PAGE_TOKENS) == written[i]
                                  for i in range(BATCH))
         get_s = _timed(lambda: be.batch_get_v1(last, dst), repeats)
+        exists = _exists(be, last, repeats)       # before the sets below evict `last`
         threads = be._geometry.copy_threads
         # The same calls with the copy in one thread (kvd_copy_threads 1), for comparison.
         be._geometry = dataclasses.replace(be._geometry, copy_threads=1)
@@ -262,7 +263,6 @@ def _kvd(pool: Any, sock: str, page_bytes: int, repeats: int) -> dict:
             ok = be.batch_set_v1(_keys(BATCH), src)
             if all(ok):
                 set1_s.append(time.perf_counter() - t0)
-        exists = _exists(be, last, repeats)
         failures = be._store.counters.failures
     finally:
         be.close()
