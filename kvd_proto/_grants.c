@@ -6,18 +6,19 @@
  * granted slots"). Read in Python (a slice per key, a list of offsets, two dict updates) that
  * was ~100 us of the scheduler thread a step at 3,000 sessions; here it is one pass:
  *
- *   granted_apply(payload, slots, kept) -> count or None
+ *   granted_apply(payload, slots, kept, kept_at) -> count or None
  *       For a GRANTED of the two shapes the daemon writes (offsets alone; offsets, then the
  *       kept blocks' indices and their fixed-width keys), exactly as kvd_proto/native.py's
  *       py_granted_apply does: the offsets go in at the front of `slots`, each kept block as
- *       kept[key] = offset (the very offset object put in `slots`). None (nothing changed)
- *       for any other shape: the caller decodes it with the checked decoder
- *       (kvd_proto/records.py), which says what is wrong.
+ *       kept[key] = offset and kept_at[offset] = key. None (nothing changed) for any other
+ *       shape: the caller decodes it with the checked decoder (kvd_proto/records.py), which
+ *       says what is wrong.
  *
- *   kept_compact(slots, kept) -> None
- *       Forget the kept blocks whose slots are no longer in `slots` (stored into, given back),
- *       as py_kept_compact does: kept keeps, in order, its entries whose offset is held or
- *       negative (a block being taken back).
+ *   kept_compact(slots, kept, kept_at, restoring) -> None
+ *       Forget the kept blocks of slots no longer in `slots` (stored into, given back), as
+ *       py_kept_compact does: kept_at keeps its entries whose offset is held, in order; kept
+ *       is rebuilt from them, then the keys being taken back (`restoring`: (seq, key) pairs
+ *       whose kept value is negative) are kept as they were.
  *
  *   list_discard(items, obj) -> bool (below): a kept block's slot taken back.
  *
@@ -40,14 +41,15 @@ static uint32_t read_u32(const unsigned char *p) {
 }
 
 PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyList_Check(args[1]) ||
-        !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "granted_apply(payload: bytes, slots: list, kept: dict)");
+    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyList_Check(args[1]) ||
+        !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "granted_apply(payload: bytes, slots: list, kept: dict, kept_at: dict)");
         return NULL;
     }
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(args[0]);
     Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
-    PyObject *slots = args[1], *kept = args[2];
+    PyObject *slots = args[1], *kept = args[2], *kept_at = args[3];
     if (size < 4) Py_RETURN_NONE;
     Py_ssize_t count = (Py_ssize_t)read_u32(p);
     Py_ssize_t at = 4 + 8 * count;
@@ -92,7 +94,8 @@ PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t
         PyObject *offset = PyList_GET_ITEM(offsets, (Py_ssize_t)read_u32(index + 4 * i));
         PyObject *key = PyBytes_FromStringAndSize((const char *)p + keys_start + i * width,
                                                   width);
-        if (key == NULL || PyDict_SetItem(kept, key, offset) < 0) {
+        if (key == NULL || PyDict_SetItem(kept, key, offset) < 0 ||
+            PyDict_SetItem(kept_at, offset, key) < 0) {
             Py_XDECREF(key);
             Py_DECREF(offsets);
             return NULL;
@@ -104,27 +107,50 @@ PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t
 }
 
 PyObject *native_kept_compact(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyDict_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "kept_compact(slots, kept: dict)");
+    if (nargs != 4 || !PyDict_Check(args[1]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kept_compact(slots, kept: dict, kept_at: dict, restoring)");
         return NULL;
     }
-    PyObject *kept = args[1];
-    PyObject *held = NULL, *still = NULL, *zero = NULL, *result = NULL;
+    PyObject *kept = args[1], *kept_at = args[2];
+    PyObject *held = NULL, *still = NULL, *restoring = NULL, *iter = NULL, *item = NULL;
+    PyObject *zero = NULL, *result = NULL;
     if ((held = PySet_New(args[0])) == NULL || (still = PyDict_New()) == NULL ||
-        (zero = PyLong_FromLong(0)) == NULL)
+        (restoring = PyDict_New()) == NULL || (zero = PyLong_FromLong(0)) == NULL)
         goto done;
     Py_ssize_t pos = 0;
-    PyObject *key, *offset;
-    while (PyDict_Next(kept, &pos, &key, &offset)) {
-        int keep = PySet_Contains(held, offset);
-        if (keep == 0) keep = PyObject_RichCompareBool(offset, zero, Py_LT);
-        if (keep < 0 || (keep && PyDict_SetItem(still, key, offset) < 0)) goto done;
+    PyObject *offset, *key;
+    while (PyDict_Next(kept_at, &pos, &offset, &key)) {
+        int in = PySet_Contains(held, offset);
+        if (in < 0 || (in && PyDict_SetItem(still, offset, key) < 0)) goto done;
     }
+    if ((iter = PyObject_GetIter(args[3])) == NULL) goto done;
+    while ((item = PyIter_Next(iter)) != NULL) {
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "restoring holds (seq, key) pairs");
+            goto done;
+        }
+        PyObject *k = PyTuple_GET_ITEM(item, 1);
+        PyObject *value = PyDict_GetItemWithError(kept, k);     /* borrowed */
+        if (value == NULL && PyErr_Occurred()) goto done;
+        int negative = value == NULL ? 0 : PyObject_RichCompareBool(value, zero, Py_LT);
+        if (negative < 0 || (negative && PyDict_SetItem(restoring, k, value) < 0)) goto done;
+        Py_CLEAR(item);
+    }
+    if (PyErr_Occurred()) goto done;
     PyDict_Clear(kept);
-    if (PyDict_Update(kept, still) < 0) goto done;
+    pos = 0;
+    while (PyDict_Next(still, &pos, &offset, &key))
+        if (PyDict_SetItem(kept, key, offset) < 0) goto done;
+    if (PyDict_Update(kept, restoring) < 0) goto done;
+    PyDict_Clear(kept_at);
+    if (PyDict_Update(kept_at, still) < 0) goto done;
     result = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(item);
+    Py_XDECREF(iter);
     Py_XDECREF(zero);
+    Py_XDECREF(restoring);
     Py_XDECREF(still);
     Py_XDECREF(held);
     return result;

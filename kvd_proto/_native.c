@@ -1060,10 +1060,10 @@ static PyMethodDef module_methods[] = {
      "decode_keyed(kind, payload, max_string, max_keys, max_key_bytes) -> the fields of a "
      "STORE, COMPLETE_STORE, PIN or COMPLETE_LOAD record, or None (kvd_proto/_decode.c)"},
     {"granted_apply", (PyCFunction)(void (*)(void))native_granted_apply, METH_FASTCALL,
-     "granted_apply(payload, slots, kept) -> the slots granted, or None: a GRANTED "
+     "granted_apply(payload, slots, kept, kept_at) -> the slots granted, or None: a GRANTED "
      "applied to a reserve (kvd_proto/_grants.c)"},
     {"kept_compact", (PyCFunction)(void (*)(void))native_kept_compact, METH_FASTCALL,
-     "kept_compact(slots, kept) -> None: forget the kept blocks of slots "
+     "kept_compact(slots, kept, kept_at, restoring) -> None: forget the kept blocks of slots "
      "not held (kvd_proto/_grants.c)"},
     {"list_discard", (PyCFunction)(void (*)(void))native_list_discard, METH_FASTCALL,
      "list_discard(items, obj) -> bool: remove obj (by identity first) from a list "

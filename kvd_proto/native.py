@@ -37,7 +37,7 @@ import mmap
 import os
 import struct
 from array import array
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol, cast
 
 from kvd_proto.below_layout import MAX_PROBE as BELOW_MAX_PROBE
@@ -646,29 +646,38 @@ def granted_shape(payload: bytes
     return view[4:at].cast("Q").tolist(), index, keys
 
 
-def py_granted_apply(payload: bytes, slots: list[int], kept: dict[bytes, int]) -> int | None:
+def py_granted_apply(payload: bytes, slots: list[int], kept: dict[bytes, int],
+                     kept_at: dict[int, bytes]) -> int | None:
     """The Python twin of `_native.granted_apply` (kvd_proto/_grants.c): a GRANTED of the
     shapes the daemon writes applied to a reserve's containers (its offsets in at the front
-    of `slots`; each kept block as kept[key] = offset): the slots granted, or None (nothing
-    changed) for any other shape, which the checked decoder reads."""
+    of `slots`; each kept block as kept[key] = offset, kept_at[offset] = key): the slots
+    granted, or None (nothing changed) for any other shape, which the checked decoder reads."""
     granted = granted_shape(payload)
     if granted is None:
         return None
     offsets, index, keys = granted
     slots[:0] = offsets
     if index:
-        kept.update(zip(keys, [offsets[i] for i in index], strict=True))
+        at = [offsets[i] for i in index]
+        kept.update(zip(keys, at, strict=True))
+        kept_at.update(zip(at, keys, strict=True))
     return len(offsets)
 
 
-def py_kept_compact(slots: Collection[int], kept: dict[bytes, int]) -> None:
-    """The Python twin of `_native.kept_compact`: forget the kept blocks whose offsets are not
-    in `slots` (`kept` changed in place, its order kept; the keys being taken back, negative
-    there, stay)."""
+def py_kept_compact(slots: Collection[int], kept: dict[bytes, int],
+                    kept_at: dict[int, bytes], restoring: Iterable[tuple[int, bytes]]
+                    ) -> None:
+    """The Python twin of `_native.kept_compact`: forget the kept blocks of slots not in
+    `slots` (both dicts changed in place; the keys being taken back, negative in `kept`,
+    stay)."""
     held = set(slots)
-    still = {k: o for k, o in kept.items() if o in held or o < 0}
+    still = {o: k for o, k in kept_at.items() if o in held}
+    taking_back = {key: kept[key] for _, key in restoring if kept.get(key, 0) < 0}
     kept.clear()                 # in place: the lookups hold this dict
-    kept.update(still)
+    kept.update(zip(still.values(), still.keys(), strict=True))
+    kept.update(taking_back)
+    kept_at.clear()
+    kept_at.update(still)
 
 
 def py_list_discard(items: list[Any], obj: object) -> bool:
@@ -717,9 +726,10 @@ decode_keyed: DecodeKeyed | None = \
     _native.decode_keyed if _native is not None else None
 # A reserve's top-up and its kept blocks' upkeep in one pass (kvd_proto/_grants.c); the twins
 # above otherwise.
-granted_apply: Callable[[bytes, list[int], dict[bytes, int]], int | None] = \
+granted_apply: Callable[[bytes, list[int], dict[bytes, int], dict[int, bytes]], int | None] = \
     _native.granted_apply if _native is not None else py_granted_apply
-kept_compact: Callable[[Collection[int], dict[bytes, int]], None] = \
+kept_compact: Callable[[Collection[int], dict[bytes, int], dict[int, bytes],
+                        Iterable[tuple[int, bytes]]], None] = \
     _native.kept_compact if _native is not None else py_kept_compact
 list_discard: Callable[[list[Any], object], bool] = \
     _native.list_discard if _native is not None else py_list_discard

@@ -88,6 +88,7 @@ class StoreReserve:
         # has read it); the lookups hand these keys to the session (kvd_proto/native.py).
         self.kept: dict[bytes, int] = {}
         self.keep_evicted = keep_evicted          # ask the daemon to name them (flag 2)
+        self._kept_at: dict[int, bytes] = {}      # offset -> key, for the slots in `slots`
         self._restoring: deque[tuple[int, bytes]] = deque()   # (seq, key) taken back, in order
         self._demand = _WindowMax()
         self._deficit = _WindowMax()
@@ -134,22 +135,21 @@ class StoreReserve:
     def _compact(self) -> None:
         """Forget the kept blocks of slots no longer held (stored into, given back), once
         there is much of them (compiled: kvd_proto/native.py `kept_compact`)."""
-        if len(self.kept) > 2 * len(self.slots) + COMPACT_SLACK:
-            kept_compact(self.slots, self.kept)
+        if len(self._kept_at) > 2 * len(self.slots) + COMPACT_SLACK:
+            kept_compact(self.slots, self.kept, self._kept_at, self._restoring)
 
     def reclaim(self, key: bytes, seq: int) -> int | None:
         """Take the slot still holding the evicted block `key` out of the reserve, to be that
         block again (the session sends RESTORE in step `seq`): its offset, or None when no
-        slot here holds it. The slot is found by the very offset object granted with the
-        block (`list_discard`); one stored into since and granted again, with another block
-        or none, is taken back too (rare: before the next compaction), and the daemon, which
-        checks each RESTORE against what it granted, frees it instead (docs/attach.md)."""
+        slot here holds it."""
         offset = self.kept.get(key)
-        if offset is None or offset < 0:
+        if offset is None or offset < 0 or self._kept_at.get(offset) != key:
             return None
         if not list_discard(self.slots, offset):   # not held any more: forget it
+            del self._kept_at[offset]
             del self.kept[key]
             return None
+        del self._kept_at[offset]
         self.kept[key] = -(seq + 1)
         self._restoring.append((seq, key))
         self._step_demand += 1                      # a slot left the reserve: replaced as one
@@ -200,7 +200,9 @@ class StoreReserve:
         self.slots[:0] = offsets
         self._unreplaced = max(0, self._unreplaced - len(offsets))
         if kept_index:
-            self.kept.update(zip(kept_keys, [offsets[i] for i in kept_index], strict=True))
+            at = [offsets[i] for i in kept_index]
+            self.kept.update(zip(kept_keys, at, strict=True))
+            self._kept_at.update(zip(at, kept_keys, strict=True))
             self._compact()
 
     def granted_record(self, payload: bytes) -> bool:
@@ -208,7 +210,7 @@ class StoreReserve:
         (kvd_proto/native.py `granted_apply`, compiled where built: the top-up comes every
         step or two when the engine stores flat out); False, nothing changed, for a shape
         only the checked decoder reads (the caller decodes it and calls `granted`)."""
-        count = granted_apply(payload, self.slots, self.kept)
+        count = granted_apply(payload, self.slots, self.kept, self._kept_at)
         if count is None:
             return False
         self._unreplaced = max(0, self._unreplaced - count)
@@ -246,4 +248,5 @@ class StoreReserve:
     def forget_kept(self) -> None:
         """No slot's evicted block is to be taken back any more (a new session, a reset)."""
         self.kept.clear()
+        self._kept_at.clear()
         self._restoring.clear()

@@ -7,6 +7,7 @@ reserve exactly as decoding the record and calling `granted` does."""
 from __future__ import annotations
 
 import struct
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -32,11 +33,12 @@ def granted_payload(offsets: list[int], kept: list[tuple[int, bytes]] | None,
         struct.pack("<IHH", len(kept), width, 0) + b"".join(key for _, key in kept)
 
 
-def containers(n_held: int = 6) -> tuple[list[int], dict[bytes, int]]:
-    """A reserve's slots and kept blocks before a top-up: one held, one stale, one being
-    taken back."""
+def containers(n_held: int = 6) -> tuple[list[int], dict[bytes, int], dict[int, bytes]]:
+    """A reserve's slots and kept blocks before a top-up: some held, some stale."""
     slots = [SLOT * (1000 + i) for i in range(n_held)]
-    return slots, {b"h" * 32: slots[0], b"s" * 32: SLOT * 5, b"r" * 32: -3}
+    kept_at = {slots[0]: b"h" * 32, SLOT * 5: b"s" * 32}
+    kept = {k: o for o, k in kept_at.items()}
+    return slots, kept, kept_at
 
 
 @st.composite
@@ -69,11 +71,11 @@ def payloads(draw: st.DrawFn) -> bytes:
     return data
 
 
-def snapshot(slots: list[int], kept: dict[bytes, int]
-             ) -> tuple[list[int], list[tuple[bytes, int]]]:
-    """The containers, their order included, and whether each kept offset is the very object
-    its slot holds (`list_discard` finds it by identity)."""
-    return list(slots), [(k, o, any(o is held for held in slots)) for k, o in kept.items()]
+def snapshot(slots: list[int], kept: dict[bytes, int], kept_at: dict[int, bytes]
+             ) -> tuple[list[int], list[tuple[bytes, int]], list[tuple[int, bytes]]]:
+    """The containers, their order included (a dict's order decides which of two equal keys
+    wins later)."""
+    return list(slots), list(kept.items()), list(kept_at.items())
 
 
 @compiled
@@ -93,7 +95,7 @@ def test_a_grant_applied_undecoded_holds_the_reserve_as_the_decoded_one(payload)
     whole for the decoder (which reads it or refuses it)."""
     undecoded, decoded = StoreReserve(), StoreReserve()
     for reserve in (undecoded, decoded):
-        reserve.slots[:], reserve.kept = containers()
+        reserve.slots[:], reserve.kept, reserve._kept_at = containers()
         reserve.took(9)
     taken = undecoded.granted_record(payload)
     try:
@@ -106,47 +108,58 @@ def test_a_grant_applied_undecoded_holds_the_reserve_as_the_decoded_one(payload)
         decoded.granted(answer.offsets, answer.kept_index, answer.kept_keys)
         if not taken:          # a shape only the checked decoder reads: the caller's part
             undecoded.granted(answer.offsets, answer.kept_index, answer.kept_keys)
-    assert snapshot(undecoded.slots, undecoded.kept) == snapshot(decoded.slots, decoded.kept)
+    assert snapshot(undecoded.slots, undecoded.kept, undecoded._kept_at) == \
+        snapshot(decoded.slots, decoded.kept, decoded._kept_at)
     assert undecoded._unreplaced == decoded._unreplaced
 
 
 def test_the_shapes_the_daemon_writes_are_taken_and_a_broken_one_changes_nothing():
     for apply in {native.granted_apply, native.py_granted_apply}:
-        slots, kept = containers(2)
+        slots, kept, kept_at = containers(2)
         key = b"k" * 32
-        assert apply(granted_payload([SLOT * 7, SLOT * 8], [(1, key)]), slots, kept) == 2
-        assert slots[:2] == [SLOT * 7, SLOT * 8] and kept[key] == SLOT * 8
+        assert apply(granted_payload([SLOT * 7, SLOT * 8], [(1, key)]), slots, kept,
+                     kept_at) == 2
+        assert slots[:2] == [SLOT * 7, SLOT * 8] and kept[key] == SLOT * 8 and \
+            kept_at[SLOT * 8] == key
         assert kept[key] is slots[1]          # the very object: `list_discard` finds it so
-        before = snapshot(slots, kept)
+        before = snapshot(slots, kept, kept_at)
         broken = granted_payload([SLOT * 9], [(1, key)])            # index past the offsets
-        assert apply(broken, slots, kept) is None
-        assert apply(b"\x01\x00", slots, kept) is None
-        assert snapshot(slots, kept) == before
+        assert apply(broken, slots, kept, kept_at) is None
+        assert apply(b"\x01\x00", slots, kept, kept_at) is None
+        assert snapshot(slots, kept, kept_at) == before
 
 
 @st.composite
-def reserves(draw: st.DrawFn) -> tuple[list[int], dict[bytes, int]]:
-    """Slots and kept blocks: some of slots still held, some stale, two keys at one slot,
-    keys being taken back (negative)."""
-    offsets = [SLOT * i for i in range(draw(st.integers(1, 40)))]
-    slots = draw(st.lists(st.sampled_from(offsets), unique=True))
-    kept: dict[bytes, int] = {}
-    for i in range(draw(st.integers(0, 30))):
-        kept[bytes([i]) * 8] = draw(st.one_of(st.sampled_from(offsets),
-                                              st.integers(-9, -1)))
-    return slots, kept
+def reserves(draw: st.DrawFn) -> tuple[list[int], dict[bytes, int], dict[int, bytes],
+                                       deque[tuple[int, bytes]]]:
+    """Slots, kept blocks (some of slots still held, some stale, some keys kept at two slots)
+    and keys being taken back (negative in `kept`)."""
+    offsets = [SLOT * i for i in range(draw(st.integers(0, 40)))]
+    slots = draw(st.lists(st.sampled_from(offsets), unique=True)) if offsets else []
+    keys = [bytes([i]) * 8 for i in range(12)]
+    kept_at: dict[int, bytes] = {}
+    for offset in draw(st.lists(st.sampled_from(offsets), unique=True)) if offsets else []:
+        kept_at[offset] = draw(st.sampled_from(keys))
+    kept = {k: o for o, k in kept_at.items()}
+    restoring: deque[tuple[int, bytes]] = deque()
+    for seq, key in enumerate(draw(st.lists(st.sampled_from(keys), max_size=5))):
+        if draw(st.booleans()):
+            kept[key] = -(seq + 1)
+        restoring.append((seq, key))
+    return slots, kept, kept_at, restoring
 
 
 @compiled
 @settings(max_examples=300, deadline=None)
 @given(reserves())
 def test_the_compiled_compaction_forgets_what_its_twin_forgets(reserve):
-    slots, kept = reserve
-    c_kept = dict(kept)
-    native.kept_compact(slots, c_kept)
-    native.py_kept_compact(slots, kept)
+    slots, kept, kept_at, restoring = reserve
+    c_kept, c_at = dict(kept), dict(kept_at)
+    native.kept_compact(slots, c_kept, c_at, restoring)
+    native.py_kept_compact(slots, kept, kept_at, restoring)
     assert list(c_kept.items()) == list(kept.items())
-    assert all(o < 0 or o in slots for o in kept.values())
+    assert list(c_at.items()) == list(kept_at.items())
+    assert set(kept_at) <= set(slots)
 
 
 @compiled
@@ -162,8 +175,7 @@ def test_discarding_from_a_list_matches_list_remove(values, value, same_object):
 
 def test_a_kept_block_is_taken_back_and_a_stale_one_forgotten():
     """`reclaim` through `list_discard`: a held kept slot leaves the reserve once; one whose
-    slot was stored into answers None and is forgotten; compaction forgets the kept blocks of
-    slots gone, never one being taken back."""
+    slot was stored into answers None and is forgotten."""
     reserve = StoreReserve()
     key, stale = b"a" * 32, b"b" * 32
     assert reserve.granted_record(granted_payload([SLOT * 1, SLOT * 2], [(0, key), (1, stale)]))
@@ -173,11 +185,3 @@ def test_a_kept_block_is_taken_back_and_a_stale_one_forgotten():
     assert reserve.kept[key] == -4
     reserve.restored(3)
     assert key not in reserve.kept
-    many = [SLOT * (10 + i) for i in range(300)]
-    assert reserve.granted_record(granted_payload(many, [(i, bytes([i % 251]) * 31 + b"x")
-                                                         for i in range(300)], width=32))
-    reserve.reclaim(bytes([5]) * 31 + b"x", 9)                  # being taken back
-    reserve.take(299)                                           # every other slot stored into
-    reserve.kept.update({i.to_bytes(4, "little") * 8: SLOT * 99_999 for i in range(5000)})
-    reserve.granted_record(granted_payload([SLOT * 5], None))   # the next top-up compacts
-    assert reserve.kept == {bytes([5]) * 31 + b"x": -10}

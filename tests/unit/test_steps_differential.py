@@ -136,7 +136,7 @@ def state(s: OffloadSession) -> dict[str, Any]:
                   {e: list(k) for e, k in loads._stale_loads.items()}),
         "reserve": (list(reserve.slots), reserve.target, reserve.sent, reserve.declined,
                     reserve.urgent, reserve._step_demand, reserve._unreplaced),
-        "kept": (dict(reserve.kept), list(reserve._restoring),
+        "kept": (dict(reserve.kept), dict(reserve._kept_at), list(reserve._restoring),
                  list(s._restores)),
         "resets": (s._resets.pending, s._resets.epoch),
         "link": (list(link.records), link._optional, link.seq, link.acked,
