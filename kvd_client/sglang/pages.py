@@ -118,6 +118,19 @@ class PageGeometry:
         execute(plan, self.copy_threads)
         return plan.total_bytes
 
+    def copy_flat(self, sources: Sequence[int], targets: Sequence[int]) -> int:
+        """Copy whole flat pages (`page_bytes` each) from each source address to the target
+        beside it, as the v1 calls copy (one compiled call, shared among `copy_threads`);
+        the bytes copied."""
+        n = min(len(sources), len(targets))
+        if not n:
+            return 0
+        plan = coalesce(np.asarray(sources[:n], dtype=np.int64),
+                        np.asarray(targets[:n], dtype=np.int64),
+                        np.full(n, self.page_bytes, dtype=np.int64))
+        execute(plan, self.copy_threads)
+        return plan.total_bytes
+
     def store(self, firsts: np.ndarray, pool_base: int, offsets: Sequence[int]) -> int:
         """Copy the host pages starting at `firsts` into slots; the bytes copied."""
         host, slot, lengths = self._runs(firsts, pool_base, offsets)

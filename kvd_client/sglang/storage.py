@@ -18,7 +18,6 @@ counted, logged at most every 10 s, and answered as a miss or a store not made).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import socket
@@ -177,9 +176,9 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        store = self._store
+        store, geometry = self._store, self._geometry
         out: list[torch.Tensor | None] = [None] * len(keys)
-        if store is None or not keys:
+        if store is None or geometry is None or not keys:
             return out
         try:
             targets = list(target_locations) if target_locations is not None else \
@@ -187,9 +186,8 @@ class KvdHiCacheStorage(HiCacheStorage):
             addresses = [self._flat(t) for t in targets]
 
             def copy(base: int, offsets: Sequence[int]) -> int:
-                for address, offset in zip(addresses, offsets, strict=False):
-                    ctypes.memmove(address, base + offset, store.page_bytes)
-                return len(offsets) * store.page_bytes
+                return geometry.copy_flat([base + offset for offset in offsets],
+                                          addresses[:len(offsets)])
 
             got = store.load(page_keys(keys), copy)
             out[:got] = targets[:got]
@@ -204,8 +202,8 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        store = self._store
-        if store is None or not keys or values is None:
+        store, geometry = self._store, self._geometry
+        if store is None or geometry is None or not keys or values is None:
             return False
         try:
             addresses = [self._flat(v) for v in values]
@@ -213,9 +211,8 @@ class KvdHiCacheStorage(HiCacheStorage):
                 raise ValueError(f"{len(keys)} keys, {len(addresses)} pages")
 
             def copy(base: int, offsets: Sequence[int], idx: list[int]) -> int:
-                for offset, i in zip(offsets, idx, strict=True):
-                    ctypes.memmove(base + offset, addresses[i], store.page_bytes)
-                return len(offsets) * store.page_bytes
+                return geometry.copy_flat([addresses[i] for i in idx],
+                                          [base + offset for offset in offsets])
 
             return store.store(page_keys(keys), copy) == len(keys)
         except Exception:  # noqa: BLE001 - never into SGLang's threads: counted, logged by PageStore.failed

@@ -166,6 +166,29 @@ def test_a_batch_shared_among_copy_threads_is_byte_exact(daemon, layout):
         default.close()
 
 
+def test_flat_batches_round_trip_byte_exact(daemon):
+    """SGLang without interface_v1: `batch_set` of flat pages, `batch_get` into flat pages
+    (given, and made by the backend), copied as the v1 calls copy."""
+    pool = E.mha_host_pool("layer_first")
+    backend = make(daemon.socket, pool)
+    try:
+        assert backend._store.client.wait_available(WAIT_S)
+        keys = keys_for("flat-batch", 3)
+        written = E.fill_pages(pool, [2, 5, 6], seed=31)
+        pages = [pool.get_data_page(p * pool.page_size, flat=True).clone() for p in (2, 5, 6)]
+        assert backend.batch_set(keys, pages)
+        assert wait_exists(backend, keys) == 3
+        given = [pool.get_dummy_flat_data_page().clone() for _ in keys]
+        got = backend.batch_get(keys, given)
+        assert len(got) == 3 and all(a is b for a, b in zip(got, given, strict=True))
+        made = backend.batch_get(keys)
+        for page, one, other in zip([2, 5, 6], given, made, strict=True):
+            assert one.view(torch.uint8).numpy().tobytes() == written[page]
+            assert other is not None and other.numpy().tobytes() == written[page]
+    finally:
+        backend.close()
+
+
 def test_options_are_checked_at_start(daemon):
     pool = E.mha_host_pool("page_first")
     for extra, word in (({"kvd_deadline_ms": "soon"}, "kvd_deadline_ms"),
