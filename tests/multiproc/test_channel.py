@@ -86,6 +86,7 @@ def test_an_engine_stepping_flat_out_reaches_the_daemon_on_its_own_thread(daemon
     keys = keys_for("flat-out", steps * per_step)
     stored = 0
     declined = 0
+    missing: set[bytes] = set()
     try:
         for i in range(steps):                    # no sleep, no wait: one thread, flat out
             busy(STEP_S)
@@ -93,6 +94,7 @@ def test_an_engine_stepping_flat_out_reaches_the_daemon_on_its_own_thread(daemon
             granted = a.reserve(new, f"r{i}")
             if granted is None:
                 declined += 1
+                missing.update(new)           # never stored: a MISS, whatever LRU keeps
             else:
                 for key, offset in granted:
                     write_block(a, offset, key)
@@ -117,6 +119,9 @@ def test_an_engine_stepping_flat_out_reaches_the_daemon_on_its_own_thread(daemon
         assert states.count(Lookup.HIT_PENDING) == ready["blocks_restored_total"], ready
         assert states.count(Lookup.HIT) + ready["blocks_restored_total"] == \
             doc["blocks"]["ready"] > 0, ready
-        assert states[-240:] == [Lookup.HIT] * 240, "the newest blocks were evicted (LRU)"
+        newest = [state for key, state in zip(keys[-240:], states[-240:], strict=True)
+                  if key not in missing]          # a step the reserve was short stored none
+        assert len(newest) >= 240 - 3 * per_step
+        assert newest == [Lookup.HIT] * len(newest), "the newest blocks were evicted (LRU)"
     finally:
         close_session(a)
