@@ -13,7 +13,7 @@ setup(ext_modules=[
     Extension("kvd_proto._native",
               sources=["kvd_proto/_native.c", "kvd_proto/_records.c", "kvd_proto/_steps.c",
                        "kvd_proto/_rings.c", "kvd_proto/_decode.c", "kvd_proto/_grants.c"],
-              depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h", "kvd_proto/_rings.h"],
+              depends=["kvd_proto/_records.h", "kvd_proto/_lookups.h", "kvd_proto/_rings.h", "kvd_proto/_kept.h"],
               extra_compile_args=FLAGS, optional=True),
     # A copy plan's runs in one call, large ones streamed (twin: kvd_client/dataplane/cpu.py).
     Extension("kvd_client.dataplane._copy", sources=["kvd_client/dataplane/_copy.c"],

@@ -1,38 +1,448 @@
-/* kvd_proto._native, part five: a session's reserve topped up (GRANTED) in one pass.
+/* kvd_proto._native, part five: a session's reserve topped up (GRANTED), and the evicted
+ * blocks its granted slots still hold, in one table with no Python object per key.
  *
  * The daemon tops an engine's reserve up unasked, a few hundred slots a step when the engine
  * stores flat out, and (RESERVE flag 2) names the evicted block each slot still holds, so the
  * engine keeps hitting it until it stores into the slot (docs/attach.md, "Kept blocks in
- * granted slots"). Read in Python (a slice per key, a list of offsets, two dict updates) that
- * was ~100 us of the scheduler thread a step at 3,000 sessions; here it is one pass:
+ * granted slots"). Kept in two dicts (key -> offset and offset -> key, a bytes object per key,
+ * rebuilt now and then to forget the slots stored into) that was ~60-90 us of the scheduler
+ * thread a step at 3,000 sessions and 128 sequences; here a GRANTED is one pass and a slot
+ * leaving the reserve one probe:
  *
- *   granted_apply(payload, slots, kept, kept_at) -> count or None
- *       For a GRANTED of the two shapes the daemon writes (offsets alone; offsets, then the
- *       kept blocks' indices and their fixed-width keys), exactly as kvd_proto/native.py's
- *       py_granted_apply does: the offsets go in at the front of `slots`, each kept block as
- *       kept[key] = offset and kept_at[offset] = key. None (nothing changed) for any other
- *       shape: the caller decodes it with the checked decoder (kvd_proto/records.py), which
- *       says what is wrong.
- *
- *   kept_compact(slots, kept, kept_at, restoring) -> None
- *       Forget the kept blocks of slots no longer in `slots` (stored into, given back), as
- *       py_kept_compact does: kept_at keeps its entries whose offset is held, in order; kept
- *       is rebuilt from them, then the keys being taken back (`restoring`: (seq, key) pairs
- *       whose kept value is negative) are kept as they were.
+ *   KeptTable()            key -> value: the offset of the granted slot holding the evicted
+ *                          block `key` (>= 0), or -(seq + 1) while the engine takes it back
+ *                          (RESTORE sent in step `seq`). An offset is in at most one entry.
+ *     .apply(payload, slots) -> count or None
+ *                          A GRANTED of the two shapes the daemon writes (offsets alone;
+ *                          offsets, then the kept blocks' indices and their fixed-width keys):
+ *                          its offsets go in at the front of the list `slots`, each kept block
+ *                          as put(key, offset). None (nothing changed) for any other shape:
+ *                          the caller decodes it with the checked decoder
+ *                          (kvd_proto/records.py), which says what is wrong.
+ *     .put(key, value)     set key's value (an offset replaces the entry that held it).
+ *     .get(key) -> value or None; .pop(key) -> value or None; `key in t`; len(t).
+ *     .discard_offsets(offsets)  the entries holding these offsets go (their slots left the
+ *                          reserve: stored into, given back).
+ *     .items() -> [(key, value)] (tests); .clear().
+ *   An entry keeps the very offset object that went into `slots` (what list_discard finds by
+ *   identity when a block is taken back).
  *
  *   list_discard(items, obj) -> bool (below): a kept block's slot taken back.
  *
- * tests/unit/test_grants.py holds each equal to their twins on random and broken payloads.
+ * Twins: kvd_proto/native.py PyKeptTable and py_list_discard; tests/unit/test_grants.py holds
+ * them equal on random operations and on random and broken payloads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "_kept.h"
 #include "_records.h"
 
 #define MAX_KEY_BYTES 128   /* kvd_proto/wire.py MAX_KEY_BYTES */
 #define KEYS_HEADER 8       /* u32 count, u16 width, u16 zero (records.py _KEYS) */
+#define EMPTY (-1)
+#define TOMB (-2)           /* a bucket whose entry went: probes pass it, inserts reuse it */
+
+typedef struct {
+    int64_t value;          /* offset >= 0, or -(seq + 1) */
+    uint64_t hash;          /* of the key */
+    PyObject *offset;       /* the offset object granted (held), or NULL for a negative value */
+    uint32_t len;           /* the key's length; UINT32_MAX: a free entry */
+    int32_t next_free;
+    uint32_t kb, ob;        /* its buckets in by_key and by_offset (they never move: a
+                             * deletion leaves a TOMB, the table is rebuilt past many) */
+} KeptEntry;
+
+struct KeptTable {
+    PyObject_HEAD
+    KeptEntry *entries;
+    unsigned char *keys;    /* `stride` bytes per entry: the longest key put so far (a
+                             * namespace's keys have one width: the table stays small) */
+    int32_t *by_key;        /* buckets: entry index, EMPTY or TOMB */
+    int32_t *by_offset;     /* buckets of the entries with an offset */
+    Py_ssize_t cap, used;   /* entries; nbuckets = 2 * cap, a power of two */
+    Py_ssize_t tombs_k, tombs_o;   /* TOMBs in each: entries + TOMBs stay < half the buckets */
+    Py_ssize_t stride;
+    uint64_t mask;
+    int32_t free_head;
+};
+
+static uint64_t mix64(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+static uint64_t key_hash64(const unsigned char *p, Py_ssize_t n) {
+    uint64_t h = 0x9e3779b97f4a7c15ULL ^ (uint64_t)n;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0x9e3779b97f4a7c15ULL;
+        h ^= h >> 29;
+    }
+    if (i < n) {
+        uint64_t w = 0;
+        memcpy(&w, p + i, (size_t)(n - i));
+        h = (h ^ w) * 0x9e3779b97f4a7c15ULL;
+    }
+    return mix64(h);
+}
+
+static inline unsigned char *entry_key(const KeptTable *t, int32_t i) {
+    return t->keys + (size_t)i * (size_t)t->stride;
+}
+
+static int table_alloc(KeptTable *t, Py_ssize_t cap, Py_ssize_t stride) {
+    KeptEntry *entries = PyMem_Calloc((size_t)cap, sizeof *entries);
+    unsigned char *keys = PyMem_Malloc((size_t)cap * (size_t)stride);
+    int32_t *by_key = PyMem_Malloc((size_t)cap * 2 * sizeof *by_key);
+    int32_t *by_offset = PyMem_Malloc((size_t)cap * 2 * sizeof *by_offset);
+    if (entries == NULL || keys == NULL || by_key == NULL || by_offset == NULL) {
+        PyMem_Free(entries);
+        PyMem_Free(keys);
+        PyMem_Free(by_key);
+        PyMem_Free(by_offset);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(by_key, 0xff, (size_t)cap * 2 * sizeof *by_key);
+    memset(by_offset, 0xff, (size_t)cap * 2 * sizeof *by_offset);
+    for (Py_ssize_t i = 0; i < cap; i++) {
+        entries[i].len = UINT32_MAX;
+        entries[i].next_free = i + 1 < cap ? (int32_t)(i + 1) : EMPTY;
+    }
+    t->entries = entries;
+    t->keys = keys;
+    t->by_key = by_key;
+    t->by_offset = by_offset;
+    t->cap = cap;
+    t->stride = stride;
+    t->used = 0;
+    t->tombs_k = t->tombs_o = 0;
+    t->mask = (uint64_t)cap * 2 - 1;
+    t->free_head = 0;
+    return 0;
+}
+
+static void table_release(KeptTable *t) {
+    if (t->entries != NULL)
+        for (Py_ssize_t i = 0; i < t->cap; i++)
+            if (t->entries[i].len != UINT32_MAX) Py_CLEAR(t->entries[i].offset);
+    PyMem_Free(t->entries);
+    PyMem_Free(t->keys);
+    PyMem_Free(t->by_key);
+    PyMem_Free(t->by_offset);
+    t->entries = NULL;
+    t->keys = NULL;
+    t->by_key = t->by_offset = NULL;
+    t->cap = t->used = 0;
+    t->tombs_k = t->tombs_o = 0;
+    t->mask = 0;
+    t->free_head = EMPTY;
+}
+
+static inline uint64_t offset_home(const KeptTable *t, int64_t value) {
+    return mix64((uint64_t)value) & t->mask;
+}
+
+/* The bucket of `by_key` holding the entry of this key (*found 1), or where it would go: the
+ * first TOMB its probe passed, else the EMPTY bucket ending it (*found 0). */
+static uint64_t key_bucket(const KeptTable *t, const unsigned char *key, Py_ssize_t n,
+                           uint64_t h, int *found) {
+    uint64_t b = h & t->mask, free_at = UINT64_MAX;
+    for (;;) {
+        int32_t i = t->by_key[b];
+        if (i == EMPTY) {
+            *found = 0;
+            return free_at != UINT64_MAX ? free_at : b;
+        }
+        if (i == TOMB) {
+            if (free_at == UINT64_MAX) free_at = b;
+        } else {
+            const KeptEntry *e = &t->entries[i];
+            if (e->hash == h && e->len == (uint32_t)n &&
+                memcmp(entry_key(t, i), key, (size_t)n) == 0) {
+                *found = 1;
+                return b;
+            }
+        }
+        b = (b + 1) & t->mask;
+    }
+}
+
+static uint64_t offset_bucket(const KeptTable *t, int64_t value, int *found) {
+    uint64_t b = offset_home(t, value), free_at = UINT64_MAX;
+    for (;;) {
+        int32_t i = t->by_offset[b];
+        if (i == EMPTY) {
+            *found = 0;
+            return free_at != UINT64_MAX ? free_at : b;
+        }
+        if (i == TOMB) {
+            if (free_at == UINT64_MAX) free_at = b;
+        } else if (t->entries[i].value == value) {
+            *found = 1;
+            return b;
+        }
+        b = (b + 1) & t->mask;
+    }
+}
+
+/* Entry `i` goes: TOMBs in its buckets, the entry back on the free list. */
+static void entry_remove(KeptTable *t, int32_t i) {
+    KeptEntry *e = &t->entries[i];
+    t->by_key[e->kb] = TOMB;
+    t->tombs_k++;
+    if (e->value >= 0) {
+        t->by_offset[e->ob] = TOMB;
+        t->tombs_o++;
+    }
+    Py_CLEAR(e->offset);
+    e->len = UINT32_MAX;
+    e->next_free = t->free_head;
+    t->free_head = i;
+    t->used--;
+}
+
+/* Removes the entry holding offset `value`, if any; the by_offset bucket where an entry of
+ * that offset goes now (its TOMB, or where the probe found room). */
+static uint64_t remove_offset(KeptTable *t, int64_t value) {
+    int found;
+    uint64_t ob = offset_bucket(t, value, &found);
+    if (found) entry_remove(t, t->by_offset[ob]);
+    return ob;
+}
+
+/* Entry `i` into its buckets: `kb` in by_key; in by_offset (an offset's entry) `ob`. Each is
+ * EMPTY or a TOMB on the key's probe (removals leave TOMBs: what a probe found free stays). */
+static void entry_link(KeptTable *t, int32_t i, uint64_t kb, uint64_t ob, int with_offset) {
+    KeptEntry *e = &t->entries[i];
+    if (t->by_key[kb] == TOMB) t->tombs_k--;
+    t->by_key[kb] = i;
+    e->kb = (uint32_t)kb;
+    if (with_offset) {
+        if (t->by_offset[ob] == TOMB) t->tombs_o--;
+        t->by_offset[ob] = i;
+        e->ob = (uint32_t)ob;
+    }
+}
+
+/* The table again, TOMBs gone: with room for twice the entries when it is 3/4 full, keys up
+ * to `stride` long. */
+static int table_grow(KeptTable *t, Py_ssize_t stride) {
+    KeptTable old = *t;
+    int full = old.used + 1 > old.cap / 2 + old.cap / 4 || old.free_head == EMPTY;
+    Py_ssize_t cap = old.cap == 0 ? 64 : full ? old.cap * 2 : old.cap;
+    if (table_alloc(t, cap, stride > old.stride ? stride : old.stride) < 0) {
+        *t = old;
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < old.cap; j++) {
+        KeptEntry *e = &old.entries[j];
+        if (e->len == UINT32_MAX) continue;
+        int32_t i = t->free_head;
+        t->free_head = t->entries[i].next_free;
+        t->entries[i] = *e;                          /* the offset object moves with it */
+        memcpy(entry_key(t, i), old.keys + (size_t)j * (size_t)old.stride, e->len);
+        t->used++;
+        int found;
+        uint64_t kb = key_bucket(t, entry_key(t, i), e->len, e->hash, &found);
+        uint64_t ob = e->value >= 0 ? offset_bucket(t, e->value, &found) : 0;
+        entry_link(t, i, kb, ob, e->value >= 0);
+    }
+    PyMem_Free(old.entries);
+    PyMem_Free(old.keys);
+    PyMem_Free(old.by_key);
+    PyMem_Free(old.by_offset);
+    return 0;
+}
+
+/* key's value := value (offset: `offset`, the object granted, held; NULL for a negative
+ * value). An offset replaces the entry that held it. */
+static int table_put(KeptTable *t, const unsigned char *key, Py_ssize_t n, int64_t value,
+                     PyObject *offset) {
+    if (n > MAX_KEY_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "a kept block's key is longer than 128 bytes");
+        return -1;
+    }
+    Py_ssize_t tombs = t->tombs_k > t->tombs_o ? t->tombs_k : t->tombs_o;
+    if (n > t->stride || t->used + 1 > t->cap / 2 + t->cap / 4 || t->free_head == EMPTY ||
+        t->used + tombs + 2 > t->cap)
+        if (table_grow(t, n) < 0) return -1;
+    uint64_t h = key_hash64(key, n);
+    int found;
+    uint64_t b = key_bucket(t, key, n, h, &found);
+    if (found) entry_remove(t, t->by_key[b]);     /* its bucket, a TOMB now, is b again */
+    uint64_t ob = value >= 0 ? remove_offset(t, value) : 0;
+    int32_t i = t->free_head;
+    KeptEntry *e = &t->entries[i];
+    t->free_head = e->next_free;
+    e->value = value;
+    e->hash = h;
+    e->len = (uint32_t)n;
+    e->offset = value >= 0 ? Py_NewRef(offset) : NULL;
+    memcpy(entry_key(t, i), key, (size_t)n);
+    t->used++;
+    entry_link(t, i, b, ob, value >= 0);
+    return 0;
+}
+
+static int32_t table_find(const KeptTable *t, const unsigned char *key, Py_ssize_t n) {
+    if (t->used == 0 || n > MAX_KEY_BYTES) return EMPTY;
+    int found;
+    uint64_t b = key_bucket(t, key, n, key_hash64(key, n), &found);
+    return found ? t->by_key[b] : EMPTY;
+}
+
+int kept_table_contains(PyObject *table, PyObject *key) {
+    KeptTable *t = (KeptTable *)table;
+    return table_find(t, (const unsigned char *)PyBytes_AS_STRING(key),
+                      PyBytes_GET_SIZE(key)) != EMPTY;
+}
+
+/* ------------------------------------------------------------------ the Python type */
+
+static int key_arg(PyObject *key, const unsigned char **p, Py_ssize_t *n) {
+    if (!PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "a kept block's key must be bytes");
+        return -1;
+    }
+    *p = (const unsigned char *)PyBytes_AS_STRING(key);
+    *n = PyBytes_GET_SIZE(key);
+    return 0;
+}
+
+static PyObject *entry_value(const KeptTable *t, int32_t i) {
+    const KeptEntry *e = &t->entries[i];
+    return e->offset != NULL ? Py_NewRef(e->offset) : PyLong_FromLongLong(e->value);
+}
+
+static PyObject *KeptTable_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    if (PyTuple_GET_SIZE(args) || (kw != NULL && PyDict_GET_SIZE(kw))) {
+        PyErr_SetString(PyExc_TypeError, "KeptTable() takes no arguments");
+        return NULL;
+    }
+    KeptTable *t = (KeptTable *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    if (table_alloc(t, 64, 32) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
+static void KeptTable_dealloc(KeptTable *t) {
+    table_release(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t KeptTable_len(KeptTable *t) { return t->used; }
+
+static int KeptTable_contains(KeptTable *t, PyObject *key) {
+    if (!PyBytes_Check(key)) return 0;
+    return table_find(t, (const unsigned char *)PyBytes_AS_STRING(key),
+                      PyBytes_GET_SIZE(key)) != EMPTY;
+}
+
+static PyObject *KeptTable_get(KeptTable *t, PyObject *key) {
+    const unsigned char *p;
+    Py_ssize_t n;
+    if (key_arg(key, &p, &n) < 0) return NULL;
+    int32_t i = table_find(t, p, n);
+    if (i == EMPTY) Py_RETURN_NONE;
+    return entry_value(t, i);
+}
+
+static PyObject *KeptTable_pop(KeptTable *t, PyObject *key) {
+    const unsigned char *p;
+    Py_ssize_t n;
+    if (key_arg(key, &p, &n) < 0) return NULL;
+    if (t->used == 0 || n > MAX_KEY_BYTES) Py_RETURN_NONE;
+    int found;
+    uint64_t b = key_bucket(t, p, n, key_hash64(p, n), &found);
+    if (!found) Py_RETURN_NONE;
+    PyObject *value = entry_value(t, t->by_key[b]);
+    if (value == NULL) return NULL;
+    entry_remove(t, t->by_key[b]);
+    return value;
+}
+
+static int value_arg(PyObject *obj, int64_t *value) {
+    if (!PyLong_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "a kept block's value must be an int");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *value = v;
+    return 0;
+}
+
+static PyObject *KeptTable_put(KeptTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put(key, value)");
+        return NULL;
+    }
+    const unsigned char *p;
+    Py_ssize_t n;
+    int64_t value;
+    if (key_arg(args[0], &p, &n) < 0 || value_arg(args[1], &value) < 0) return NULL;
+    if (table_put(t, p, n, value, args[1]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeptTable_discard_offsets(KeptTable *t, PyObject *offsets) {
+    if (t->used == 0) Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(offsets, "offsets must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n && t->used; i++) {
+        int64_t value;
+        if (value_arg(items[i], &value) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (value >= 0) remove_offset(t, value);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeptTable_items(KeptTable *t, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < t->cap; i++) {
+        const KeptEntry *e = &t->entries[i];
+        if (e->len == UINT32_MAX) continue;
+        PyObject *value = entry_value(t, (int32_t)i);
+        PyObject *item = value == NULL ? NULL :
+            Py_BuildValue("(y#N)", (const char *)entry_key(t, (int32_t)i), (Py_ssize_t)e->len,
+                          value);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyObject *KeptTable_clear(KeptTable *t, PyObject *unused) {
+    if (t->used == 0) Py_RETURN_NONE;
+    Py_ssize_t stride = t->stride ? t->stride : 32;
+    table_release(t);
+    if (table_alloc(t, 64, stride) < 0) return NULL;
+    Py_RETURN_NONE;
+}
 
 static uint32_t read_u32(const unsigned char *p) {
     uint32_t v;
@@ -40,16 +450,14 @@ static uint32_t read_u32(const unsigned char *p) {
     return v;
 }
 
-PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyList_Check(args[1]) ||
-        !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "granted_apply(payload: bytes, slots: list, kept: dict, kept_at: dict)");
+static PyObject *KeptTable_apply(KeptTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "apply(payload: bytes, slots: list)");
         return NULL;
     }
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(args[0]);
     Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
-    PyObject *slots = args[1], *kept = args[2], *kept_at = args[3];
+    PyObject *slots = args[1];
     if (size < 4) Py_RETURN_NONE;
     Py_ssize_t count = (Py_ssize_t)read_u32(p);
     Py_ssize_t at = 4 + 8 * count;
@@ -74,6 +482,11 @@ PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t
         m = mm;
         width = w;
     }
+    for (Py_ssize_t i = 0; i < count; i++) {  /* an offset the table cannot hold: decoded */
+        uint64_t v;
+        memcpy(&v, p + 4 + 8 * i, 8);
+        if (v > (uint64_t)INT64_MAX) Py_RETURN_NONE;
+    }
     PyObject *offsets = PyList_New(count);
     if (offsets == NULL) return NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -91,70 +504,49 @@ PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *offset = PyList_GET_ITEM(offsets, (Py_ssize_t)read_u32(index + 4 * i));
-        PyObject *key = PyBytes_FromStringAndSize((const char *)p + keys_start + i * width,
-                                                  width);
-        if (key == NULL || PyDict_SetItem(kept, key, offset) < 0 ||
-            PyDict_SetItem(kept_at, offset, key) < 0) {
-            Py_XDECREF(key);
+        Py_ssize_t j = (Py_ssize_t)read_u32(index + 4 * i);
+        uint64_t v;
+        memcpy(&v, p + 4 + 8 * j, 8);
+        if (table_put(t, p + keys_start + i * width, width, (int64_t)v,
+                      PyList_GET_ITEM(offsets, j)) < 0) {
             Py_DECREF(offsets);
             return NULL;
         }
-        Py_DECREF(key);
     }
     Py_DECREF(offsets);
     return PyLong_FromSsize_t(count);
 }
 
-PyObject *native_kept_compact(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyDict_Check(args[1]) || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "kept_compact(slots, kept: dict, kept_at: dict, restoring)");
-        return NULL;
-    }
-    PyObject *kept = args[1], *kept_at = args[2];
-    PyObject *held = NULL, *still = NULL, *restoring = NULL, *iter = NULL, *item = NULL;
-    PyObject *zero = NULL, *result = NULL;
-    if ((held = PySet_New(args[0])) == NULL || (still = PyDict_New()) == NULL ||
-        (restoring = PyDict_New()) == NULL || (zero = PyLong_FromLong(0)) == NULL)
-        goto done;
-    Py_ssize_t pos = 0;
-    PyObject *offset, *key;
-    while (PyDict_Next(kept_at, &pos, &offset, &key)) {
-        int in = PySet_Contains(held, offset);
-        if (in < 0 || (in && PyDict_SetItem(still, offset, key) < 0)) goto done;
-    }
-    if ((iter = PyObject_GetIter(args[3])) == NULL) goto done;
-    while ((item = PyIter_Next(iter)) != NULL) {
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-            PyErr_SetString(PyExc_TypeError, "restoring holds (seq, key) pairs");
-            goto done;
-        }
-        PyObject *k = PyTuple_GET_ITEM(item, 1);
-        PyObject *value = PyDict_GetItemWithError(kept, k);     /* borrowed */
-        if (value == NULL && PyErr_Occurred()) goto done;
-        int negative = value == NULL ? 0 : PyObject_RichCompareBool(value, zero, Py_LT);
-        if (negative < 0 || (negative && PyDict_SetItem(restoring, k, value) < 0)) goto done;
-        Py_CLEAR(item);
-    }
-    if (PyErr_Occurred()) goto done;
-    PyDict_Clear(kept);
-    pos = 0;
-    while (PyDict_Next(still, &pos, &offset, &key))
-        if (PyDict_SetItem(kept, key, offset) < 0) goto done;
-    if (PyDict_Update(kept, restoring) < 0) goto done;
-    PyDict_Clear(kept_at);
-    if (PyDict_Update(kept_at, still) < 0) goto done;
-    result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(item);
-    Py_XDECREF(iter);
-    Py_XDECREF(zero);
-    Py_XDECREF(restoring);
-    Py_XDECREF(still);
-    Py_XDECREF(held);
-    return result;
-}
+static PyMethodDef KeptTable_methods[] = {
+    {"apply", (PyCFunction)(void (*)(void))KeptTable_apply, METH_FASTCALL,
+     "apply(payload, slots) -> the slots granted, or None: a GRANTED applied to a reserve"},
+    {"put", (PyCFunction)(void (*)(void))KeptTable_put, METH_FASTCALL,
+     "put(key, value): key's value (an offset replaces the entry that held it)"},
+    {"get", (PyCFunction)KeptTable_get, METH_O, "get(key) -> value or None"},
+    {"pop", (PyCFunction)KeptTable_pop, METH_O, "pop(key) -> value or None (removed)"},
+    {"discard_offsets", (PyCFunction)KeptTable_discard_offsets, METH_O,
+     "discard_offsets(offsets): the entries holding these offsets go"},
+    {"items", (PyCFunction)KeptTable_items, METH_NOARGS, "items() -> [(key, value)]"},
+    {"clear", (PyCFunction)KeptTable_clear, METH_NOARGS, "clear(): no entry"},
+    {NULL}};
+
+static PySequenceMethods KeptTable_as_sequence = {
+    .sq_length = (lenfunc)KeptTable_len,
+    .sq_contains = (objobjproc)KeptTable_contains,
+};
+
+PyTypeObject KeptTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvd_proto._native.KeptTable",
+    .tp_basicsize = sizeof(KeptTable),
+    .tp_dealloc = (destructor)KeptTable_dealloc,
+    .tp_as_sequence = &KeptTable_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The evicted blocks a session's granted slots still hold: key -> offset, or "
+              "-(seq + 1) while taken back (kvd_proto/_grants.c).",
+    .tp_methods = KeptTable_methods,
+    .tp_new = KeptTable_new,
+};
 
 /* list_discard(items, obj) -> bool: remove `obj` from the list `items` (the element that is
  * `obj` itself, else the first equal to it); False when none is. A reserve takes a kept

@@ -50,8 +50,9 @@ typedef struct {
                           * kvd_proto/native.py; _steps.c reads and changes it) */
     PyObject *miss, *hit;
     PyObject *fallback;  /* callable(key): every other case */
-    PyObject *kept;      /* dict or NULL: keys of evicted blocks this engine's granted slots
-                          * still hold (kvd_client/offload/reserve.py): the fallback's */
+    PyObject *kept;      /* a KeptTable (kvd_proto/_kept.h; or any sized container) or
+                          * NULL: keys of evicted blocks this engine's granted slots still
+                          * hold (kvd_client/offload/reserve.py): the fallback's */
     Below below;         /* the namespace's "held below" table, when bound */
     int enabled;
     unsigned long long lookups, hit_count, miss_count;

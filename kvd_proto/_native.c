@@ -28,6 +28,7 @@
 #include "_records.h"
 #include "_lookups.h"
 #include "_rings.h"
+#include "_kept.h"
 
 
 /* ---------------------------------------------------------------- CRC-32 (zlib's) */
@@ -416,9 +417,10 @@ static void ahead_forget(Lookups *self);
 static int Lookups_init(Lookups *self, PyObject *args, PyObject *kw) {
     PyObject *stores, *miss, *hit, *fallback, *kept = NULL;
     static char *names[] = {"stores", "miss", "hit", "fallback", "kept", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO|O!", names, &PyDict_Type, &stores, &miss,
-                                     &hit, &fallback, &PyDict_Type, &kept))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO|O", names, &PyDict_Type, &stores, &miss,
+                                     &hit, &fallback, &kept))
         return -1;
+    if (kept == Py_None) kept = NULL;     /* else a KeptTable, or any sized container */
     if (!PyCallable_Check(fallback)) {
         PyErr_SetString(PyExc_TypeError, "fallback must be callable");
         return -1;
@@ -654,8 +656,14 @@ static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t
         return Py_NewRef(self->hit);
     }
     int own = PyDict_Contains(self->stores, key);
-    if (own == 0 && self->kept != NULL && PyDict_GET_SIZE(self->kept))
-        own = PyDict_Contains(self->kept, key);
+    if (own == 0 && self->kept != NULL) {
+        if (Py_IS_TYPE(self->kept, &KeptTableType))
+            own = kept_table_contains(self->kept, key);
+        else {
+            Py_ssize_t size = PyObject_Length(self->kept);
+            own = size < 0 ? -1 : size > 0 ? PySequence_Contains(self->kept, key) : 0;
+        }
+    }
     if (own < 0) return NULL;
     if (own || (self->below.bound &&
                 below_has(&self->below, (unsigned char *)PyBytes_AS_STRING(key),
@@ -1059,12 +1067,6 @@ static PyMethodDef module_methods[] = {
     {"decode_keyed", (PyCFunction)(void (*)(void))native_decode_keyed, METH_FASTCALL,
      "decode_keyed(kind, payload, max_string, max_keys, max_key_bytes) -> the fields of a "
      "STORE, COMPLETE_STORE, PIN or COMPLETE_LOAD record, or None (kvd_proto/_decode.c)"},
-    {"granted_apply", (PyCFunction)(void (*)(void))native_granted_apply, METH_FASTCALL,
-     "granted_apply(payload, slots, kept, kept_at) -> the slots granted, or None: a GRANTED "
-     "applied to a reserve (kvd_proto/_grants.c)"},
-    {"kept_compact", (PyCFunction)(void (*)(void))native_kept_compact, METH_FASTCALL,
-     "kept_compact(slots, kept, kept_at, restoring) -> None: forget the kept blocks of slots "
-     "not held (kvd_proto/_grants.c)"},
     {"list_discard", (PyCFunction)(void (*)(void))native_list_discard, METH_FASTCALL,
      "list_discard(items, obj) -> bool: remove obj (by identity first) from a list "
      "(kvd_proto/_grants.c)"},
@@ -1079,11 +1081,14 @@ PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
     ahead_attr = PyUnicode_InternFromString("_offload_key_positions");
     if (ahead_attr == NULL) return NULL;
-    if (PyType_Ready(&LookupsType) < 0 || PyType_Ready(&IndexTableType) < 0) return NULL;
+    if (PyType_Ready(&LookupsType) < 0 || PyType_Ready(&IndexTableType) < 0 ||
+        PyType_Ready(&KeptTableType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Lookups", (PyObject *)&LookupsType) < 0 ||
         PyModule_AddObjectRef(m, "IndexTable", (PyObject *)&IndexTableType) < 0 ||
+        PyModule_AddObjectRef(m, "KeptTable", (PyObject *)&KeptTableType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_PROBE", MAX_PROBE) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -31,8 +31,6 @@ PyObject *native_keys_record(PyObject *self, PyObject *const *args, Py_ssize_t n
 /* The strict decoder of the keyed up records (kvd_proto/_decode.c). */
 PyObject *native_decode_keyed(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* A reserve's top-up applied, and its kept blocks compacted (kvd_proto/_grants.c). */
-PyObject *native_granted_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *native_kept_compact(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *native_list_discard(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -26,9 +26,9 @@ in the environment forces the twins (the tests run both). `NATIVE` says which is
 - `keys_block`, `keys_record`: the channel's records that carry keys (a store, a pin, a
   completion: one per offload call of the scheduler, with up to hundreds of keys), encoded in
   one pass (kvd_proto/records.py has the layout).
-- `granted_apply`, `kept_compact`, `list_discard`: a session's reserve topped up by a GRANTED (its slots, and
-  the evicted blocks they still hold), those blocks forgotten once their slots are gone, and
-  one taken back (kvd_client/offload/reserve.py keeps the containers).
+- `KeptTable`, `list_discard`: the evicted blocks a session's granted slots still hold (a
+  GRANTED applied in one pass: its slots into the reserve, its kept blocks into the table; an
+  entry gone with its slot) and a slot taken back (kvd_client/offload/reserve.py keeps them).
 """
 from __future__ import annotations
 
@@ -272,8 +272,8 @@ class LookupsType(Protocol):
     slots still hold) or the held-below table names."""
 
     def __call__(self, stores: dict[bytes, Store], miss: Any, hit: Any,
-                 fallback: Callable[[bytes], Any], kept: dict[bytes, int] | None = None, /
-                 ) -> IndexLookups: ...
+                 fallback: Callable[[bytes], Any],
+                 kept: KeptTableType | Collection[bytes] | None = None, /) -> IndexLookups: ...
 
 
 class IndexWrites(Protocol):
@@ -340,11 +340,11 @@ class PyLookups:
     (`store`, `pin`, `complete`, `settle`): their twin is the session's own Python path."""
 
     def __init__(self, stores: dict[bytes, Store], miss: Any, hit: Any,
-                 fallback: Callable[[bytes], Any], kept: dict[bytes, int] | None = None
-                 ) -> None:
+                 fallback: Callable[[bytes], Any],
+                 kept: KeptTableType | Collection[bytes] | None = None) -> None:
         self._hits: dict[bytes, int] = {}          # this step's HITs -> offset
         self._stores = stores
-        self._kept = kept if kept is not None else {}
+        self._kept: KeptTableType | Collection[bytes] = kept if kept is not None else ()
         self._miss = miss
         self._hit = hit
         self._fallback = fallback
@@ -646,38 +646,114 @@ def granted_shape(payload: bytes
     return view[4:at].cast("Q").tolist(), index, keys
 
 
-def py_granted_apply(payload: bytes, slots: list[int], kept: dict[bytes, int],
-                     kept_at: dict[int, bytes]) -> int | None:
-    """The Python twin of `_native.granted_apply` (kvd_proto/_grants.c): a GRANTED of the
-    shapes the daemon writes applied to a reserve's containers (its offsets in at the front
-    of `slots`; each kept block as kept[key] = offset, kept_at[offset] = key): the slots
-    granted, or None (nothing changed) for any other shape, which the checked decoder reads."""
-    granted = granted_shape(payload)
-    if granted is None:
-        return None
-    offsets, index, keys = granted
-    slots[:0] = offsets
-    if index:
-        at = [offsets[i] for i in index]
-        kept.update(zip(keys, at, strict=True))
-        kept_at.update(zip(at, keys, strict=True))
-    return len(offsets)
+MAX_KEPT_KEY = 128              # kvd_proto/wire.py MAX_KEY_BYTES: what a KeptTable holds
+INT64_LIMIT = 2 ** 63           # a KeptTable's values are signed 64-bit
 
 
-def py_kept_compact(slots: Collection[int], kept: dict[bytes, int],
-                    kept_at: dict[int, bytes], restoring: Iterable[tuple[int, bytes]]
-                    ) -> None:
-    """The Python twin of `_native.kept_compact`: forget the kept blocks of slots not in
-    `slots` (both dicts changed in place; the keys being taken back, negative in `kept`,
-    stay)."""
-    held = set(slots)
-    still = {o: k for o, k in kept_at.items() if o in held}
-    taking_back = {key: kept[key] for _, key in restoring if kept.get(key, 0) < 0}
-    kept.clear()                 # in place: the lookups hold this dict
-    kept.update(zip(still.values(), still.keys(), strict=True))
-    kept.update(taking_back)
-    kept_at.clear()
-    kept_at.update(still)
+class PyKeptTable:
+    """The Python twin of `_native.KeptTable` (kvd_proto/_grants.c): the evicted blocks a
+    session's granted slots still hold, key -> the offset of the slot (>= 0, the very object
+    granted), or -(seq + 1) while the session takes it back. An offset is in at most one
+    entry: putting it replaces the entry that held it."""
+
+    __slots__ = ("_values", "_at")
+
+    def __init__(self) -> None:
+        self._values: dict[bytes, int] = {}
+        self._at: dict[int, bytes] = {}           # offset -> key, entries with an offset
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and bytes(key) in self._values
+
+    @staticmethod
+    def _key(key: object) -> bytes:
+        if not isinstance(key, bytes):
+            raise TypeError("a kept block's key must be bytes")
+        return bytes(key)
+
+    def get(self, key: bytes) -> int | None:
+        return self._values.get(self._key(key))
+
+    def pop(self, key: bytes) -> int | None:
+        value = self._values.pop(self._key(key), None)
+        if value is not None and value >= 0:
+            del self._at[value]
+        return value
+
+    def put(self, key: bytes, value: int) -> None:
+        key = self._key(key)
+        if not isinstance(value, int):
+            raise TypeError("a kept block's value must be an int")
+        if not -INT64_LIMIT <= value < INT64_LIMIT:
+            raise OverflowError("a kept block's value does not fit 64 bits")
+        if len(key) > MAX_KEPT_KEY:
+            raise ValueError("a kept block's key is longer than 128 bytes")
+        self.pop(key)
+        if value >= 0:
+            held = self._at.pop(value, None)
+            if held is not None:
+                del self._values[held]
+            self._at[value] = key
+        self._values[key] = value
+
+    def discard_offsets(self, offsets: Iterable[int]) -> None:
+        if not self._values:
+            return
+        for offset in offsets:
+            if not self._values:
+                break
+            if not isinstance(offset, int):
+                raise TypeError("a kept block's value must be an int")
+            key = self._at.pop(offset, None) if offset >= 0 else None
+            if key is not None:
+                del self._values[key]
+
+    def items(self) -> list[tuple[bytes, int]]:
+        return list(self._values.items())
+
+    def clear(self) -> None:
+        self._values.clear()
+        self._at.clear()
+
+    def apply(self, payload: bytes, slots: list[int]) -> int | None:
+        """A GRANTED of the shapes the daemon writes: its offsets in at the front of `slots`,
+        each kept block put (key, offset); the slots granted, or None (nothing changed) for
+        any other shape, which the checked decoder reads."""
+        granted = granted_shape(payload)
+        if granted is None:
+            return None
+        offsets, index, keys = granted
+        if offsets and max(offsets) >= INT64_LIMIT:
+            return None
+        slots[:0] = offsets
+        for i, key in zip(index, keys, strict=True):
+            self.put(key, offsets[i])
+        return len(offsets)
+
+
+class KeptTableType(Protocol):
+    """`_native.KeptTable` and `PyKeptTable`, as the reserve and the lookups use them."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object, /) -> bool: ...
+
+    def get(self, key: bytes, /) -> int | None: ...
+
+    def pop(self, key: bytes, /) -> int | None: ...
+
+    def put(self, key: bytes, value: int, /) -> None: ...
+
+    def discard_offsets(self, offsets: Iterable[int], /) -> None: ...
+
+    def items(self) -> list[tuple[bytes, int]]: ...
+
+    def clear(self) -> None: ...
+
+    def apply(self, payload: bytes, slots: list[int], /) -> int | None: ...
 
 
 def py_list_discard(items: list[Any], obj: object) -> bool:
@@ -724,13 +800,10 @@ ring_read: RingRead | None = \
 # None: kvd_proto/records.py's decode_up (the twin, and what says why a record is refused).
 decode_keyed: DecodeKeyed | None = \
     _native.decode_keyed if _native is not None else None
-# A reserve's top-up and its kept blocks' upkeep in one pass (kvd_proto/_grants.c); the twins
-# above otherwise.
-granted_apply: Callable[[bytes, list[int], dict[bytes, int], dict[int, bytes]], int | None] = \
-    _native.granted_apply if _native is not None else py_granted_apply
-kept_compact: Callable[[Collection[int], dict[bytes, int], dict[int, bytes],
-                        Iterable[tuple[int, bytes]]], None] = \
-    _native.kept_compact if _native is not None else py_kept_compact
+# A reserve's top-up and its kept blocks, no Python object per key (kvd_proto/_grants.c); the
+# twins above otherwise.
+KeptTable: Callable[[], KeptTableType] = \
+    _native.KeptTable if _native is not None else PyKeptTable
 list_discard: Callable[[list[Any], object], bool] = \
     _native.list_discard if _native is not None else py_list_discard
 key_positions: KeyPositions = \

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvd_proto import records as rec
-from kvd_proto.native import granted_apply, kept_compact, list_discard
+from kvd_proto.native import KeptTable, list_discard
 from kvd_proto.wire import MAX_GRANTED_SLOTS
 
 DEMAND_WINDOW = 64           # steps over which the peak demand and the largest deficit count
@@ -43,7 +43,6 @@ DEFAULT_INITIAL = 768        # the least a session holds in its first DEMAND_WIN
                              # (measured through vLLM's scheduler at 128 sequences flat out:
                              # up to ~740 slots stored before the first refill; 256 answered
                              # up to 57 prepare_store calls None)
-COMPACT_SLACK = 4096         # kept blocks of slots not held any more, forgotten beyond this
 CAP_SHARE = 4                # demand takes the reserve to at most 1/CAP_SHARE of the pool
 YOUNG_SHARE = 16             # a young session's floor is at most 1/YOUNG_SHARE of the pool
 
@@ -83,12 +82,13 @@ class StoreReserve:
         self.target = self.initial
         self.sent = -1                            # the target the daemon last heard
         self.slots: list[int] = []                # taken from the end (a slice), oldest
-        # Evicted blocks granted slots still hold: key -> the slot's offset while it is in
-        # `slots`, or -(seq + 1) once taken back (RESTORE sent in step `seq`, until the daemon
-        # has read it); the lookups hand these keys to the session (kvd_proto/native.py).
-        self.kept: dict[bytes, int] = {}
+        # Evicted blocks granted slots still hold: key -> the slot's offset (the object in
+        # `slots`) while the slot is there, or -(seq + 1) once taken back (RESTORE sent in
+        # step `seq`, until the daemon has read it); an entry goes with its slot. The lookups
+        # hand these keys to the session (kvd_proto/native.py KeptTable: compiled, no Python
+        # object per key).
+        self.kept = KeptTable()
         self.keep_evicted = keep_evicted          # ask the daemon to name them (flag 2)
-        self._kept_at: dict[int, bytes] = {}      # offset -> key, for the slots in `slots`
         self._restoring: deque[tuple[int, bytes]] = deque()   # (seq, key) taken back, in order
         self._demand = _WindowMax()
         self._deficit = _WindowMax()
@@ -117,40 +117,36 @@ class StoreReserve:
             self.declined += 1
             self.urgent = True
             return None
-        self.took(n)
         if not n:
+            self.took([])
             return []
         taken = self.slots[-n:]
         del self.slots[-n:]
+        self.took(taken)
         return taken
 
-    def took(self, n: int) -> None:
-        """`n` slots were taken from the end of `slots` (`take`, or the compiled store path
-        of kvd_proto/_steps.c, which takes them itself). What they held is not forgotten
-        here (a store must not pay for it): `reclaim` finds such a slot gone from `slots`,
-        and `granted` drops what no slot here holds once there is much of it."""
+    def took(self, taken: list[int]) -> None:
+        """`taken` slots left the end of `slots` (`take`, or the compiled store path of
+        kvd_proto/_steps.c, which takes them itself): the evicted blocks they held are
+        gone (stored over)."""
+        n = len(taken)
         self._step_demand += n
         self._unreplaced += n
-
-    def _compact(self) -> None:
-        """Forget the kept blocks of slots no longer held (stored into, given back), once
-        there is much of them (compiled: kvd_proto/native.py `kept_compact`)."""
-        if len(self._kept_at) > 2 * len(self.slots) + COMPACT_SLACK:
-            kept_compact(self.slots, self.kept, self._kept_at, self._restoring)
+        if len(self.kept):
+            self.kept.discard_offsets(taken)
 
     def reclaim(self, key: bytes, seq: int) -> int | None:
         """Take the slot still holding the evicted block `key` out of the reserve, to be that
         block again (the session sends RESTORE in step `seq`): its offset, or None when no
         slot here holds it."""
-        offset = self.kept.get(key)
-        if offset is None or offset < 0 or self._kept_at.get(offset) != key:
+        kept = self.kept
+        offset = kept.get(key)
+        if offset is None or offset < 0:
             return None
-        if not list_discard(self.slots, offset):   # not held any more: forget it
-            del self._kept_at[offset]
-            del self.kept[key]
+        if not list_discard(self.slots, offset):   # not held (cannot be): forget it
+            kept.pop(key)
             return None
-        del self._kept_at[offset]
-        self.kept[key] = -(seq + 1)
+        kept.put(key, -(seq + 1))
         self._restoring.append((seq, key))
         self._step_demand += 1                      # a slot left the reserve: replaced as one
         self._unreplaced += 1
@@ -163,7 +159,7 @@ class StoreReserve:
         while restoring and restoring[0][0] <= acked:
             seq, key = restoring.popleft()
             if kept.get(key) == -(seq + 1):
-                del kept[key]
+                kept.pop(key)
 
     def begin_step(self) -> None:
         """The step starts (after the daemon's grants were applied): the slots taken and not
@@ -199,22 +195,18 @@ class StoreReserve:
         `kept_keys`: which of them still hold which evicted block."""
         self.slots[:0] = offsets
         self._unreplaced = max(0, self._unreplaced - len(offsets))
-        if kept_index:
-            at = [offsets[i] for i in kept_index]
-            self.kept.update(zip(kept_keys, at, strict=True))
-            self._kept_at.update(zip(at, kept_keys, strict=True))
-            self._compact()
+        for i, key in zip(kept_index, kept_keys, strict=True):
+            self.kept.put(key, offsets[i])
 
     def granted_record(self, payload: bytes) -> bool:
         """A GRANTED record's payload applied as `granted` applies it decoded, in one pass
-        (kvd_proto/native.py `granted_apply`, compiled where built: the top-up comes every
-        step or two when the engine stores flat out); False, nothing changed, for a shape
-        only the checked decoder reads (the caller decodes it and calls `granted`)."""
-        count = granted_apply(payload, self.slots, self.kept, self._kept_at)
+        (the KeptTable's `apply`, compiled where built: the top-up comes every step or two
+        when the engine stores flat out); False, nothing changed, for a shape only the
+        checked decoder reads (the caller decodes it and calls `granted`)."""
+        count = self.kept.apply(payload, self.slots)
         if count is None:
             return False
         self._unreplaced = max(0, self._unreplaced - count)
-        self._compact()
         return True
 
     def surplus(self) -> list[int]:
@@ -222,7 +214,10 @@ class StoreReserve:
         lowered target (or the daemon would top them up again)."""
         if len(self.slots) <= 2 * self.target or self.sent != self.target:
             return []
-        return [self.slots.pop() for _ in range(len(self.slots) - self.target)]
+        surplus = [self.slots.pop() for _ in range(len(self.slots) - self.target)]
+        if len(self.kept):
+            self.kept.discard_offsets(surplus)
+        return surplus
 
     def step_records(self) -> list[bytes]:
         """Close the step (`end_step`); what to tell the daemon: the target when it changed
@@ -248,5 +243,4 @@ class StoreReserve:
     def forget_kept(self) -> None:
         """No slot's evicted block is to be taken back any more (a new session, a reset)."""
         self.kept.clear()
-        self._kept_at.clear()
         self._restoring.clear()

@@ -275,7 +275,8 @@ class OffloadSession(SessionTransfers):
         is taking back): True (pending: the index shows it once the daemon has read the
         RESTORE this step sends), None when the slot went to a store meanwhile."""
         seq = self._link.seq
-        if self._reserve.kept[key] < 0:
+        value = self._reserve.kept.get(key)
+        if value is not None and value < 0:
             return True                              # taken back: the daemon has not read it
         offset = self._reserve.reclaim(key, seq)
         if offset is None:

@@ -145,7 +145,7 @@ class SessionTransfers:
                                self._per_record, MAX_LOCAL_STORES - len(stores.stores))
             if done is not None:
                 new, taken, record = done
-                self._reserve.took(len(new))
+                self._reserve.took(taken)
                 if record is not None:
                     self._post(record)
                 return new, taken

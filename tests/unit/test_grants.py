@@ -1,13 +1,13 @@
-"""A reserve's top-up applied undecoded (kvd_proto/_grants.c and its twins in
-kvd_proto/native.py): the compiled `granted_apply`, `kept_compact` and `list_discard` leave a
-reserve's containers exactly as their Python twins do, on the GRANTED shapes the daemon writes
-and on broken ones (refused alike, nothing changed); and `StoreReserve.granted_record` holds a
-reserve exactly as decoding the record and calling `granted` does."""
+"""A reserve's top-up applied undecoded and its kept blocks (kvd_proto/_grants.c and its
+twins in kvd_proto/native.py): the compiled `KeptTable` answers and holds exactly what its
+Python twin does over random operations and on the GRANTED shapes the daemon writes and broken
+ones (refused alike, nothing changed); `list_discard` removes as list.remove does; and
+`StoreReserve.granted_record` holds a reserve exactly as decoding the record and calling
+`granted` does."""
 
 from __future__ import annotations
 
 import struct
-from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +20,7 @@ from kvd_proto.wire import MAX_KEY_BYTES
 
 compiled = pytest.mark.skipif(not native.NATIVE, reason="kvd_proto._native not built")
 SLOT = 65536
+TABLES = [native.PyKeptTable] + ([native._native.KeptTable] if native.NATIVE else [])
 
 
 def granted_payload(offsets: list[int], kept: list[tuple[int, bytes]] | None,
@@ -33,12 +34,17 @@ def granted_payload(offsets: list[int], kept: list[tuple[int, bytes]] | None,
         struct.pack("<IHH", len(kept), width, 0) + b"".join(key for _, key in kept)
 
 
-def containers(n_held: int = 6) -> tuple[list[int], dict[bytes, int], dict[int, bytes]]:
-    """A reserve's slots and kept blocks before a top-up: some held, some stale."""
+def filled(table_type, n_held: int = 6):
+    """A reserve's slots and kept blocks before a top-up: one held slot's, one taken back."""
     slots = [SLOT * (1000 + i) for i in range(n_held)]
-    kept_at = {slots[0]: b"h" * 32, SLOT * 5: b"s" * 32}
-    kept = {k: o for o, k in kept_at.items()}
-    return slots, kept, kept_at
+    table = table_type()
+    table.put(b"h" * 32, slots[0])
+    table.put(b"r" * 32, -3)
+    return slots, table
+
+
+def snapshot(slots: list[int], table) -> tuple[list[int], list[tuple[bytes, int]]]:
+    return list(slots), sorted(table.items())
 
 
 @st.composite
@@ -71,20 +77,88 @@ def payloads(draw: st.DrawFn) -> bytes:
     return data
 
 
-def snapshot(slots: list[int], kept: dict[bytes, int], kept_at: dict[int, bytes]
-             ) -> tuple[list[int], list[tuple[bytes, int]], list[tuple[int, bytes]]]:
-    """The containers, their order included (a dict's order decides which of two equal keys
-    wins later)."""
-    return list(slots), list(kept.items()), list(kept_at.items())
-
-
 @compiled
 @settings(max_examples=400, deadline=None)
 @given(payloads())
-def test_the_compiled_grant_leaves_the_containers_as_its_twin_does(payload):
-    c_side, py_side = containers(), containers()
-    assert native.granted_apply(payload, *c_side) == native.py_granted_apply(payload, *py_side)
+def test_the_compiled_grant_leaves_the_reserve_as_its_twin_does(payload):
+    c_side, py_side = filled(native._native.KeptTable), filled(native.PyKeptTable)
+    assert c_side[1].apply(payload, c_side[0]) == py_side[1].apply(payload, py_side[0])
     assert snapshot(*c_side) == snapshot(*py_side)
+
+
+KEYS = [bytes([i]) * w for i in range(6) for w in (1, 8, 32, 100)]   # 100: a wider stride
+OFFSETS = [SLOT * i for i in range(8)] + [0]
+
+
+@st.composite
+def operations(draw: st.DrawFn) -> list[tuple]:
+    """Random puts (offsets and values taken back, keys and offsets reused), gets, pops,
+    discards, clears, and bad arguments."""
+    ops = []
+    for _ in range(draw(st.integers(0, 120))):
+        kind = draw(st.sampled_from(["put", "put", "put", "putneg", "get", "pop", "in",
+                                     "discard", "clear", "bad"]))
+        key = draw(st.sampled_from(KEYS))
+        if kind == "put":
+            ops.append(("put", key, draw(st.sampled_from(OFFSETS))))
+        elif kind == "putneg":
+            ops.append(("put", key, -draw(st.integers(1, 9))))
+        elif kind == "discard":
+            ops.append(("discard", draw(st.lists(st.sampled_from(OFFSETS + [-1]),
+                                                 max_size=4))))
+        elif kind == "bad":
+            ops.append(draw(st.sampled_from([("put", "text", 1), ("put", key, 1.5),
+                                             ("put", b"x" * 129, 1), ("get", 7),
+                                             ("put", key, 1 << 64), ("discard", ["a"])])))
+        else:
+            ops.append((kind, key))
+    return ops
+
+
+def run(table, ops: list[tuple]) -> list:
+    out = []
+    for op in ops:
+        try:
+            if op[0] == "put":
+                out.append(table.put(op[1], op[2]))
+            elif op[0] == "get":
+                out.append(table.get(op[1]))
+            elif op[0] == "pop":
+                out.append(table.pop(op[1]))
+            elif op[0] == "in":
+                out.append(op[1] in table)
+            elif op[0] == "discard":
+                out.append(table.discard_offsets(op[1]))
+            else:
+                out.append(table.clear())
+        except (TypeError, ValueError, OverflowError) as exc:
+            out.append(type(exc).__name__)
+        out.append((len(table), sorted(table.items())))
+    return out
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(operations())
+def test_the_compiled_table_answers_as_its_twin_does(ops):
+    assert run(native._native.KeptTable(), ops) == run(native.PyKeptTable(), ops)
+
+
+@compiled
+def test_the_compiled_table_grows_and_shrinks_and_keeps_every_entry():
+    """Thousands of entries (the table grows past its first buckets), half of them gone by
+    their offsets, the rest still found: deletions leave no entry unreachable."""
+    c, py = native._native.KeptTable(), native.PyKeptTable()
+    for table in (c, py):
+        for i in range(5000):
+            table.put(i.to_bytes(16, "little"), SLOT * i)
+        table.discard_offsets([SLOT * i for i in range(0, 5000, 2)])
+        for i in range(0, 5000, 3):
+            table.put(i.to_bytes(16, "little"), -(i + 1))
+    assert sorted(c.items()) == sorted(py.items()) and len(c) == len(py)
+    for i in range(5000):
+        key = i.to_bytes(16, "little")
+        assert c.get(key) == py.get(key)
 
 
 @settings(max_examples=300, deadline=None)
@@ -95,8 +169,12 @@ def test_a_grant_applied_undecoded_holds_the_reserve_as_the_decoded_one(payload)
     whole for the decoder (which reads it or refuses it)."""
     undecoded, decoded = StoreReserve(), StoreReserve()
     for reserve in (undecoded, decoded):
-        reserve.slots[:], reserve.kept, reserve._kept_at = containers()
-        reserve.took(9)
+        reserve.slots[:] = [SLOT * (1000 + i) for i in range(6)]
+        slots = reserve.slots
+        reserve.kept.put(b"h" * 32, slots[0])
+        reserve.kept.put(b"r" * 32, -3)
+        reserve.took(reserve.slots[-2:])
+        del reserve.slots[-2:]
     taken = undecoded.granted_record(payload)
     try:
         answer = rec.decode_down(rec.GRANTED, payload)
@@ -108,58 +186,26 @@ def test_a_grant_applied_undecoded_holds_the_reserve_as_the_decoded_one(payload)
         decoded.granted(answer.offsets, answer.kept_index, answer.kept_keys)
         if not taken:          # a shape only the checked decoder reads: the caller's part
             undecoded.granted(answer.offsets, answer.kept_index, answer.kept_keys)
-    assert snapshot(undecoded.slots, undecoded.kept, undecoded._kept_at) == \
-        snapshot(decoded.slots, decoded.kept, decoded._kept_at)
+    assert snapshot(undecoded.slots, undecoded.kept) == snapshot(decoded.slots, decoded.kept)
     assert undecoded._unreplaced == decoded._unreplaced
 
 
 def test_the_shapes_the_daemon_writes_are_taken_and_a_broken_one_changes_nothing():
-    for apply in {native.granted_apply, native.py_granted_apply}:
-        slots, kept, kept_at = containers(2)
+    for table_type in TABLES:
+        slots, kept = filled(table_type, 2)
         key = b"k" * 32
-        assert apply(granted_payload([SLOT * 7, SLOT * 8], [(1, key)]), slots, kept,
-                     kept_at) == 2
-        assert slots[:2] == [SLOT * 7, SLOT * 8] and kept[key] == SLOT * 8 and \
-            kept_at[SLOT * 8] == key
-        assert kept[key] is slots[1]          # the very object: `list_discard` finds it so
-        before = snapshot(slots, kept, kept_at)
+        assert kept.apply(granted_payload([SLOT * 7, SLOT * 8], [(1, key)]), slots) == 2
+        assert slots[:2] == [SLOT * 7, SLOT * 8] and kept.get(key) == SLOT * 8
+        assert kept.get(key) is slots[1]          # the very object: `list_discard` finds it so
+        before = snapshot(slots, kept)
         broken = granted_payload([SLOT * 9], [(1, key)])            # index past the offsets
-        assert apply(broken, slots, kept, kept_at) is None
-        assert apply(b"\x01\x00", slots, kept, kept_at) is None
-        assert snapshot(slots, kept, kept_at) == before
-
-
-@st.composite
-def reserves(draw: st.DrawFn) -> tuple[list[int], dict[bytes, int], dict[int, bytes],
-                                       deque[tuple[int, bytes]]]:
-    """Slots, kept blocks (some of slots still held, some stale, some keys kept at two slots)
-    and keys being taken back (negative in `kept`)."""
-    offsets = [SLOT * i for i in range(draw(st.integers(0, 40)))]
-    slots = draw(st.lists(st.sampled_from(offsets), unique=True)) if offsets else []
-    keys = [bytes([i]) * 8 for i in range(12)]
-    kept_at: dict[int, bytes] = {}
-    for offset in draw(st.lists(st.sampled_from(offsets), unique=True)) if offsets else []:
-        kept_at[offset] = draw(st.sampled_from(keys))
-    kept = {k: o for o, k in kept_at.items()}
-    restoring: deque[tuple[int, bytes]] = deque()
-    for seq, key in enumerate(draw(st.lists(st.sampled_from(keys), max_size=5))):
-        if draw(st.booleans()):
-            kept[key] = -(seq + 1)
-        restoring.append((seq, key))
-    return slots, kept, kept_at, restoring
-
-
-@compiled
-@settings(max_examples=300, deadline=None)
-@given(reserves())
-def test_the_compiled_compaction_forgets_what_its_twin_forgets(reserve):
-    slots, kept, kept_at, restoring = reserve
-    c_kept, c_at = dict(kept), dict(kept_at)
-    native.kept_compact(slots, c_kept, c_at, restoring)
-    native.py_kept_compact(slots, kept, kept_at, restoring)
-    assert list(c_kept.items()) == list(kept.items())
-    assert list(c_at.items()) == list(kept_at.items())
-    assert set(kept_at) <= set(slots)
+        assert kept.apply(broken, slots) is None
+        assert kept.apply(b"\x01\x00", slots) is None
+        assert kept.apply(granted_payload([1 << 63], [(0, key)]), slots) is None
+        assert snapshot(slots, kept) == before
+        # A slot granted again with another block: the old block's entry goes.
+        assert kept.apply(granted_payload([SLOT * 8], [(0, b"n" * 32)]), slots) == 1
+        assert key not in kept and kept.get(b"n" * 32) == SLOT * 8
 
 
 @compiled
@@ -180,8 +226,9 @@ def test_a_kept_block_is_taken_back_and_a_stale_one_forgotten():
     key, stale = b"a" * 32, b"b" * 32
     assert reserve.granted_record(granted_payload([SLOT * 1, SLOT * 2], [(0, key), (1, stale)]))
     assert reserve.take(1) == [SLOT * 2]                  # the oldest granted: stale's slot
-    assert reserve.reclaim(stale, 3) is None and stale not in reserve.kept
+    assert stale not in reserve.kept                      # gone with its slot
+    assert reserve.reclaim(stale, 3) is None
     assert reserve.reclaim(key, 3) == SLOT * 1 and reserve.slots == []
-    assert reserve.kept[key] == -4
+    assert reserve.kept.get(key) == -4
     reserve.restored(3)
     assert key not in reserve.kept
