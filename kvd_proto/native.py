@@ -646,7 +646,6 @@ def granted_shape(payload: bytes
     return view[4:at].cast("Q").tolist(), index, keys
 
 
-MAX_KEPT_KEY = 128              # kvd_proto/wire.py MAX_KEY_BYTES: what a KeptTable holds
 INT64_LIMIT = 2 ** 63           # a KeptTable's values are signed 64-bit
 
 
@@ -689,7 +688,7 @@ class PyKeptTable:
             raise TypeError("a kept block's value must be an int")
         if not -INT64_LIMIT <= value < INT64_LIMIT:
             raise OverflowError("a kept block's value does not fit 64 bits")
-        if len(key) > MAX_KEPT_KEY:
+        if len(key) > MAX_KEY_BYTES:
             raise ValueError("a kept block's key is longer than 128 bytes")
         self.pop(key)
         if value >= 0:
