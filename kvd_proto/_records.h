@@ -20,6 +20,7 @@
 #define KIND_RETURN_SLOTS 12
 #define KIND_PROMOTE 13
 #define KIND_RESTORE 14
+#define KIND_HINT 15
 /* Down: daemon -> engine. */
 #define KIND_GRANTED 1
 #define KIND_RESET_DONE 2

@@ -41,8 +41,9 @@ ROLE_INDEX = "index"         # a registered session: its namespace's index + its
 ROLE_REPORT = "report"       # a worker's transfer sizes and times: no descriptor, no session
 ROLE_CHANNEL = "channel"     # a registered session: its channel (rings file + eventfd)
 ROLE_BELOW = "below"         # a registered session: its namespace's "held below" table
+ROLE_TENANT = "tenant"       # an agent tool: a tenant token (its own tenant's agent sessions)
 ROLES = (ROLE_ENGINE, ROLE_DATAPLANE, ROLE_ADMIN, ROLE_INDEX, ROLE_REPORT, ROLE_CHANNEL,
-         ROLE_BELOW)
+         ROLE_BELOW, ROLE_TENANT)
 REPORT_COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds")
 REPORT_SAMPLES = ("load_sizes", "store_sizes")
 MAX_COUNT = 1 << 63          # report integers are below this (int64 on the daemon's side)
@@ -259,6 +260,20 @@ def request_admin_token(socket_path: str, timeout: float) -> str:
         raise AttachError("UNIMPLEMENTED", "this daemon does not issue admin tokens; upgrade it "
                           "or use --admin-token-file")
     return token
+
+
+def request_tenant_token(socket_path: str, timeout: float) -> tuple[str, str]:
+    """Ask the daemon serving `socket_path` for a tenant token: (token, tenant). It scopes the
+    agent-session calls (`kvd session ...`) to this process's tenant, which the daemon decides
+    from SO_PEERCRED, never from anything sent here."""
+    doc, fds = exchange(socket_path, AttachRequest(ROLE_TENANT, "kvd-cli"), timeout)
+    for fd in fds:
+        os.close(fd)
+    token, tenant = doc.get("tenant_token"), doc.get("tenant")
+    if not isinstance(token, str) or not token or not isinstance(tenant, str):
+        raise AttachError("UNIMPLEMENTED", "this daemon does not issue tenant tokens; upgrade "
+                          "it")
+    return token, tenant
 
 
 def split_report(report: TransferReport, engine_id: str = "") -> list[AttachRequest]:

@@ -223,6 +223,20 @@ class RequestFinishedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class HintRequest(_message.Message):
+    __slots__ = ("req_id", "session", "retain_ms")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    session: str
+    retain_ms: int
+    def __init__(self, req_id: _Optional[str] = ..., session: _Optional[str] = ..., retain_ms: _Optional[int] = ...) -> None: ...
+
+class HintResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class OffloadEvent(_message.Message):
     __slots__ = ("keys", "removed", "metadata_only")
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -338,7 +352,7 @@ class ReleaseHeldResponse(_message.Message):
     def __init__(self, released_pins: _Optional[int] = ..., released_slots: _Optional[int] = ...) -> None: ...
 
 class StepOp(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "release_held", "grant", "store_granted", "pin")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "release_held", "grant", "store_granted", "pin", "hint")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +366,7 @@ class StepOp(_message.Message):
     GRANT_FIELD_NUMBER: _ClassVar[int]
     STORE_GRANTED_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupRequest
     prepare_load: PrepareLoadRequest
     complete_load: CompleteLoadRequest
@@ -365,10 +380,11 @@ class StepOp(_message.Message):
     grant: GrantRequest
     store_granted: StoreGrantedRequest
     pin: PinRequest
-    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldRequest, _Mapping]] = ..., grant: _Optional[_Union[GrantRequest, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedRequest, _Mapping]] = ..., pin: _Optional[_Union[PinRequest, _Mapping]] = ...) -> None: ...
+    hint: HintRequest
+    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadRequest, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadRequest, _Mapping]] = ..., touch: _Optional[_Union[TouchRequest, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreRequest, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreRequest, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedRequest, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsRequest, _Mapping]] = ..., reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldRequest, _Mapping]] = ..., grant: _Optional[_Union[GrantRequest, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedRequest, _Mapping]] = ..., pin: _Optional[_Union[PinRequest, _Mapping]] = ..., hint: _Optional[_Union[HintRequest, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "release_held", "grant", "store_granted", "pin")
+    __slots__ = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "request_finished", "take_events", "reset", "release_held", "grant", "store_granted", "pin", "hint")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_LOAD_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +398,7 @@ class StepResult(_message.Message):
     GRANT_FIELD_NUMBER: _ClassVar[int]
     STORE_GRANTED_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupResponse
     prepare_load: PrepareLoadResponse
     complete_load: CompleteLoadResponse
@@ -395,7 +412,8 @@ class StepResult(_message.Message):
     grant: GrantResponse
     store_granted: StoreGrantedResponse
     pin: PinResponse
-    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldResponse, _Mapping]] = ..., grant: _Optional[_Union[GrantResponse, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedResponse, _Mapping]] = ..., pin: _Optional[_Union[PinResponse, _Mapping]] = ...) -> None: ...
+    hint: HintResponse
+    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., prepare_load: _Optional[_Union[PrepareLoadResponse, _Mapping]] = ..., complete_load: _Optional[_Union[CompleteLoadResponse, _Mapping]] = ..., touch: _Optional[_Union[TouchResponse, _Mapping]] = ..., prepare_store: _Optional[_Union[PrepareStoreResponse, _Mapping]] = ..., complete_store: _Optional[_Union[CompleteStoreResponse, _Mapping]] = ..., request_finished: _Optional[_Union[RequestFinishedResponse, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResponse, _Mapping]] = ..., reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., release_held: _Optional[_Union[ReleaseHeldResponse, _Mapping]] = ..., grant: _Optional[_Union[GrantResponse, _Mapping]] = ..., store_granted: _Optional[_Union[StoreGrantedResponse, _Mapping]] = ..., pin: _Optional[_Union[PinResponse, _Mapping]] = ..., hint: _Optional[_Union[HintResponse, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("ops",)
@@ -438,6 +456,86 @@ class CloseSessionRequest(_message.Message):
 class CloseSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListAgentSessionsRequest(_message.Message):
+    __slots__ = ("session", "tenant", "limit")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    tenant: str
+    limit: int
+    def __init__(self, session: _Optional[str] = ..., tenant: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class AgentSessionInfo(_message.Message):
+    __slots__ = ("session", "tenant", "namespace_id", "model", "retained_blocks", "retained_bytes", "expires_in_seconds", "tagged_blocks", "below_blocks")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TAGGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BELOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    tenant: str
+    namespace_id: str
+    model: str
+    retained_blocks: int
+    retained_bytes: int
+    expires_in_seconds: float
+    tagged_blocks: int
+    below_blocks: int
+    def __init__(self, session: _Optional[str] = ..., tenant: _Optional[str] = ..., namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., retained_blocks: _Optional[int] = ..., retained_bytes: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., tagged_blocks: _Optional[int] = ..., below_blocks: _Optional[int] = ...) -> None: ...
+
+class ListAgentSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "tenant")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[AgentSessionInfo]
+    tenant: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[AgentSessionInfo, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class ReleaseAgentSessionRequest(_message.Message):
+    __slots__ = ("session", "tenant")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    tenant: str
+    def __init__(self, session: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class ReleaseAgentSessionResponse(_message.Message):
+    __slots__ = ("released_blocks", "namespaces")
+    RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    released_blocks: int
+    namespaces: int
+    def __init__(self, released_blocks: _Optional[int] = ..., namespaces: _Optional[int] = ...) -> None: ...
+
+class PrewarmAgentSessionRequest(_message.Message):
+    __slots__ = ("session", "tenant", "keys", "namespace_id", "retain_ms")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    namespace_id: str
+    retain_ms: int
+    def __init__(self, session: _Optional[str] = ..., tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., namespace_id: _Optional[str] = ..., retain_ms: _Optional[int] = ...) -> None: ...
+
+class PrewarmAgentSessionResponse(_message.Message):
+    __slots__ = ("promoting_blocks", "in_pool_blocks", "namespaces")
+    PROMOTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    promoting_blocks: int
+    in_pool_blocks: int
+    namespaces: int
+    def __init__(self, promoting_blocks: _Optional[int] = ..., in_pool_blocks: _Optional[int] = ..., namespaces: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

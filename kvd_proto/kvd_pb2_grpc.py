@@ -98,6 +98,11 @@ class KvdEngineStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ResetRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.Hint = channel.unary_unary(
+                '/kvd.v1.KvdEngine/Hint',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.HintRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.HintResponse.FromString,
+                _registered_method=True)
         self.SessionStream = channel.stream_stream(
                 '/kvd.v1.KvdEngine/SessionStream',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.SessionHeartbeat.SerializeToString,
@@ -207,6 +212,15 @@ class KvdEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hint(self, request, context):
+        """A request's retention hint (docs/agents.md): send it before the request's other calls;
+        the blocks it then loads and stores are retained. A malformed hint is INVALID_ARGUMENT
+        (the request goes on without it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SessionStream(self, request_iterator, context):
         """Liveness. The client keeps this stream open for the session's lifetime and sends a
         heartbeat at least every `heartbeat_interval_ms` (from RegisterSessionResponse). When the
@@ -303,6 +317,11 @@ def add_KvdEngineServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.ResetRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.ResetResponse.SerializeToString,
+            ),
+            'Hint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hint,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.HintRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.HintResponse.SerializeToString,
             ),
             'SessionStream': grpc.stream_stream_rpc_method_handler(
                     servicer.SessionStream,
@@ -659,6 +678,33 @@ class KvdEngine:
             _registered_method=True)
 
     @staticmethod
+    def Hint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KvdEngine/Hint',
+            kvd_dot_v1_dot_kvd__pb2.HintRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.HintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def SessionStream(request_iterator,
             target,
             options=(),
@@ -785,6 +831,21 @@ class KvdAdminStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.GetConfigRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.GetConfigResponse.FromString,
                 _registered_method=True)
+        self.ListAgentSessions = channel.unary_unary(
+                '/kvd.v1.KvdAdmin/ListAgentSessions',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ListAgentSessionsRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ListAgentSessionsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseAgentSession = channel.unary_unary(
+                '/kvd.v1.KvdAdmin/ReleaseAgentSession',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ReleaseAgentSessionRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleaseAgentSessionResponse.FromString,
+                _registered_method=True)
+        self.PrewarmAgentSession = channel.unary_unary(
+                '/kvd.v1.KvdAdmin/PrewarmAgentSession',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PrewarmAgentSessionRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PrewarmAgentSessionResponse.FromString,
+                _registered_method=True)
 
 
 class KvdAdminServicer:
@@ -835,6 +896,34 @@ class KvdAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAgentSessions(self, request, context):
+        """Agent sessions (docs/agents.md): the blocks requests' retention hints keep in the pool,
+        by the session their hints named. These take either metadata `kvd-tenant-token` (attach
+        role "tenant": the caller's own tenant only, whatever `tenant` says) or `kvd-admin-token`
+        (every tenant, or `tenant` alone); neither: PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseAgentSession(self, request, context):
+        """Retention of the session's blocks dropped at once (they stay cached, evicted as any), and
+        its tag forgotten.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrewarmAgentSession(self, request, context):
+        """The session's blocks held by the disk or cluster tier promoted into the pool now (a HIT,
+        not a HIT_PENDING, at its next turn), those in the pool retained again: all retained
+        `retain_ms` (0: retention.default_s) within the tenant's quota. With `keys`, those keys
+        (tagged or not) instead of the session's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvdAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -862,6 +951,21 @@ def add_KvdAdminServicer_to_server(servicer, server):
                     servicer.GetConfig,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetConfigRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.GetConfigResponse.SerializeToString,
+            ),
+            'ListAgentSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAgentSessions,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ListAgentSessionsRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ListAgentSessionsResponse.SerializeToString,
+            ),
+            'ReleaseAgentSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseAgentSession,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleaseAgentSessionRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ReleaseAgentSessionResponse.SerializeToString,
+            ),
+            'PrewarmAgentSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrewarmAgentSession,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PrewarmAgentSessionRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PrewarmAgentSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1010,6 +1114,87 @@ class KvdAdmin:
             '/kvd.v1.KvdAdmin/GetConfig',
             kvd_dot_v1_dot_kvd__pb2.GetConfigRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.GetConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAgentSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KvdAdmin/ListAgentSessions',
+            kvd_dot_v1_dot_kvd__pb2.ListAgentSessionsRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ListAgentSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseAgentSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KvdAdmin/ReleaseAgentSession',
+            kvd_dot_v1_dot_kvd__pb2.ReleaseAgentSessionRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ReleaseAgentSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrewarmAgentSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KvdAdmin/PrewarmAgentSession',
+            kvd_dot_v1_dot_kvd__pb2.PrewarmAgentSessionRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PrewarmAgentSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,11 +21,13 @@ RELEASE_HELD = 11     # an earlier session of this process has no copies in flig
 RETURN_SLOTS = 12     # granted slots the engine will not use (never written)
 PROMOTE = 13          # keys the engine answered HIT_PENDING from the "held below" table
 RESTORE = 14          # granted slots taken back as the evicted blocks they still hold
+HINT = 15             # a request's retention hint: its agent session and how long to retain
 UP_KINDS = {STORE: "store", COMPLETE_STORE: "complete_store", PIN: "pin",
             COMPLETE_LOAD: "complete_load", TOUCH: "touch",
             REQUEST_FINISHED: "request_finished", RESERVE: "reserve", RESET: "reset",
             TAKE_EVENTS: "take_events", COUNTERS: "counters", RELEASE_HELD: "release_held",
-            RETURN_SLOTS: "return_slots", PROMOTE: "promote", RESTORE: "restore"}
+            RETURN_SLOTS: "return_slots", PROMOTE: "promote", RESTORE: "restore",
+            HINT: "hint"}
 
 # --- down: daemon -> engine -------------------------------------------------------------------
 GRANTED = 1           # slots granted to the reserve, whenever the daemon has them free

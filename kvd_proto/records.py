@@ -29,6 +29,7 @@ from kvd_proto.record_kinds import (
     DOWN_KINDS,
     EVENTS,
     GRANTED,
+    HINT,
     PIN,
     PROMOTE,
     REJECTED,
@@ -153,6 +154,13 @@ def encode_restore(keys: Sequence[bytes], offsets: Sequence[int]) -> bytes:
     if len(offsets) != len(keys):
         raise ValueError("one slot per restored key")
     return record(RESTORE, _keys(keys) + array("Q", offsets).tobytes())
+
+
+def encode_hint(req_id: str, session: str, retain_ms: int) -> bytes:
+    """Request `req_id`'s retention hint (docs/agents.md): the blocks it loads and stores are
+    retained `retain_ms` (0: the daemon's retention.default_s), tagged with agent session
+    `session` ("" for none). Sent before the request's other records."""
+    return record(HINT, _str(req_id) + _str(session) + _U32.pack(retain_ms))
 
 
 def encode_granted(offsets: Sequence[int], kept_index: Sequence[int] = (),
@@ -363,8 +371,14 @@ class Restore(NamedTuple):
     offsets: list[int]
 
 
+class Hint(NamedTuple):
+    req_id: str
+    session: str
+    retain_ms: int
+
+
 UpRecord = (Store | CompleteStore | Pin | CompleteLoad | Touch | RequestFinished | Reserve | Reset
-            | TakeEvents | Counters | ReleaseHeld | ReturnSlots | Promote | Restore)
+            | TakeEvents | Counters | ReleaseHeld | ReturnSlots | Promote | Restore | Hint)
 
 
 # The records a stepping engine sends every step, decoded compiled where built (a pass that
@@ -458,6 +472,11 @@ def decode_up_checked(kind: int, payload: bytes) -> UpRecord:
     elif kind == RESTORE:
         keys = c.keys()
         out = Restore(keys, c.values("Q", len(keys), "slot offsets"))
+    elif kind == HINT:
+        req_id = c.text("req_id")
+        if not req_id:
+            raise RecordError("hint: req_id is empty (a hint belongs to a request)")
+        out = Hint(req_id, c.text("session"), c.u32("retain_ms"))
     else:  # RETURN_SLOTS
         n = c.u32("count")
         if n > MAX_GRANTED_SLOTS:

@@ -23,6 +23,7 @@ class BlockState(enum.IntEnum):
 # --- gRPC metadata keys ---------------------------------------------------------------------
 SESSION_TOKEN_METADATA = "kvd-session-token"   # every KvdEngine call: the attach token
 ADMIN_TOKEN_METADATA = "kvd-admin-token"       # KvdAdmin.Reset / Drain (and every remote call)
+TENANT_TOKEN_METADATA = "kvd-tenant-token"     # KvdAdmin's agent-session calls, one tenant's
 
 # --- request bounds (a request beyond them fails with INVALID_ARGUMENT) ---------------------
 MAX_KEYS_PER_CALL = 4096        # every repeated `keys` field

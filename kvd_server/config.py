@@ -110,6 +110,16 @@ class TenantsConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class RetentionConfig:
+    """Agent sessions' retention hints (docs/agents.md)."""
+
+    max_share: float        # of a tenant's pool share, what its retained blocks may occupy
+    default_s: float        # retention of a hint that names a session but no retain_s
+    max_s: float            # the longest retention a hint may ask for (longer: refused)
+    max_tag_bytes: int      # the longest session tag a hint may carry
+
+
+@dataclass(slots=True, frozen=True)
 class RestartConfig:
     warm: bool              # the cache outlives the daemon process (kvd_server/restart/)
     store: str              # where its memory files live: "directory" or "systemd"
@@ -170,6 +180,7 @@ class Config:
     manager: ManagerConfig
     tenants: TenantsConfig
     restart: RestartConfig
+    retention: RetentionConfig
     tiers_disk: DiskTierConfig
     tiers_cluster: ClusterTierConfig
     source: str = field(default="", compare=False)  # the TOML file read, "" when none
@@ -206,7 +217,8 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SECTIONS = ("server", "pool", "manager", "tenants", "restart", "tiers.disk", "tiers.cluster")
+_SECTIONS = ("server", "pool", "manager", "tenants", "restart", "retention", "tiers.disk",
+             "tiers.cluster")
 _GROUPS = {"tiers"}              # tables that only hold sections: [tiers.disk], [tiers.cluster]
 
 
@@ -344,6 +356,20 @@ def _quota_map(value: Any) -> dict[str, int]:
     return out
 
 
+def _fraction(value: Any) -> float:
+    """A number in 0..1 (a share)."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ValueError(f"expected a number from 0 to 1, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"expected a number from 0 to 1, got {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{value} is out of range 0..1")
+    return float(value)
+
+
 def _size(value: Any) -> int:
     return units.parse_size(value)
 
@@ -400,6 +426,10 @@ _SCHEMA: dict[str, _Key] = {
     "restart.store": _Key("str", _choice(RESTART_STORES)),
     "restart.directory": _Key("str", _str),
     "restart.hold_timeout": _Key("duration", _duration),
+    "retention.max_share": _Key("float", _fraction),
+    "retention.default_s": _Key("duration", _duration),
+    "retention.max_s": _Key("duration", _duration),
+    "retention.max_tag_bytes": _Key("int", _int(1, 1024)),
     "tiers.disk.path": _Key("str", _str),
     "tiers.disk.size": _Key("size", _size),
     "tiers.disk.extent_size": _Key("size", _size),
@@ -560,7 +590,8 @@ def load_config(
         values["tiers.disk.path"] = os.path.abspath(values["tiers.disk.path"])
     for name, cls in (("server", ServerConfig), ("pool", PoolConfig),
                       ("manager", ManagerConfig), ("tenants", TenantsConfig),
-                      ("restart", RestartConfig), ("tiers.disk", DiskTierConfig),
+                      ("restart", RestartConfig), ("retention", RetentionConfig),
+                      ("tiers.disk", DiskTierConfig),
                       ("tiers.cluster", ClusterTierConfig)):
         kwargs = {k[len(name) + 1:]: v for k, v in values.items() if k.startswith(name + ".")}
         sections[_attr(name)] = cls(**kwargs)
@@ -608,6 +639,10 @@ def _check(values: dict[str, Any], raw: dict[str, tuple[Any, str]]) -> None:
                 "manager.default_lease", "manager.max_lease"):
         if values[key] * 1000 > 2**32 - 1:
             fail(key, "is too long (the wire carries it as 32-bit milliseconds)")
+    if values["retention.max_s"] * 1000 > 2**32 - 1:
+        fail("retention.max_s", "is too long (hints carry it as 32-bit milliseconds)")
+    if values["retention.default_s"] > values["retention.max_s"]:
+        fail("retention.default_s", "must not exceed retention.max_s")
     listen = values["server.admin_listen"]
     if listen:
         host, sep, port = listen.rpartition(":")

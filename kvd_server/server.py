@@ -393,6 +393,8 @@ class Daemon:
             warm.adopt(core)
         self._tier = _start_tier(cfg, core, pools)
         protocols = EngineProtocols.over(core, self._tier)
+        if self._tier is not None:              # a prewarm promotes from the tiers below
+            core.retention.promote = self._tier.promote
         if cfg.server.admin_token_file:
             try:
                 self._tokens = AdminTokens(read_token_file(cfg.server.admin_token_file))

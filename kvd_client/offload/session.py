@@ -30,6 +30,7 @@ translates vLLM's calls to these; another engine can drive it the same way (docs
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from kvd_client.link.connection import Handoff, connect
 from kvd_client.link.index_reader import STATE_READY, BelowMap, IndexReader, Marks
 from kvd_client.offload.daemon_link import DaemonLink
 from kvd_client.offload.event_inbox import Event, EventInbox
+from kvd_client.offload.hints import HintError, parse_hint
 from kvd_client.offload.loads import LoadTracker
 from kvd_client.offload.old_copies import OldCopies
 from kvd_client.offload.promotions import Promotions
@@ -48,7 +50,10 @@ from kvd_client.offload.stores import StoreTracker
 from kvd_client.offload.transfers import SessionTransfers
 from kvd_proto import records as rec
 from kvd_proto.native import Lookups, steps_of
+from kvd_proto.ratelog import RateLimitedLog
 from kvd_proto.wire import BlockState
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE = 0             # 0: sized from the store rate; N > 0: never below N slots
 MAX_EVENTS_PER_ASK = 65536
@@ -127,6 +132,8 @@ class OffloadSession(SessionTransfers):
             self._stores.forget = self._steps.settle
         self._handoff = Handoff()                 # what the connecting thread set up
         self._closed = False
+        self.hints_sent = 0
+        self._hint_log = RateLimitedLog(log)
         client.on_reconnect = self._on_connect
         if client.available:
             self._on_connect()
@@ -305,6 +312,32 @@ class OffloadSession(SessionTransfers):
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         if keys:
             self._put(messages.touch(keys, req_id, self._per_record))
+
+    def hint(self, req_id: str, params: object) -> bool:
+        """A new request's per-request parameters (vLLM: its kv_transfer_params): its agent
+        session's retention hint, if it has one (kvd_client/offload/hints.py), goes to the
+        daemon before the request's other records. A malformed one is refused for this
+        request alone (counted in `hints_refused`, logged once per interval). True: sent."""
+        try:
+            hint = parse_hint(params)
+        except HintError as exc:
+            self._hint_log.warning("kvd: the retention hint of request %r is refused: %s",
+                                   str(req_id)[:64], exc)
+            return False
+        if hint is None or not self.client.available:
+            return False
+        self._sync()                 # a request may come before the session's first step
+        if self._index is None:
+            self._adopt()
+        if self._link.channel is None:
+            return False             # not connected yet: the request goes on without
+        self._put([rec.encode_hint(req_id, hint.session, hint.retain_ms)])
+        self.hints_sent += 1
+        return True
+
+    @property
+    def hints_refused(self) -> int:
+        return self._hint_log.total
 
     def request_finished(self, req_id: str) -> None:
         """The request is over: the daemon hears it with the step's records (after every

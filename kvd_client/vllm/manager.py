@@ -123,6 +123,11 @@ class KvdOffloadingManager(OffloadingManager):
 
     # --------------------------------------------------------- request scope
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        # An agent session's retention hint rides in the request's kv_transfer_params
+        # ({"kvd": {"session": ..., "retain_s": ...}}: kvd_client/offload/hints.py).
+        params = req_context.kv_transfer_params
+        if params:
+            self.session.hint(req_context.req_id, params)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:

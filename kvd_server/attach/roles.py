@@ -24,6 +24,7 @@ from kvd_proto.attach import (
     ROLE_CHANNEL,
     ROLE_INDEX,
     ROLE_REPORT,
+    ROLE_TENANT,
     AttachRequest,
 )
 from kvd_proto.index_layout import VERSION as INDEX_VERSION
@@ -33,6 +34,7 @@ from kvd_server.attach.server import AttachReply
 from kvd_server.channel.hub import ChannelHub
 from kvd_server.core.core import KvdCore, TransferStats
 from kvd_server.core.peer import PeerCred
+from kvd_server.core.retention import TENANT_TOKEN_TTL_S
 from kvd_server.core.sessions import Session
 from kvd_server.errors import FailedPrecondition, PermissionDenied, Unauthenticated, Unavailable
 from kvd_server.memory.pool import PoolError, may_hold
@@ -65,6 +67,8 @@ class AttachRoles:
         core = self.core
         if request.role == ROLE_ADMIN:
             return self._admin(peer)
+        if request.role == ROLE_TENANT:
+            return self._tenant(peer)
         if request.role == ROLE_INDEX:
             return self._index(self._session(peer, request))
         if request.role == ROLE_CHANNEL:
@@ -116,6 +120,17 @@ class AttachRoles:
         log.info("admin token issued to pid %d uid %d", peer.pid, peer.uid)
         return AttachReply(fields={"admin_token": self.tokens.issue(),
                                    "expires_ms": int(ADMIN_TOKEN_TTL_S * 1000),
+                                   "instance_id": self.core.instance_id,
+                                   "daemon_version": __version__})
+
+    def _tenant(self, peer: PeerCred) -> AttachReply:
+        """A token for the agent-session calls, scoped to the peer's own tenant."""
+        sessions = self.core.sessions
+        sessions.check_peer(peer)
+        tenant = sessions.tenant_of(peer)
+        return AttachReply(fields={"tenant_token": self.core.retention.tokens.issue(tenant),
+                                   "tenant": tenant,
+                                   "expires_ms": int(TENANT_TOKEN_TTL_S * 1000),
                                    "instance_id": self.core.instance_id,
                                    "daemon_version": __version__})
 

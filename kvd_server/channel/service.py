@@ -120,6 +120,8 @@ class ChannelService:
             fast.promote(s, r.keys)
         elif isinstance(r, rec.Restore):
             fast.restore(s, r.keys, r.offsets)
+        elif isinstance(r, rec.Hint):
+            core.retention.hint(s, r.req_id, r.session, r.retain_ms)
         return None
 
     def _events(self, s: Session, max_events: int) -> bytes:

@@ -21,7 +21,7 @@ from kvd_proto.paths import (
     grpc_target,
     probe_socket,
 )
-from kvd_proto.wire import ADMIN_TOKEN_METADATA
+from kvd_proto.wire import ADMIN_TOKEN_METADATA, TENANT_TOKEN_METADATA
 from kvd_server.cli.errors import EXIT_UNREACHABLE, CliError
 from kvd_server.config import CONFIG_ENV, ConfigError, load_config
 
@@ -62,6 +62,8 @@ class AdminClient:
         self.timeout = args.timeout
         self._token_file = args.admin_token_file
         self._token: str | None = None
+        self._tenant_token: str | None = None
+        self.tenant = ""                    # this process's tenant, once a tenant token came
         self.remote = bool(getattr(args, "address", None))
         self._client_cert = bool(getattr(args, "tls_cert", None))
         if self.remote:
@@ -100,10 +102,32 @@ class AdminClient:
                                    "one of server.admin_uids/admin_gids)") from None
         return self._token
 
-    def call(self, method: Callable[..., Any], request: Any, *, admin: bool = False) -> Any:
-        metadata = ()
+    def tenant_token(self) -> str:
+        """A token for the agent-session calls, scoped to this process's tenant (asked for on
+        the attach socket: the daemon decides the tenant from SO_PEERCRED)."""
+        if self._tenant_token is None:
+            from kvd_proto.attach import AttachError, request_tenant_token
+
+            try:
+                self._tenant_token, self.tenant = request_tenant_token(self.path, self.timeout)
+            except AttachError as exc:
+                if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                    raise CliError(f"the daemon at {self.path} did not answer on its attach "
+                                   f"socket ({exc.code}: {exc}); is it running?",
+                                   EXIT_UNREACHABLE, transient=True) from None
+                raise CliError(f"the daemon refused a tenant token: {exc.code}: {exc}") \
+                    from None
+        return self._tenant_token
+
+    def call(self, method: Callable[..., Any], request: Any, *, admin: bool = False,
+             tenant: bool = False) -> Any:
+        """One call within the deadline; `admin`: with the admin token; `tenant`: with this
+        process's tenant token (the agent-session calls), unless over --address."""
+        metadata: tuple[tuple[str, str], ...] = ()
         if admin or self.remote:
             metadata = ((ADMIN_TOKEN_METADATA, self.admin_token()),)
+        elif tenant:
+            metadata = ((TENANT_TOKEN_METADATA, self.tenant_token()),)
         try:
             return method(request, timeout=self.timeout, metadata=metadata)
         except self._grpc.RpcError as exc:

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvd_proto.paths import socket_lock_path
 from kvd_server import __version__
+from kvd_server.cli import agent_sessions
 from kvd_server.cli.admin_client import AdminClient, client_socket
 from kvd_server.cli.errors import EXIT_ERROR, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CliError
 from kvd_server.cli.render import message_json, render_sessions, render_stats
@@ -216,6 +217,7 @@ def build_parser() -> _Parser:
     p.add_argument("--local", action="store_true", help="resolve locally instead of asking")
     p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     p.set_defaults(func=cmd_config)
+    agent_sessions.add_parser(sub, common)
     parser.commands = sub.choices
     return parser
 

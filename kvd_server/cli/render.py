@@ -68,6 +68,23 @@ def _index_rows(snap: StatsSnapshot) -> list[tuple[str, Any]]:
     return rows
 
 
+def _retention_rows(snap: StatsSnapshot) -> list[tuple[str, Any]]:
+    """Agent sessions' hints (docs/agents.md): taken and refused, then per tenant its retained
+    blocks against its quota and what its hints did."""
+    r = snap.retention
+    rows: list[tuple[str, Any]] = [("hints_total", f"{r.hints_total} ({r.hints_refused_total} "
+                                                   "refused as malformed)")]
+    for name, t in sorted(r.tenants.items())[:32]:
+        rows.append((name, f"{t.retained_blocks} blocks retained, "
+                           f"{format_size(t.retained_bytes)} of {format_size(t.quota_bytes)}, "
+                           f"{t.sessions} session(s); {t.cut_blocks_total} cut by the quota, "
+                           f"{t.expired_blocks_total} expired, {t.released_blocks_total} "
+                           f"released, {t.gave_way_blocks_total} gave way; "
+                           f"{t.prewarmed_blocks_total} prewarmed, {t.prewarm_hits_total} "
+                           "of them loaded"))
+    return rows
+
+
 def _uptime(seconds: float) -> str:
     seconds = int(seconds)
     days, rest = divmod(seconds, 86400)
@@ -166,6 +183,7 @@ def render_stats(snap: StatsSnapshot) -> str:
         ("storing", blocks.storing),
         ("pinned (load or lease)", blocks.pinned),
         ("zombie", blocks.zombie),
+        ("retained (agent hints)", blocks.retained),
         ("total", blocks.total),
     ])
     lines += [""] + _rows("sessions", [
@@ -213,6 +231,7 @@ def render_stats(snap: StatsSnapshot) -> str:
                    + (format_size(t.quota_bytes) if t.quota_bytes else "the pool (no quota)"))
             for name, t in sorted(snap.tenants.items())[:32]])
     lines += [""] + _rows("index memory", _index_rows(snap))
+    lines += [""] + _rows("retention", _retention_rows(snap))
     lines += ["", f"# namespaces ({len(snap.namespaces)})"]
     for ns in snap.namespaces:
         # The full id first: `kvd reset --namespace ID` takes it.

@@ -34,6 +34,7 @@ from kvd_server.core.namespaces import (
     pid_alive,
 )
 from kvd_server.core.peer import PeerCred
+from kvd_server.core.retention import Retention
 from kvd_server.core.sessions import (
     MAX_OPEN_REQUESTS_PER_SESSION,
     MAX_PINS_PER_SESSION,
@@ -127,6 +128,8 @@ class KvdCore:
         self.namespaces = NamespaceTable(extents, config.manager.policy, config.tenants)
         self.quarantine = SlotQuarantine(alive)
         self.leases = Leases()
+        # Agent sessions' retention hints, their quotas and expiry (core/retention.py).
+        self.retention = Retention(self.namespaces, config, clock)
         self.resets_total = 0
         self.transfers = TransferStats()
         # Bytes of blocks whose copies completed, counted by the daemon itself (block size x
@@ -286,6 +289,7 @@ class KvdCore:
         if self.warm is not None:
             self.warm.sweep(self)
         self.leases.expire(now, self.sessions.get)
+        self.retention.sweep()
         for s, why in self.sessions.expired():
             self.close_session(s, why, reaped=True)
         self.namespaces.collect_idle()      # idle empty namespaces give their index back

@@ -13,6 +13,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd_server.config import DEFAULT_TENANT, Config
 from kvd_server.core.namespaces import Namespace
@@ -59,6 +60,8 @@ class Session:
     kept: dict[int, bytes] = field(default_factory=dict)
     wants_kept: bool = False
     reader: bool = False                               # maps its namespace's shared index
+    # Its requests' retention hints (kvd_server/core/retention.py): req_id -> Hint, bounded.
+    hints: dict[str, Any] = field(default_factory=dict)
     closed: bool = False
 
     @property

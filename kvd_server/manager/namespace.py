@@ -28,6 +28,7 @@ from .blocks import ABSENT, READY, STORING, BlockTable
 from .events import EventQueue
 from .policies import RequestState, make_policy
 from .requests import RecencyBudget, RequestLog
+from .retention import MAX_ARRIVING, RetainedBlocks
 from .types import (
     NO_BELOW,
     BelowPort,
@@ -79,6 +80,8 @@ class NamespaceManager:
         self._evictable = 0
         self._zombies = Zombies()
         self.requests = RequestLog(self.policy, budget)
+        # Blocks agent sessions' hints keep (manager/retention.py): one ref each.
+        self.retention = RetainedBlocks()
         # The tiers under the pool (a BelowPort): evicted blocks go down before their slots
         # are freed (their removed events wait until no tier holds them: `lost_below`),
         # stored blocks are told, a reset drops what is held below; NO_BELOW without a tier.
@@ -106,11 +109,13 @@ class NamespaceManager:
 
     def counts(self) -> BlockCounts:
         resident = len(self.table)
+        retained = len(self.retention)
         return BlockCounts(
             storing=self._storing,
             ready=self._evictable,
-            pinned=resident - self._storing - self._evictable,
+            pinned=max(0, resident - self._storing - self._evictable - retained),
             zombie=len(self._zombies),
+            retained=retained,
         )
 
     def adopt(self, ready: np.ndarray) -> None:
@@ -238,13 +243,15 @@ class NamespaceManager:
             need = self._shortfall(n, owed, at_once)   # extents taken from others
         if need <= 0:
             return []
-        if need > self._evictable:
+        if need > self._evictable and not self._give_way(need - self._evictable):
             return None
         victims = self.policy.evict(need, set(protected))
         if victims is None:
             return None
         self._evictable -= len(victims)
         kept = self.below.demote(victims)
+        if self.retention.tag_of:
+            self.retention.evicted(victims, kept)
         evicted = [key for key, _ in victims]
         slots = [slot for _, slot in victims]
         self.table.drop_many(slots)
@@ -361,6 +368,8 @@ class NamespaceManager:
                 self.counters.stores_completed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=False))
                 self.below.stored(changed, ready_slots)
+                if self.retention.arriving:
+                    self._arrived(changed)
             else:
                 self.counters.stores_failed_total += len(changed)
                 self._emit(OffloadEvent(tuple(changed), removed=True, metadata_only=True))
@@ -422,6 +431,8 @@ class NamespaceManager:
             return True
         keys = tuple(self.table.key_of(slot) for slot in slots)
         kept = self.below.demote(list(zip(keys, slots, strict=True)))
+        if self.retention.tag_of:
+            self.retention.evicted(zip(keys, slots, strict=True), kept)
         for slot in slots:
             self.policy.remove(slot)
             self.table.drop(slot)
@@ -429,6 +440,104 @@ class NamespaceManager:
         self._evictable -= len(slots)
         self.counters.evictions_total += len(slots)
         self._emit_removed(keys, kept)
+        return True
+
+    # -------------------------------------------------------------- retention
+    def retain(self, keys: Iterable[bytes], tag: str, until: float, room: int
+               ) -> tuple[int, int]:
+        """An agent session's hint (manager/retention.py): keep the readable blocks of `keys`
+        until `until`, tagged `tag`; at most `room` blocks not retained yet (the tenant's
+        quota left), the rest counted as cut. Blocks retained already take the later expiry.
+        Returns (newly retained, cut)."""
+        find, blocks, retention = self.table.find, self.table.state, self.retention
+        hold = self.policy.hold
+        retained = cut = 0
+        for key in keys:
+            slot = find(key)
+            if slot < 0 or blocks[slot] == STORING:
+                continue
+            if slot in retention:
+                retention.add(slot, tag, until)
+                continue
+            if retained >= room:
+                retention.tag(slot, tag)          # tagged all the same: it can be prewarmed
+                cut += 1
+                continue
+            retention.add(slot, tag, until)
+            if blocks[slot] == READY:
+                self._evictable -= 1
+            blocks[slot] += 1
+            hold(slot)
+            retained += 1
+        retention.counters.cut_total += cut
+        return retained, cut
+
+    def _let_go(self, slots: Iterable[int]) -> int:
+        """Retained slots retained no more: their refs go, and each block that is READY
+        then is evictable again, at its own recency."""
+        blocks, retention, unhold = self.table.state, self.retention, self.policy.unhold
+        freed: list[int] = []
+        n = 0
+        for slot in slots:
+            if retention.remove(slot):
+                n += 1
+                blocks[slot] -= 1
+                unhold(slot)
+                if blocks[slot] == READY:
+                    freed.append(slot)
+        if freed:
+            self._evictable += len(freed)
+            self.policy.mark_evictable_many(freed)
+        return n
+
+    def expire(self, now: float) -> int:
+        """Retained blocks whose hint ran out by `now` become ordinary blocks."""
+        due = self.retention.due(now) if self.retention else []
+        n = self._let_go(due) if due else 0
+        self.retention.counters.expired_total += n
+        return n
+
+    def release_tag(self, tag: str) -> int:
+        """An agent session released: its retained blocks become ordinary blocks at once, and
+        its blocks carry its tag no more (in the pool or below)."""
+        n = self._let_go(self.retention.retained_of(tag))
+        self.retention.forget_tag(tag)
+        self.retention.counters.released_total += n
+        return n
+
+    def _arrived(self, keys: Sequence[bytes]) -> None:
+        """Blocks became readable: those a prewarm promoted are retained as it asked (its
+        quota was counted when it asked)."""
+        arriving, retention = self.retention.arriving, self.retention
+        blocks, find = self.table.state, self.table.find
+        for key in keys:
+            wanted = arriving.pop(key, None)
+            if wanted is None:
+                continue
+            slot = find(key)
+            if slot < 0 or slot in retention:
+                continue
+            retention.add(slot, *wanted)
+            if blocks[slot] == READY:
+                self._evictable -= 1
+            blocks[slot] += 1
+            self.policy.hold(slot)
+            if len(retention.prewarmed) < MAX_ARRIVING:
+                retention.prewarmed[key] = None
+
+    def _give_way(self, n: int) -> bool:
+        """No `n` unretained victims are left: the `n` retained blocks that expire first
+        (and are not pinned) stop being retained, so they can be evicted. False (nothing
+        changed) when fewer than `n` could."""
+        retention = self.retention
+        if n > len(retention):
+            return False
+        blocks = self.table.state
+        slots = retention.oldest(n, lambda slot: blocks[slot] == READY + 1)
+        if len(slots) < n:
+            return False
+        self._let_go(slots)
+        retention.counters.gave_way_total += n
         return True
 
     # ----------------------------------------------------------------- events
@@ -458,6 +567,9 @@ class NamespaceManager:
         table = self.table
         dropped = len(table)
         below = self.below.reset()      # a reset drops what the tiers hold too
+        blocks = table.state
+        for slot in self.retention.clear():    # retention's refs are no copy in flight
+            blocks[slot] -= 1
         freed = self._zombies.take_over(self.epoch, table)
         self.policy.clear()
         table.clear()

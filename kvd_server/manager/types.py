@@ -47,16 +47,17 @@ class OfferResult:
 
 @dataclass(slots=True)
 class BlockCounts:
-    """Blocks of one namespace by state (a block is in exactly one of the first three)."""
+    """Blocks of one namespace by state (a block is in exactly one of the first four)."""
 
     storing: int = 0   # reserved, being written, invisible to lookups
     ready: int = 0     # readable, unpinned (evictable unless leased/protected)
-    pinned: int = 0    # readable and pinned by at least one load or lease
+    pinned: int = 0    # readable and pinned by at least one load or lease, not retained
     zombie: int = 0    # dropped by reset, slot held until its pin/store is released
+    retained: int = 0  # readable and retained by an agent session's hint (pinned or not)
 
     @property
     def resident(self) -> int:
-        return self.storing + self.ready + self.pinned
+        return self.storing + self.ready + self.pinned + self.retained
 
 
 class SlotSource(Protocol):

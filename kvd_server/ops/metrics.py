@@ -39,6 +39,7 @@ from kvd_server.ops.stats import (
     NamespaceStats,
     PoolStats,
     RestartStats,
+    RetentionStats,
     ServerStats,
     StatsSnapshot,
     TenantStats,
@@ -146,6 +147,7 @@ class StatsCollector(Collector):
         yield from _connections(snap.connections)
         yield from _index_memory(snap.index_memory)
         yield from _restart(snap.restart)
+        yield from _retention(snap.retention)
         yield from _tiers(snap.tiers)
 
 
@@ -220,7 +222,7 @@ _NS_COUNTERS = (
     ("kvd_events_dropped", "Stored/removed events dropped unseen: nobody took them before "
      "the namespace's event queue reached its bound.", "events_dropped_total"),
 )
-BLOCK_STATES = ("storing", "ready", "pinned", "zombie")
+BLOCK_STATES = ("storing", "ready", "pinned", "zombie", "retained")
 
 
 def _namespaces(namespaces: Sequence[NamespaceStats]) -> Iterator[Metric]:
@@ -356,6 +358,51 @@ def _index_memory(mem: IndexMemoryStats) -> Iterator[Metric]:
     yield _counter("kvd_namespaces_forgotten",
                    "Empty namespaces forgotten (their index closed) since start.",
                    mem.namespaces_forgotten_total)
+
+
+# The retention series per tenant: (name, help, RetentionTenantStats field, counter?).
+RETENTION_SERIES = (
+    ("kvd_retention_blocks", "Blocks agent sessions' hints retain in the pool, by tenant.",
+     "retained_blocks", False),
+    ("kvd_retention_bytes", "Pool bytes of a tenant's retained blocks.", "retained_bytes",
+     False),
+    ("kvd_retention_quota_bytes", "What a tenant's retained blocks may occupy "
+     "(retention.max_share of its pool share).", "quota_bytes", False),
+    ("kvd_retention_sessions", "Agent sessions (tags) of a tenant with retained blocks.",
+     "sessions", False),
+    ("kvd_retention_retained_blocks", "Blocks that became retained.", "retained_blocks_total",
+     True),
+    ("kvd_retention_cut_blocks", "Blocks hints asked for past the tenant's quota (not "
+     "retained).", "cut_blocks_total", True),
+    ("kvd_retention_expired_blocks", "Retained blocks whose hint ran out.",
+     "expired_blocks_total", True),
+    ("kvd_retention_released_blocks", "Retained blocks let go by a release of their session.",
+     "released_blocks_total", True),
+    ("kvd_retention_gave_way_blocks", "Retained blocks evicted anyway: no other victim was "
+     "left.", "gave_way_blocks_total", True),
+    ("kvd_retention_prewarmed_blocks", "Blocks prewarms promoted into the pool.",
+     "prewarmed_blocks_total", True),
+    ("kvd_retention_prewarm_hits", "Prewarmed blocks an engine then loaded.",
+     "prewarm_hits_total", True),
+)
+
+
+def _retention(r: RetentionStats) -> Iterator[Metric]:
+    """Agent sessions' retention (docs/agents.md): hints taken and refused, and per tenant
+    (bounded as for the pool's series, the rest as "other") what they retain."""
+    yield _counter("kvd_retention_hints", "Requests' retention hints taken.", r.hints_total)
+    yield _counter("kvd_retention_hints_refused", "Malformed retention hints refused (the "
+                   "request went on without).", r.hints_refused_total)
+    names = sorted(r.tenants)
+    groups = [(name, [r.tenants[name]]) for name in names[:MAX_NAMESPACE_LABELS]]
+    if names[MAX_NAMESPACE_LABELS:]:
+        groups.append(("other", [r.tenants[n] for n in names[MAX_NAMESPACE_LABELS:]]))
+    for name, doc, attr, counter in RETENTION_SERIES:
+        cls = CounterMetricFamily if counter else GaugeMetricFamily
+        fam = cls(name, doc, labels=["tenant"])
+        for label, members in groups:
+            fam.add_metric([label], float(sum(getattr(t, attr) for t in members)))
+        yield fam
 
 
 def _connections(connections: ConnectionStats) -> Iterator[Metric]:

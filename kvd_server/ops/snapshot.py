@@ -23,6 +23,8 @@ from kvd_server.ops.stats import (
     NamespaceStats,
     PoolStats,
     ReclaimHolderStats,
+    RetentionStats,
+    RetentionTenantStats,
     ServerStats,
     StatsSnapshot,
     TenantIndexStats,
@@ -45,7 +47,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
     namespaces = []
     for ns in core.namespaces:
         c = ns.mgr.counts()
-        ns_blocks = BlockStats(c.storing, c.ready, c.pinned, c.zombie)
+        ns_blocks = BlockStats(c.storing, c.ready, c.pinned, c.zombie, c.retained)
         blocks.add(ns_blocks)
         row = NamespaceStats(
             id=ns.id, model=ns.model, tenant=ns.tenant, slot_bytes=ns.slots.stride,
@@ -58,7 +60,7 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
         for name in NAMESPACE_COUNTERS:
             setattr(totals, name, getattr(totals, name) + getattr(row, name))
         namespaces.append(row)
-    blocks.total = blocks.storing + blocks.ready + blocks.pinned
+    blocks.total = blocks.storing + blocks.ready + blocks.pinned + blocks.retained
     sessions = core.sessions
     totals.pins = sum(s.pin_count() for s in sessions)
     totals.leases = sum(len(s.leases) for s in sessions)
@@ -99,9 +101,19 @@ def build_snapshot(core: KvdCore, facts: DaemonFacts | None = None) -> StatsSnap
         channels=facts.channels,
         connections=facts.connections,
         restart=facts.restart,
+        retention=retention_stats(core),
         tiers=list(facts.tiers),
         rpc=dict(sorted(facts.rpc.items())),
     )
+
+
+def retention_stats(core: KvdCore) -> RetentionStats:
+    """Agent sessions' retention: per tenant whose requests hinted, against its quota."""
+    r = core.retention
+    return RetentionStats(
+        r.hints_total, r.hints_refused_total,
+        {tenant: RetentionTenantStats(**row, quota_bytes=r.quota_bytes(tenant))
+         for tenant, row in sorted(r.tenant_rows().items())})
 
 
 def index_memory(core: KvdCore) -> IndexMemoryStats:

@@ -48,18 +48,20 @@ class PoolStats:
 
 @dataclass(slots=True)
 class BlockStats:
-    """Blocks by state; a block is in exactly one of storing, ready, pinned."""
+    """Blocks by state; a block is in exactly one of storing, ready, pinned, retained."""
 
     storing: int = 0
     ready: int = 0
     pinned: int = 0
     zombie: int = 0
+    retained: int = 0       # kept by an agent session's retention hint (docs/agents.md)
 
     def add(self, other: BlockStats) -> None:
         self.storing += other.storing
         self.ready += other.ready
         self.pinned += other.pinned
         self.zombie += other.zombie
+        self.retained += other.retained
 
 
 @dataclass(slots=True)
@@ -128,6 +130,33 @@ NAMESPACE_COUNTERS = tuple(f.name for f in dataclasses.fields(OffloadCounters))
 class TenantStats:
     used_bytes: int = 0
     quota_bytes: int = 0    # 0: no quota
+
+
+@dataclass(slots=True)
+class RetentionTenantStats:
+    """One tenant's retained blocks against its quota (retention.max_share of its pool share),
+    and what its hints did."""
+
+    retained_blocks: int = 0
+    retained_bytes: int = 0
+    quota_bytes: int = 0
+    sessions: int = 0                   # agent sessions (tags) with retained blocks
+    retained_blocks_total: int = 0      # blocks that became retained
+    cut_blocks_total: int = 0           # asked for past the quota: not retained
+    expired_blocks_total: int = 0       # their hint ran out
+    released_blocks_total: int = 0      # their session was released
+    gave_way_blocks_total: int = 0      # evicted anyway: no other victim was left
+    prewarmed_blocks_total: int = 0     # promoted into the pool by prewarms
+    prewarm_hits_total: int = 0         # prewarmed blocks an engine then loaded
+
+
+@dataclass(slots=True)
+class RetentionStats:
+    """Agent sessions' retention hints (docs/agents.md)."""
+
+    hints_total: int = 0                # hints taken (one per hinted request)
+    hints_refused_total: int = 0        # malformed hints refused (the request went on)
+    tenants: dict[str, RetentionTenantStats] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -239,6 +268,7 @@ class StatsSnapshot:
     channels: ChannelStats = field(default_factory=ChannelStats)
     connections: ConnectionStats = field(default_factory=ConnectionStats)
     restart: RestartStats = field(default_factory=RestartStats)
+    retention: RetentionStats = field(default_factory=RetentionStats)
     tiers: list[TierStats] = field(default_factory=list)     # below the pool (disk)
     rpc: dict[str, RpcCount] = field(default_factory=dict)
 

@@ -119,6 +119,10 @@ class CallPath:
             if take_back is not None:
                 take_back(s, mgr, key, epoch)        # the pin just taken replaces a lease
             pins[(epoch, key)] = pins.get((epoch, key), 0) + 1
+        if s.hints:
+            core.retention.touched(s, req_id, keys)
+        if mgr.retention.prewarmed:
+            mgr.retention.loaded(keys)
         offset = ns.slots.offset
         return LoadAnswer([offset(slot) for slot in slots], epoch)
 

@@ -120,6 +120,8 @@ class Completions:
             return CompleteStoreResult(True, 0, mismatched)
         completed = ns.mgr.complete_store(own, success, None, epoch, slots=own_slots)
         core.completed_store_bytes += completed * ns.layout.block_bytes
+        if s.hints and success:
+            core.retention.touched(s, req_id, own)
         if not success:
             ns.release_extents()
         return CompleteStoreResult(False, completed, mismatched)

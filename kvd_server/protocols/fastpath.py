@@ -217,6 +217,8 @@ class FastPath:
         result = mgr.offer(keys, bound, core.request_key(s, req_id), positions or None, owed)
         # Duplicates too: they settle at completion.
         s.pending.update(((epoch, key), slot) for key, slot in bound)
+        if s.hints:                       # the offered blocks readable already
+            core.retention.touched(s, req_id, keys)
         return StoreGrantedAnswer(len(result.accepted), len(result.duplicates), refused,
                                   result.evicted, epoch)
 
@@ -242,6 +244,10 @@ class FastPath:
         for key in pinned:
             pk = (epoch, key)
             pins[pk] = get(pk, 0) + 1
+        if s.hints:
+            core.retention.touched(s, req_id, pinned)
+        if ns.mgr.retention.prewarmed:
+            ns.mgr.retention.loaded(pinned)
         return len(pinned), epoch
 
     def count_lookups(self, s: Session, lookups: int, hits: int, misses: int) -> None:

@@ -18,6 +18,7 @@ from kvd_proto.wire import (
     DEFAULT_SESSIONS_LIMIT,
     MAX_SESSIONS_LIMIT,
     SESSION_TOKEN_METADATA,
+    TENANT_TOKEN_METADATA,
 )
 from kvd_server.config import Config
 from kvd_server.core.core import KvdCore
@@ -30,6 +31,7 @@ from kvd_server.ops.stats import StatsSnapshot
 from kvd_server.rpc.admin_tokens import AdminTokens
 from kvd_server.rpc.recorder import RpcRecorder
 from kvd_server.rpc.validation import (
+    check_keys,
     check_str,
     metadata_value,
 )
@@ -152,6 +154,93 @@ class AdminService(kvd_pb2_grpc.KvdAdminServicer):
     async def GetConfig(self, request: kvd_pb2.GetConfigRequest,
                         context: grpc.aio.ServicerContext) -> kvd_pb2.GetConfigResponse:
         return await self._rpc.unary("GetConfig", context, lambda: self._config_call(context))
+
+    # ------------------------------------------------------ agent sessions
+    def _tenant_scope(self, context: grpc.aio.ServicerContext, asked: str) -> str | None:
+        """The tenant an agent-session call may see: a tenant token's own (whatever was
+        asked), or with the admin token `asked` (None: every tenant)."""
+        asked = check_str(asked, "tenant")
+        token = metadata_value(context, TENANT_TOKEN_METADATA)
+        if token and not self._remote:
+            if metadata_value(context, SESSION_TOKEN_METADATA) is not None:
+                raise PermissionDenied("agent-session calls are refused to engine sessions "
+                                       "(a session token was presented)")
+            tenant = self._core.retention.tokens.tenant_of(token)
+            if tenant is None:
+                raise PermissionDenied("tenant token is unknown or expired; ask for a new one "
+                                       "on the attach socket (role \"tenant\")")
+            return tenant
+        if metadata_value(context, ADMIN_TOKEN_METADATA) is None:
+            raise PermissionDenied(f"this call needs a tenant token ({TENANT_TOKEN_METADATA}: "
+                                   "attach role \"tenant\", what `kvd session` does) or an "
+                                   f"admin token ({ADMIN_TOKEN_METADATA})")
+        self._check_admin(context, write=True)
+        return asked or None
+
+    def _agent_sessions(self, context: grpc.aio.ServicerContext,
+                        request: kvd_pb2.ListAgentSessionsRequest
+                        ) -> kvd_pb2.ListAgentSessionsResponse:
+        tenant = self._tenant_scope(context, request.tenant)
+        if request.limit > MAX_SESSIONS_LIMIT:
+            raise InvalidArgument(f"limit {request.limit} is more than {MAX_SESSIONS_LIMIT}")
+        tag = check_str(request.session, "session")
+        rows = self._core.retention.sessions(tenant, tag or None,
+                                             request.limit or DEFAULT_SESSIONS_LIMIT)
+        return kvd_pb2.ListAgentSessionsResponse(
+            tenant=tenant if metadata_value(context, TENANT_TOKEN_METADATA) else "",
+            sessions=[kvd_pb2.AgentSessionInfo(
+                session=r.tag, tenant=r.tenant, namespace_id=r.namespace_id, model=r.model,
+                retained_blocks=r.blocks, retained_bytes=r.bytes,
+                expires_in_seconds=r.expires_in, tagged_blocks=r.tagged, below_blocks=r.below)
+                for r in rows])
+
+    async def ListAgentSessions(self, request: kvd_pb2.ListAgentSessionsRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> kvd_pb2.ListAgentSessionsResponse:
+        return await self._rpc.unary("ListAgentSessions", context,
+                                     lambda: self._agent_sessions(context, request))
+
+    def _release(self, context: grpc.aio.ServicerContext,
+                 request: kvd_pb2.ReleaseAgentSessionRequest
+                 ) -> kvd_pb2.ReleaseAgentSessionResponse:
+        tenant = self._tenant_scope(context, request.tenant)
+        tag = check_str(request.session, "session")
+        blocks, spaces = self._core.retention.release(tag, tenant)
+        return kvd_pb2.ReleaseAgentSessionResponse(released_blocks=blocks, namespaces=spaces)
+
+    async def ReleaseAgentSession(self, request: kvd_pb2.ReleaseAgentSessionRequest,
+                                  context: grpc.aio.ServicerContext
+                                  ) -> kvd_pb2.ReleaseAgentSessionResponse:
+        return await self._rpc.unary("ReleaseAgentSession", context,
+                                     lambda: self._release(context, request))
+
+    def _prewarm(self, context: grpc.aio.ServicerContext,
+                 request: kvd_pb2.PrewarmAgentSessionRequest
+                 ) -> kvd_pb2.PrewarmAgentSessionResponse:
+        tenant = self._tenant_scope(context, request.tenant)
+        tag = check_str(request.session, "session")
+        keys = check_keys(request.keys)
+        if not tag and not keys:
+            raise InvalidArgument("name a session, or keys to prewarm")
+        retention = self._config.retention
+        if request.retain_ms > retention.max_s * 1000:
+            raise InvalidArgument(f"retain_ms {request.retain_ms} is more than retention.max_s "
+                                  f"({retention.max_s:g} s)")
+        if len(tag.encode()) > retention.max_tag_bytes:
+            raise InvalidArgument(f"session is longer than retention.max_tag_bytes "
+                                  f"({retention.max_tag_bytes})")
+        answer = self._core.retention.prewarm(
+            tag, tenant, keys, check_str(request.namespace_id, "namespace_id"),
+            request.retain_ms / 1000)
+        return kvd_pb2.PrewarmAgentSessionResponse(promoting_blocks=answer.promoting,
+                                                   in_pool_blocks=answer.in_pool,
+                                                   namespaces=answer.namespaces)
+
+    async def PrewarmAgentSession(self, request: kvd_pb2.PrewarmAgentSessionRequest,
+                                  context: grpc.aio.ServicerContext
+                                  ) -> kvd_pb2.PrewarmAgentSessionResponse:
+        return await self._rpc.unary("PrewarmAgentSession", context,
+                                     lambda: self._prewarm(context, request))
 
 
 def _call_done(context: grpc.aio.ServicerContext) -> asyncio.Future[None]:

@@ -190,6 +190,11 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         pins, slots = self._core.release_held(s, check_str(req.session_id, "session_id"))
         return kvd_pb2.ReleaseHeldResponse(released_pins=pins, released_slots=slots)
 
+    def _hint(self, s: Session, req: kvd_pb2.HintRequest) -> kvd_pb2.HintResponse:
+        self._core.retention.hint(s, check_str(req.req_id, "req_id"),
+                                  check_str(req.session, "session"), req.retain_ms)
+        return kvd_pb2.HintResponse()
+
     def _grant(self, s: Session, req: kvd_pb2.GrantRequest) -> kvd_pb2.GrantResponse:
         if req.count > MAX_GRANTED_SLOTS:
             raise InvalidArgument(f"count {req.count} is more than MAX_GRANTED_SLOTS "
@@ -235,6 +240,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
         "grant": _grant,
         "store_granted": _store_granted,
         "pin": _pin,
+        "hint": _hint,
     }
 
     # -- RPCs
@@ -286,6 +292,7 @@ class EngineService(kvd_pb2_grpc.KvdEngineServicer):
     TakeEvents = _unary_rpc("TakeEvents", "take_events")
     Reset = _unary_rpc("Reset", "reset")
     ReleaseHeld = _unary_rpc("ReleaseHeld", "release_held")
+    Hint = _unary_rpc("Hint", "hint")
 
     def _run_step(self, s: Session, request: kvd_pb2.StepRequest) -> kvd_pb2.StepResponse:
         """One step for Step and StepStream: bounds first, then the ops in order."""

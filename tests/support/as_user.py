@@ -5,7 +5,7 @@ everything it needs (the interpreter and the checkout may not be readable by the
 drops to UID/GID, then runs ACTION and prints one JSON line:
 
 - `token`: ask for an admin token on the attach socket -> {"ok", "code"}
-- `cli ARGS...`: run `kvd ARGS...` in-process -> {"rc", "stderr"}
+- `cli ARGS...`: run `kvd ARGS...` in-process -> {"rc", "stderr", "stdout"}
 - `claim TENANT`: attach while claiming TENANT in the request -> {"ok", "tenant", "code"}
 - `engine MODEL PREFIX N TAG`: look the keys up, try to load them, store them with TAG's bytes,
   read them back -> {"tenant", "states", "load_code", "stored", "cannot_store", "evicted",
@@ -137,10 +137,10 @@ def main(argv: list[str]) -> int:
         except attach_protocol.AttachError as exc:
             out = {"ok": False, "code": exc.code, "error": str(exc)}
     elif action == "cli":
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        err, printed = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(printed):
             rc = cli.main([*rest, "--socket", sock_path])
-        out = {"rc": rc, "stderr": err.getvalue()}
+        out = {"rc": rc, "stderr": err.getvalue(), "stdout": printed.getvalue()}
     elif action == "claim":
         doc = attach_claiming(sock_path, rest[0])
         out = {"ok": doc.get("ok"), "tenant": doc.get("tenant"), "code": doc.get("code")}

@@ -104,7 +104,8 @@ def read_block(pool: Any, offset: int) -> bytes:
 
 
 def store(session: OffloadSession, keys: Sequence[bytes], *, timeout: float = SETTLE_S,
-          stall_s: float | None = None, wait: bool = True) -> list[tuple[bytes, int]] | None:
+          stall_s: float | None = None, wait: bool = True, req_id: str = ""
+          ) -> list[tuple[bytes, int]] | None:
     """Store `keys` as an engine does: reserve slots, write each block's bytes, complete, end
     the step (and, with `wait`, step until the daemon answered). The (key, offset) pairs
     granted; None when the reserve stayed short for `stall_s` seconds (None: fail after
@@ -112,7 +113,7 @@ def store(session: OffloadSession, keys: Sequence[bytes], *, timeout: float = SE
     keys = list(keys)
     started = time.monotonic()
     while True:
-        granted = session.reserve(keys)
+        granted = session.reserve(keys, req_id)
         if granted is not None:
             break
         session.end_step()                  # asks for more grants in the background
@@ -124,7 +125,7 @@ def store(session: OffloadSession, keys: Sequence[bytes], *, timeout: float = SE
         time.sleep(0.01)
     for key, offset in granted:
         write_block(session, offset, key)
-    session.complete_store([key for key, _ in granted])
+    session.complete_store([key for key, _ in granted], req_id)
     if wait:
         settle(session, timeout)
     else:
@@ -132,17 +133,18 @@ def store(session: OffloadSession, keys: Sequence[bytes], *, timeout: float = SE
     return granted
 
 
-def load(session: OffloadSession, keys: Sequence[bytes]) -> tuple[list[Lookup], list[bytes]]:
+def load(session: OffloadSession, keys: Sequence[bytes], req_id: str = ""
+         ) -> tuple[list[Lookup], list[bytes]]:
     """Look `keys` up in one step, load the HITs (pin, copy, unpin): (states, keys whose bytes
     were not their own)."""
     states = [session.lookup(key) for key in keys]
     hits = [key for key, state in zip(keys, states) if state is Lookup.HIT]
     pool = session.client.pool
-    offsets = session.start_loads(hits)
+    offsets = session.start_loads(hits, req_id)
     assert None not in offsets, "a HIT of this step could not be pinned"
     bad = [key for key, offset in zip(hits, offsets)
            if read_block(pool, offset) != block_bytes_of(key)]
-    session.finish_loads(hits)
+    session.finish_loads(hits, req_id)
     session.end_step()
     return states, bad
 

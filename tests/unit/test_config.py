@@ -207,7 +207,7 @@ def test_dict_rendering_is_json_with_base_units():
     assert doc["pool"]["size"] == 1 << 30
     assert doc["manager"]["liveness_timeout"] == 10.0
     assert doc["server"]["socket_mode"] == "0660"
-    assert set(doc) == {"server", "pool", "manager", "tenants", "restart", "tiers.disk",
+    assert set(doc) == {"server", "pool", "manager", "tenants", "restart", "retention", "tiers.disk",
                         "tiers.cluster"}
     assert sum(len(v) for v in doc.values()) == len(KEYS)
 

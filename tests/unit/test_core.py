@@ -91,7 +91,8 @@ def test_dead_session_releases_pins_and_pending_stores():
     doc = stats(core)
     assert doc["sessions"] == 1 and doc["clients"]["reaped_total"] == 1
     assert doc["stats"]["pins"] == 0
-    assert doc["blocks"] == {"storing": 0, "ready": 1, "pinned": 0, "zombie": 0, "total": 1}
+    assert doc["blocks"] == {"storing": 0, "ready": 1, "pinned": 0, "zombie": 0, "retained": 0,
+                             "total": 1}
     assert protocols(core).callpath.lookup(a, keys(2))[0] == [Lookup.MISS]
     with pytest.raises(KvdError) as e:
         core.authenticate(b.token)
@@ -230,7 +231,8 @@ def test_stats_document_shape():
     for section in ("server", "pool", "blocks", "namespaces", "clients", "stats", "transfers"):
         assert section in doc
     assert isinstance(doc["sessions"], int)
-    assert set(doc["blocks"]) == {"storing", "ready", "pinned", "zombie", "total"}
+    assert set(doc["blocks"]) == {"storing", "ready", "pinned", "zombie", "retained", "total"}
+    assert doc["retention"] == {"hints_total": 0, "hints_refused_total": 0, "tenants": {}}
 
 
 def test_slots_of_a_dead_writer_are_quarantined_until_its_process_is_gone():

@@ -36,6 +36,15 @@ def _doc(namespaces: int = 2) -> dict:
                       "completed_load_bytes_total": 4096, "completed_store_bytes_total": 8192},
         "tenants": {"default": {"used_bytes": 1 << 20, "quota_bytes": 0},
                     "team-a": {"used_bytes": 0, "quota_bytes": 4 << 20}},
+        "retention": {"hints_total": 5, "hints_refused_total": 1,
+                      "tenants": {"team-a": {"retained_blocks": 3, "retained_bytes": 3 << 16,
+                                             "quota_bytes": 2 << 20, "sessions": 1,
+                                             "retained_blocks_total": 4, "cut_blocks_total": 1,
+                                             "expired_blocks_total": 1,
+                                             "released_blocks_total": 0,
+                                             "gave_way_blocks_total": 0,
+                                             "prewarmed_blocks_total": 2,
+                                             "prewarm_hits_total": 2}}},
     }
 
 
@@ -166,3 +175,13 @@ def test_every_manager_counter_reaches_the_namespace_rows():
     from kvd_server.ops.snapshot import MANAGER_COUNTERS
 
     assert set(MANAGER_COUNTERS) == {f.name for f in dataclasses.fields(ManagerCounters)}
+
+
+def test_retention_series_follow_the_stats_document():
+    text = _exposition(_doc())
+    for line in ('kvd_retention_hints_total 5.0', 'kvd_retention_hints_refused_total 1.0',
+                 'kvd_retention_blocks{tenant="team-a"} 3.0',
+                 'kvd_retention_quota_bytes{tenant="team-a"} 2.097152e+06',
+                 'kvd_retention_cut_blocks_total{tenant="team-a"} 1.0',
+                 'kvd_retention_prewarm_hits_total{tenant="team-a"} 2.0'):
+        assert line in text, line

@@ -195,8 +195,12 @@ class Engine:
         self.poison = False   # write -1 instead of the pattern: loaded blocks must not look so
 
     # ------------------------------------------------------------------ requests
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Request:
-        params = SamplingParams(max_tokens=max_tokens)
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2,
+            kv_transfer_params: dict | None = None) -> Request:
+        """A request, as the OpenAI server makes one: its `kv_transfer_params` (a request
+        body's field) ride in the sampling parameters' extra_args."""
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
         params.update_from_generation_config({}, EOS)
         req = Request(request_id=req_id, prompt_token_ids=tokens, sampling_params=params,
                       pooling_params=None, block_hasher=self._hasher)

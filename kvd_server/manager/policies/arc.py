@@ -39,6 +39,10 @@ class ARCPolicy(Policy):
         self._list_array = np.zeros(n, dtype=np.int8)
         self._prev, self._next = memoryview(self._prev_array), memoryview(self._next_array)
         self._list = memoryview(self._list_array)
+        # The list a retained block left (`hold`): it goes back to that list's end when let go,
+        # so the scans never pass over retained blocks.
+        self._held_array = np.zeros(n, dtype=np.int8)
+        self._held = memoryview(self._held_array)
         self._size = [0, 0, 0]
         for head in self._head[1:]:
             self._prev[head] = self._next[head] = head
@@ -113,6 +117,18 @@ class ARCPolicy(Policy):
 
     def remove(self, slot: int) -> None:
         self._unlink(slot)
+        self._held[slot] = _NONE
+
+    def hold(self, slot: int) -> None:
+        """Retained: out of its list (the scans skip it anyway) until `unhold`."""
+        self._held[slot] = self._unlink(slot)
+
+    def unhold(self, slot: int) -> None:
+        """Back at the end of the list it left: retained, it was as good as used."""
+        which = self._held[slot]
+        if which:
+            self._held[slot] = _NONE
+            self._append(which, slot)
 
     def moved(self, old: int, new: int) -> None:
         """The block in `old` now lives in `new`: `new` takes its place in its list."""
@@ -210,6 +226,7 @@ class ARCPolicy(Policy):
 
     def clear(self) -> None:
         self._list_array[np.flatnonzero(self._list_array)] = _NONE
+        self._held_array[np.flatnonzero(self._held_array)] = _NONE
         for which in (_T1, _T2):
             head = self._head[which]
             self._prev[head] = self._next[head] = head

@@ -113,6 +113,15 @@ class Policy(ABC):
     def clear(self) -> None:
         """Forget every block and all adaptive state (the table is cleared too)."""
 
+    def hold(self, slot: int) -> None:  # noqa: B027
+        """The block in `slot` is retained (manager/retention.py): it is not READY until
+        `unhold`, so no eviction picks it; a policy whose scans pass over blocks that are not
+        READY takes it out of them meanwhile."""
+
+    def unhold(self, slot: int) -> None:  # noqa: B027
+        """The block in `slot` is retained no more (`mark_evictable` follows if it is READY
+        then)."""
+
     def mark_evictable(self, slot: int) -> None:  # noqa: B027
         """The block in `slot` became READY and unpinned."""
 
