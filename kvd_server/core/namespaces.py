@@ -315,8 +315,9 @@ class NamespaceTable:
                         slots.per_extent, slots.stride, self.extents.extent_bytes)
             index = self.files.index(ns_id, *geometry) if self.files is not None else \
                 ShmIndex(*geometry, name=f"kvd-index-{ns_id[:12]}")
-        # Warm restart: the policy's order lives beside the index (LRU's ranks).
-        memory = self.files.policy_memory(ns_id, 8 * index.header.capacity, adopt=adopting) \
+        # Warm restart: the policy's order lives beside the index (LRU's ranks), then the
+        # retained blocks' words (manager/retention.py): 8 bytes a slot each.
+        memory = self.files.policy_memory(ns_id, 16 * index.header.capacity, adopt=adopting) \
             if self.files is not None else None
         reclaim = Reclamation(index)
         slots.limbo = reclaim

@@ -80,8 +80,14 @@ class NamespaceManager:
         self._evictable = 0
         self._zombies = Zombies()
         self.requests = RequestLog(self.policy, budget)
-        # Blocks agent sessions' hints keep (manager/retention.py): one ref each.
+        # Blocks agent sessions' hints keep (manager/retention.py): one ref each. With warm
+        # restart their words follow the policy's order in the memory that outlives the
+        # daemon (one int64 per slot each; `retention_memory_bytes`).
         self.retention = RetainedBlocks()
+        cap = self.table.capacity
+        if policy_memory is not None and len(memoryview(policy_memory)) >= 16 * cap:
+            self.retention.bind(np.frombuffer(policy_memory, dtype=np.int64, count=cap,
+                                              offset=8 * cap))
         # The tiers under the pool (a BelowPort): evicted blocks go down before their slots
         # are freed (their removed events wait until no tier holds them: `lost_below`),
         # stored blocks are told, a reset drops what is held below; NO_BELOW without a tier.
@@ -125,6 +131,12 @@ class NamespaceManager:
         self.table.adopt(ready)
         self._evictable += len(ready)
         self.policy.adopt(ready)
+        blocks, retention = self.table.state, self.retention
+        for slot, tag, until in retention.persisted(ready):   # retained, hint running on
+            retention.add(slot, tag, until)
+            blocks[slot] += 1
+            self._evictable -= 1
+            self.policy.hold(slot)
 
     def is_empty(self) -> bool:
         return not len(self.table) and not self._zombies

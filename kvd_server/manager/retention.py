@@ -13,16 +13,29 @@ Pure bookkeeping: the manager (manager/namespace.py) turns the refs on and off a
 policy; this keeps per slot its expiry and tag, the slots of each tag, a heap of expiries
 (stale entries skipped, rebuilt when they outnumber the live ones), the keys below per tag
 and the keys on their way back.
+
+Warm restart: bound to memory that outlives the daemon (`bind`: one int64 per slot beside the
+policy's order), each retained slot's word is `tag id << 32 | expiry` (unix seconds; 0: not
+retained), kept in step as retention changes; the tag names are the ids' (`tag_names`, id 1
+first), told to whoever keeps them (`on_new_tag`: the warm-restart record) as a tag gets an id.
+A restarted daemon's manager reads them back for the blocks it adopts (`persisted`).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 MAX_BELOW_KEYS = 1 << 16        # keys of tagged blocks remembered below the pool (a namespace)
 MAX_ARRIVING = 1 << 16          # keys a prewarm promotes, until they arrive
+MAX_PERSISTED_TAGS = 4096       # tags a namespace's warm-restart record names (later: untagged)
+_EXPIRY_MASK = (1 << 32) - 1
 
 
 @dataclass(slots=True)
@@ -53,7 +66,8 @@ class RetainedBlocks:
     """A namespace's agent-session blocks (see the module doc)."""
 
     __slots__ = ("until", "tag_of", "by_tag", "below", "arriving", "prewarmed", "_heap",
-                 "_below_count", "counters")
+                 "_below_count", "counters", "_words", "_wall", "tag_ids", "tag_names",
+                 "on_new_tag")
 
     def __init__(self) -> None:
         self.until: dict[int, float] = {}           # retained slot -> expiry
@@ -65,6 +79,55 @@ class RetainedBlocks:
         self._heap: list[tuple[float, int]] = []
         self._below_count = 0
         self.counters = RetentionCounters()
+        # Warm restart (`bind`): a word per slot in memory that outlives the daemon, and the
+        # tags' ids (id 1 = tag_names[0]).
+        self._words: Any = None
+        self._wall = 0.0              # unix time - the manager's (monotonic) clock
+        self.tag_ids: dict[str, int] = {}
+        self.tag_names: list[str] = []
+        self.on_new_tag: Callable[[], None] | None = None
+
+    # ------------------------------------------------------ warm restart
+    def bind(self, words: np.ndarray) -> None:
+        """Keep each retained slot's word in `words` (int64 per slot, outliving the daemon)."""
+        self._words = memoryview(words)
+        self._wall = time.time() - time.monotonic()
+
+    def _persist(self, slot: int) -> None:
+        tag = self.tag_of.get(slot, "")
+        tag_id = self.tag_ids.get(tag, 0) if tag else 0
+        if tag and not tag_id and len(self.tag_names) < MAX_PERSISTED_TAGS:
+            self.tag_names.append(tag)
+            tag_id = self.tag_ids[tag] = len(self.tag_names)
+            if self.on_new_tag is not None:
+                self.on_new_tag()
+        expiry = min(_EXPIRY_MASK, math.ceil(self.until[slot] + self._wall))
+        self._words[slot] = tag_id << 32 | expiry
+
+    def load_tags(self, names: Sequence[str]) -> None:
+        """The tag names a previous daemon's record kept (ids from 1)."""
+        self.tag_names = list(names)[:MAX_PERSISTED_TAGS]
+        self.tag_ids = {name: i for i, name in enumerate(self.tag_names, 1)}
+
+    def persisted(self, slots: np.ndarray) -> list[tuple[int, str, float]]:
+        """Of `slots` (adopted READY blocks), those a previous daemon retained and whose
+        hint runs on: (slot, tag, expiry on this daemon's clock); every other word cleared."""
+        words = self._words
+        if words is None or not len(slots):
+            return []
+        array = np.frombuffer(words, dtype=np.int64)
+        values = array[slots]
+        now = time.time()
+        live = (values & _EXPIRY_MASK) > now
+        chosen, chosen_values = slots[live], values[live]
+        array[:] = 0
+        out = []
+        names = self.tag_names
+        for slot, value in zip(chosen.tolist(), chosen_values.tolist(), strict=True):
+            tag_id = value >> 32
+            tag = names[tag_id - 1] if 0 < tag_id <= len(names) else ""
+            out.append((slot, tag, (value & _EXPIRY_MASK) - self._wall))
+        return out
 
     def __len__(self) -> int:
         return len(self.until)
@@ -137,19 +200,26 @@ class RetainedBlocks:
         if old is not None and old >= until:
             until = old
         self.until[slot] = until
+        before = self.tag_of.get(slot)
         self.tag(slot, tag)
         if until != old:
             heapq.heappush(self._heap, (until, slot))
             if len(self._heap) > 2 * len(self.until) + 64:
                 self._heap = [(u, s) for s, u in self.until.items()]
                 heapq.heapify(self._heap)
+        if self._words is not None and (until != old or self.tag_of[slot] != before):
+            self._persist(slot)
         if fresh:
             self.counters.retained_total += 1
         return fresh
 
     def remove(self, slot: int) -> bool:
         """`slot` is no longer retained (it keeps its tag; its heap entry goes stale)."""
-        return self.until.pop(slot, None) is not None
+        if self.until.pop(slot, None) is None:
+            return False
+        if self._words is not None:
+            self._words[slot] = 0
+        return True
 
     def due(self, now: float) -> list[int]:
         """Retained slots whose expiry is at or before `now` (still retained: the caller
@@ -215,6 +285,9 @@ class RetainedBlocks:
         """Forget everything (a reset: the blocks are gone, below too); the slots that were
         retained."""
         slots = list(self.until)
+        if self._words is not None:
+            for slot in slots:
+                self._words[slot] = 0
         self.until.clear()
         self.tag_of.clear()
         self.by_tag.clear()

@@ -7,7 +7,8 @@ Layout of `restart.directory` (state layout version STATE_VERSION, docs/operatio
   pool, pool.<hash>    the default tenant's pool file, and each other tenant's
   index-<namespace>    a namespace's shared index (kvd_proto/index_layout.py, version 1):
                        keys, slot states, generations, the reset and reclaim epochs
-  ranks-<namespace>    its LRU ranks (int64 per slot), so the eviction order carries on
+  ranks-<namespace>    its LRU ranks (int64 per slot), so the eviction order carries on, then its
+                       retained blocks' words (int64 per slot: kvd_server/manager/retention.py)
   lock                 flock-ed by the daemon using the directory (one at a time), its pid
   sessions/<id>        one small JSON file per registered engine session: its namespace and
                        its process (pid and start time), removed when the session ends
@@ -127,6 +128,9 @@ class NamespaceRecord:
     tokens_per_block: int
     dtype: str
     max_key_bytes: int
+    # Agent sessions' tags, by the ids the retained blocks' words name (id 1 first): see
+    # kvd_server/manager/retention.py. Empty in a record of a kvd before them.
+    tags: tuple[str, ...] = ()
 
     @property
     def layout(self) -> KvLayout:
@@ -163,7 +167,11 @@ class Manifest:
         doc = json.loads(text)
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
-        namespaces = {k: NamespaceRecord(**v) for k, v in dict(doc.pop("namespaces")).items()}
+        namespaces = {}
+        for k, v in dict(doc.pop("namespaces")).items():
+            v = dict(v)
+            v["tags"] = tuple(str(t) for t in v.get("tags", ()))
+            namespaces[k] = NamespaceRecord(**v)
         tenants = {str(k): str(v) for k, v in dict(doc.pop("tenants")).items()}
         return cls(namespaces=namespaces, tenants=tenants, **doc)
 

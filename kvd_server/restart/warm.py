@@ -17,6 +17,7 @@ while the daemon was down hold nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -158,6 +159,22 @@ class WarmRestart:
         self._manifest.namespaces[ns.id] = NamespaceRecord.of(ns.id, ns.model, ns.layout,
                                                               ns.salt, ns.tenant)
         self.dir.write(self._manifest)
+        ns.mgr.retention.on_new_tag = lambda: self._tags_changed(ns)
+
+    def _tags_changed(self, ns: Namespace) -> None:
+        """An agent session's tag got an id in `ns`: on record, so a restarted daemon names
+        the retained blocks' sessions again (kvd_server/manager/retention.py)."""
+        manifest = self._manifest
+        record = manifest.namespaces.get(ns.id) if manifest is not None else None
+        if manifest is None or record is None:
+            return
+        manifest.namespaces[ns.id] = dataclasses.replace(
+            record, tags=tuple(ns.mgr.retention.tag_names))
+        try:
+            self.dir.write(manifest)
+        except OSError as exc:
+            log.warning("warm restart: the session tags of namespace %s are not on record "
+                        "(%s); a restarted daemon keeps their retention untagged", ns.id, exc)
 
     def forgotten(self, ns: Namespace) -> None:
         assert self._manifest is not None
@@ -234,8 +251,14 @@ class WarmRestart:
             self.stats.namespaces_dropped += 1
             self.dir.drop_index(record.id, None)
             return None
-        return table.make(record.id, record.model, layout, record.salt, record.tenant,
-                          index=index)
+        ns = table.make(record.id, record.model, layout, record.salt, record.tenant,
+                        index=index)
+        if record.tags and self._manifest is not None:     # retained blocks' sessions
+            ns.mgr.retention.load_tags(record.tags)
+            made = self._manifest.namespaces.get(ns.id)
+            if made is not None:
+                self._manifest.namespaces[ns.id] = dataclasses.replace(made, tags=record.tags)
+        return ns
 
     def _adopt_extents(self, ns: Namespace, ready: np.ndarray,
                        claims: dict[int, int]) -> np.ndarray:

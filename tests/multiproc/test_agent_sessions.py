@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,38 @@ def test_another_tenant_can_neither_see_release_nor_prewarm_a_session(workdir: P
         close_session(session)
         daemon.close()
     assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_retention_survives_a_warm_restart(start_daemon, workdir: Path):
+    """The daemon killed (a crash) and started again over its warm-restart files: the
+    retained blocks are adopted retained, under their session's tag, with the time their
+    hints had left; they still outlast a flood, and their session releases them."""
+    state = Path("/dev/shm") / f"kvd-agents-{workdir.name}"
+    args = ("--pool-size", POOL, "--extent-size", "1MiB", "--warm-restart", "--restart-dir",
+            str(state))
+    try:
+        daemon = start_daemon(*args)
+        session = open_session(daemon.socket, MODEL, reserve=16)
+        kept, short = keys_for("kept", 24), keys_for("short", 8)
+        _hinted(session, "turn-1", kept, {"kvd": {"session": "s-warm", "retain_s": 600}})
+        _hinted(session, "turn-2", short, {"kvd": {"session": "s-brief", "retain_s": 2}})
+        close_session(session)
+        daemon.proc.kill()
+        daemon.proc.wait(20)
+        time.sleep(2.5)                       # s-brief's hint runs out while it is down
+        daemon = start_daemon(*args, socket=daemon.socket)
+        assert daemon.stats()["restart"]["blocks_adopted"] == 32
+        (row,) = _cli_json(daemon, "list")["sessions"]
+        assert (row["session"], row["retained_blocks"]) == ("s-warm", 24), row
+        assert 500 < row["expires_in_seconds"] <= 600
+        session = open_session(daemon.socket, MODEL, reserve=64)
+        try:
+            _flood(session, "after-restart")
+            assert _hits(session, kept) == 24
+            assert _hits(session, short) == 0
+            out = daemon.kvd("session", "release", "s-warm")
+            assert out.returncode == 0 and "24 block(s)" in out.stdout, out.stdout
+        finally:
+            close_session(session)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
