@@ -915,8 +915,9 @@ class KvdAdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PrewarmAgentSession(self, request, context):
-        """The session's blocks held by the disk or cluster tier promoted into the pool now (a HIT,
-        not a HIT_PENDING, at its next turn), those in the pool retained again: all retained
+        """The session's blocks held by the disk or cluster tier promoted into the pool (as many now
+        as slots are free, the rest as slots come free, for 10 s at most: a HIT, not a
+        HIT_PENDING, at its next turn), those in the pool retained again: all retained
         `retain_ms` (0: retention.default_s) within the tenant's quota. With `keys`, those keys
         (tagged or not) instead of the session's.
         """

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvd_proto.ratelog import RateLimitedLog
 from kvd_server.config import Config
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 MAX_HINTS_PER_SESSION = 4096        # hints of one engine session's requests remembered
 MAX_TAGS_LISTED = 10_000            # rows one listing returns at most
 TENANT_TOKEN_TTL_S = 300.0
+PREWARM_S = 10.0                    # a prewarm waits for free slots this long at most
+MAX_PREWARM_JOBS = 1024             # prewarms (per namespace) waiting for slots at once
 
 
 MAX_TENANT_TOKENS = 1024      # live tenant tokens; issuing one more forgets the oldest
@@ -100,6 +102,18 @@ class PrewarmAnswer:
     namespaces: int          # namespaces it touched
 
 
+@dataclass(slots=True, eq=False)
+class PrewarmJob:
+    """A prewarm's keys of one namespace that wait for free slots (see `Retention.prewarm`)."""
+
+    ns: Namespace
+    keys: list[bytes]
+    tag: str
+    until: float
+    deadline: float
+    started: set[bytes] = field(default_factory=set)
+
+
 # Promote keys of a namespace from the tiers below (the tier link's `promote`): the keys
 # being promoted. Set by the daemon's wiring when a tier is configured.
 Promote = Callable[[Namespace, Sequence[bytes]], set[bytes]]
@@ -123,6 +137,7 @@ class Retention:
         # Tokens that scope the agent-session admin calls to one tenant (attach role "tenant")
         self.tokens = TenantTokens(clock)
         self.promote: Promote | None = None          # set when a tier is below the pool
+        self._jobs: list[PrewarmJob] = []            # prewarms waiting for free slots
 
     @property
     def hints_refused_total(self) -> int:
@@ -178,9 +193,10 @@ class Retention:
                 namespace_id: str = "", retain_s: float = 0.0) -> PrewarmAnswer:
         """Bring agent session `tag`'s blocks (or `keys`, tag or not) into the pool before
         its next turn: those below the pool promoted (HIT_PENDING until they land, then HIT),
-        those in it retained again; all retained `retain_s` (0: retention.default_s) within
-        the tenant's quota. Only `tenant`'s namespaces (None: every tenant's), or the one
-        named."""
+        as many now as slots are free and the rest as slots come free (the sweep tries again,
+        for PREWARM_S at most); those in it retained again; all retained `retain_s` (0:
+        retention.default_s) within the tenant's quota. Only `tenant`'s namespaces (None:
+        every tenant's), or the one named."""
         retain_s = retain_s or self.config.default_s
         until = self.clock() + retain_s
         promoting = in_pool = spaces = 0
@@ -189,29 +205,55 @@ class Retention:
                 continue
             mgr = ns.mgr
             r = mgr.retention
-            wanted = list(keys) if keys else r.below_keys(tag)
+            wanted = list(dict.fromkeys(keys)) if keys else r.below_keys(tag)
             here = [mgr.table.key_of(s) for s in r.by_tag.get(tag, ())] if not keys else \
                 [k for k in wanted if mgr.table.find(k) >= 0]
             if not wanted and not here:
                 continue
             self._count(ns)
             spaces += 1
-            room = self.room(ns)
             if here and self.config.max_share > 0:
-                done, _ = mgr.retain(here, tag, until, room)
-                room -= done
+                mgr.retain(here, tag, until, self.room(ns))
                 in_pool += len(here)
-            started: set[bytes] = set()
-            if self.promote is not None and wanted:
-                started = self.promote(ns, wanted)
-            if started:
-                if self.config.max_share > 0 and room > 0:
-                    r.expect([k for k in wanted if k in started][:room], tag, until)
-                r.counters.prewarmed_total += len(started)
-                promoting += len(started)
+            below = [k for k in wanted if mgr.table.find(k) < 0]
+            if self.promote is None or not below:
+                continue
+            job = PrewarmJob(ns, below, tag, until, self.clock() + PREWARM_S)
+            if not self._step(job):
+                if len(self._jobs) >= MAX_PREWARM_JOBS:
+                    self._jobs.pop(0)
+                self._jobs.append(job)
+            promoting += len(job.started) + (len(job.keys) if job in self._jobs else 0)
         log.info("agent session %r prewarmed: %d blocks promoting, %d in the pool already, "
                  "%d namespaces", tag, promoting, in_pool, spaces)
         return PrewarmAnswer(promoting, in_pool, spaces)
+
+    def _step(self, job: PrewarmJob) -> bool:
+        """Promote what `job` still waits for, as far as slots are free; True when it is
+        over (every key promoted, in the pool, or no longer held below)."""
+        assert self.promote is not None
+        ns = job.ns
+        started = self.promote(ns, job.keys)
+        new = [k for k in job.keys if k in started and k not in job.started]
+        if new:
+            job.started.update(new)
+            r = ns.mgr.retention
+            room = self.room(ns) - len(r.arriving)
+            if self.config.max_share > 0 and room > 0:
+                r.expect(new[:room], job.tag, job.until)
+            r.counters.prewarmed_total += len(new)
+        find = ns.mgr.table.find
+        # Left: not started and still not in the pool; a key the tier no longer holds is
+        # never started (promote skips it): the job's deadline ends it.
+        job.keys = [k for k in job.keys if k not in started and find(k) < 0]
+        return not job.keys
+
+    def _prewarms(self) -> None:
+        """The sweep: prewarms waiting for slots try again."""
+        now = self.clock()
+        for job in list(self._jobs):
+            if job.ns.slots.closed or now > job.deadline or self._step(job):
+                self._jobs.remove(job)
 
     def quota_bytes(self, tenant: str) -> int:
         """What `tenant`'s retained blocks may occupy: retention.max_share of its pool
@@ -234,6 +276,8 @@ class Retention:
     def sweep(self) -> int:
         """Retained blocks whose hints ran out become ordinary blocks; how many."""
         now = self.clock()
+        if self._jobs:
+            self._prewarms()
         return sum(ns.mgr.expire(now) for ns in self.namespaces if ns.mgr.retention)
 
     def release(self, tag: str, tenant: str | None) -> tuple[int, int]:

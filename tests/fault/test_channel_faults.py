@@ -106,6 +106,10 @@ def _random_record(rng: random.Random, victim_keys: list[bytes], offsets: list[i
         rec.PROMOTE: lambda: rec.encode_promote(keys),
         # Another engine's blocks, taken "back" from slots this session does not hold.
         rec.RESTORE: lambda: rec.encode_restore(keys, offs),
+        # A hint with a tag of any size, for any request: refused or remembered, never
+        # anything the victim sees.
+        rec.HINT: lambda: rec.encode_hint("x", "t" * rng.randint(0, 300),
+                                          rng.randint(0, (1 << 32) - 1)),
     }[kind]()
     if roll > 0.9:                                  # a field cut short
         length = struct.unpack_from("<I", forged)[0]

@@ -269,11 +269,11 @@ def test_retention_survives_a_warm_restart(start_daemon, workdir: Path):
         session = open_session(daemon.socket, MODEL, reserve=16)
         kept, short = keys_for("kept", 24), keys_for("short", 8)
         _hinted(session, "turn-1", kept, {"kvd": {"session": "s-warm", "retain_s": 600}})
-        _hinted(session, "turn-2", short, {"kvd": {"session": "s-brief", "retain_s": 2}})
+        _hinted(session, "turn-2", short, {"kvd": {"session": "s-brief", "retain_s": 1}})
         close_session(session)
         daemon.proc.kill()
         daemon.proc.wait(20)
-        time.sleep(2.5)                       # s-brief's hint runs out while it is down
+        time.sleep(3)              # s-brief's hint runs out while it is down (whole seconds)
         daemon = start_daemon(*args, socket=daemon.socket)
         assert daemon.stats()["restart"]["blocks_adopted"] == 32
         (row,) = _cli_json(daemon, "list")["sessions"]

@@ -252,3 +252,14 @@ def test_granted_with_its_kept_blocks_decodes_alike_on_the_quick_path_and_the_ch
             continue
         assert list(short.kept_keys) in ([], keys[:len(short.kept_keys)])
         assert set(short.kept_index) <= set(range(len(short.offsets)))
+
+
+def test_a_hint_round_trips_and_one_without_a_request_is_refused():
+    assert roundtrip_up(rec.encode_hint("req-1", "agent-7", 300_000)) == \
+        rec.Hint("req-1", "agent-7", 300_000)
+    one = rec.decode_up_checked(rec.HINT, rec._str("r") + rec._str("") + b"\0\0\0\0")
+    assert one == rec.Hint("r", "", 0)
+    with pytest.raises(rec.RecordError, match="req_id is empty"):
+        rec.decode_up_checked(rec.HINT, rec._str("") + rec._str("s") + b"\0\0\0\0")
+    with pytest.raises(rec.RecordError):
+        rec.decode_up_checked(rec.HINT, rec._str("r") + rec._str("s") + b"\0\0")
