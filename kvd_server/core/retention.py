@@ -38,6 +38,7 @@ MAX_TAGS_LISTED = 10_000            # rows one listing returns at most
 TENANT_TOKEN_TTL_S = 300.0
 PREWARM_S = 10.0                    # a prewarm waits for free slots this long at most
 MAX_PREWARM_JOBS = 1024             # prewarms (per namespace) waiting for slots at once
+MAX_RELEASED = 1 << 16              # released sessions remembered (to void their old hints)
 
 
 MAX_TENANT_TOKENS = 1024      # live tenant tokens; issuing one more forgets the oldest
@@ -78,6 +79,7 @@ class TenantTokens:
 class Hint:
     tag: str
     retain_s: float
+    at: float               # when it was given (a release after it voids it)
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +140,8 @@ class Retention:
         self.tokens = TenantTokens(clock)
         self.promote: Promote | None = None          # set when a tier is below the pool
         self._jobs: list[PrewarmJob] = []            # prewarms waiting for free slots
+        # (tenant or None, tag) -> when it was released: hints given before it are void
+        self._released: dict[tuple[str | None, str], float] = {}
 
     @property
     def hints_refused_total(self) -> int:
@@ -170,7 +174,8 @@ class Retention:
         hints.pop(req_id, None)
         if len(hints) >= MAX_HINTS_PER_SESSION:
             del hints[next(iter(hints))]
-        hints[req_id] = Hint(tag, retain_ms / 1000 if retain_ms else cfg.default_s)
+        hints[req_id] = Hint(tag, retain_ms / 1000 if retain_ms else cfg.default_s,
+                             self.clock())
 
     def touched(self, s: Session, req_id: str, keys: Sequence[bytes]) -> None:
         """Request `req_id` of `s` loaded or stored `keys` (readable now): retained if it
@@ -179,6 +184,13 @@ class Retention:
         ns = s.ns
         if hint is None or ns is None or not keys:
             return
+        if self._released and hint.tag:
+            # Its session was released after the hint: a completion that arrives late (the
+            # request's stores finish after its last step) retains nothing any more.
+            released = max(self._released.get((ns.tenant, hint.tag), -1.0),
+                           self._released.get((None, hint.tag), -1.0))
+            if released >= hint.at:
+                return
         self._count(ns)
         ns.mgr.retain(keys, hint.tag, self.clock() + hint.retain_s, self.room(ns))
 
@@ -284,6 +296,11 @@ class Retention:
         """Agent session `tag` of `tenant` (None: every tenant's, for an operator) is done:
         its blocks stop being retained at once. (blocks, namespaces) it had blocks in."""
         blocks = spaces = 0
+        released = self._released
+        released.pop((tenant, tag), None)
+        released[(tenant, tag)] = self.clock()
+        while len(released) > MAX_RELEASED:
+            del released[next(iter(released))]
         for ns in self._of(tenant):
             n = ns.mgr.release_tag(tag)
             if n:

@@ -23,7 +23,14 @@ from kvd_proto.wire import TENANT_TOKEN_METADATA
 from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
 from tests.support.disk_tier import disk_env, tier_of
 from tests.support.engine import keys_for
-from tests.support.offload_engine import close_session, load, open_session, settle, store
+from tests.support.offload_engine import (
+    close_session,
+    load,
+    open_session,
+    settle,
+    store,
+    write_block,
+)
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.multiproc
@@ -290,3 +297,60 @@ def test_retention_survives_a_warm_restart(start_daemon, workdir: Path):
             close_session(session)
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_the_client_library_lists_prewarms_and_releases(start_daemon):
+    from kvd_client.agents import AgentSessions, AgentSessionsError
+
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB")
+    session = open_session(daemon.socket, MODEL, reserve=64)
+    try:
+        keys = keys_for("lib", 8)
+        _hinted(session, "turn", keys, {"kvd": {"session": "lib-1", "retain_s": 60}})
+        with AgentSessions(daemon.socket) as agents:
+            (row,) = agents.list()
+            assert (row.session, row.retained_blocks, row.model) == ("lib-1", 8, MODEL)
+            assert agents.tenant == "default"
+            assert agents.list("nobody") == []
+            warm = agents.prewarm("lib-1", retain_s=120)
+            assert (warm.promoting_blocks, warm.in_pool_blocks) == (0, 8)   # no tier below
+            assert agents.release("lib-1") == 8 and agents.release("lib-1") == 0
+            with pytest.raises(ValueError):
+                agents.prewarm("lib-1", retain_s=-1)
+            with pytest.raises(AgentSessionsError, match="INVALID_ARGUMENT"):
+                agents.prewarm("")
+    finally:
+        close_session(session)
+
+
+def test_a_release_voids_the_hints_of_stores_still_in_flight(start_daemon):
+    """An agent's last turn ends (its harness releases the session) while the turn's stores
+    are still being copied: their completions arrive after the release and retain nothing."""
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB")
+    session = open_session(daemon.socket, MODEL, reserve=64)
+    try:
+        keys = keys_for("late", 8)
+        assert session.hint("last", {"kvd": {"session": "done-1", "retain_s": 600}})
+        granted = None
+        for _ in range(500):
+            granted = session.reserve(keys, "last")
+            if granted is not None:
+                break
+            session.end_step()
+            time.sleep(0.01)
+        assert granted is not None
+        session.request_finished("last")
+        settle(session)
+        out = daemon.kvd("session", "release", "done-1")
+        assert out.returncode == 0, out.stderr
+        for key, offset in granted:
+            write_block(session, offset, key)
+        session.complete_store(keys, "last")
+        settle(session)
+        assert _retention(daemon)["retained_blocks"] == 0
+        assert _hits(session, keys) == 8
+        # The same session hinting again after the release retains as any.
+        _hinted(session, "again", keys_for("later", 4), {"kvd": {"session": "done-1"}})
+        assert _retention(daemon)["retained_blocks"] == 4
+    finally:
+        close_session(session)
