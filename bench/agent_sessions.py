@@ -314,6 +314,10 @@ def run(quick: bool = False) -> dict:
         "hints_ge_1.3x_hit_tokens": ratio >= 1.3,
         # Within noise: the two runs without hints differ by `noise`; 10% at least.
         "step_time_within_noise": step <= 1 + max(0.10, noise),
+        # A prewarm brings the resumed turns' prefixes back before they arrive: more of them
+        # hit (HIT, where without it the turn waited on HIT_PENDING or missed).
+        "prewarm_more_resumed_hit_tokens":
+            warm["resumed_hit_tokens"] > disk["resumed_hit_tokens"],
         "prewarm_fewer_pending_lookups": warm["pending_lookups"] < max(1, disk["pending_lookups"]),
     }
     result["machine"] = _machine()

@@ -63,6 +63,10 @@ class ChannelService:
         free (the hub asks after every turn that read the session's channel)."""
         s = session
         assert isinstance(s, Session)
+        if self.core.retention.prewarming:
+            # An engine's turn moved its reclaim epoch: the slots evicted for prewarms may be
+            # free now (the sweep's 100 ms would be many engine steps).
+            self.core.retention.prewarm_tick()
         fast = self.fastpath
         if s.closed or not fast.owes(s):
             return None

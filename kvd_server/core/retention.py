@@ -38,6 +38,7 @@ MAX_TAGS_LISTED = 10_000            # rows one listing returns at most
 TENANT_TOKEN_TTL_S = 300.0
 PREWARM_S = 10.0                    # a prewarm waits for free slots this long at most
 MAX_PREWARM_JOBS = 1024             # prewarms (per namespace) waiting for slots at once
+PREWARM_TICK_S = 0.002              # waiting prewarms try again at most this often
 MAX_RELEASED = 1 << 16              # released sessions remembered (to void their old hints)
 
 
@@ -140,6 +141,7 @@ class Retention:
         self.tokens = TenantTokens(clock)
         self.promote: Promote | None = None          # set when a tier is below the pool
         self._jobs: list[PrewarmJob] = []            # prewarms waiting for free slots
+        self._last_tick = 0.0
         # (tenant or None, tag) -> when it was released: hints given before it are void
         self._released: dict[tuple[str | None, str], float] = {}
 
@@ -250,6 +252,7 @@ class Retention:
         if new:
             job.started.update(new)
             r = ns.mgr.retention
+            r.mark_prewarmed(new)
             room = self.room(ns) - len(r.arriving)
             if self.config.max_share > 0 and room > 0:
                 r.expect(new[:room], job.tag, job.until)
@@ -260,8 +263,21 @@ class Retention:
         job.keys = [k for k in job.keys if k not in started and find(k) < 0]
         return not job.keys
 
+    @property
+    def prewarming(self) -> bool:
+        """Prewarms wait for free slots (`prewarm_tick` is worth a call)."""
+        return bool(self._jobs)
+
+    def prewarm_tick(self) -> None:
+        """Prewarms waiting for slots try again: at the sweep, and as engines' turns free
+        the slots evicted for them (the channel's refill asks, at most every PREWARM_TICK_S)."""
+        now = self.clock()
+        if now - self._last_tick >= PREWARM_TICK_S or now < self._last_tick:
+            self._last_tick = now
+            self._prewarms()
+
     def _prewarms(self) -> None:
-        """The sweep: prewarms waiting for slots try again."""
+        """Prewarms waiting for slots try again."""
         now = self.clock()
         for job in list(self._jobs):
             if job.ns.slots.closed or now > job.deadline or self._step(job):

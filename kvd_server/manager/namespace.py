@@ -28,7 +28,8 @@ from .blocks import ABSENT, READY, STORING, BlockTable
 from .events import EventQueue
 from .policies import RequestState, make_policy
 from .requests import RecencyBudget, RequestLog
-from .retention import MAX_ARRIVING, RetainedBlocks
+from .retaining import Retaining
+from .retention import RetainedBlocks
 from .types import (
     NO_BELOW,
     BelowPort,
@@ -56,8 +57,9 @@ class ManagerCounters:
     events_dropped_total: int = 0
 
 
-class NamespaceManager:
-    """The index key -> block of one namespace over a `SlotSource`. Pure logic, no I/O."""
+class NamespaceManager(Retaining):
+    """The index key -> block of one namespace over a `SlotSource`. Pure logic, no I/O.
+    Agent sessions' retention is its `Retaining` part (manager/retaining.py)."""
 
     def __init__(self, slots: SlotSource, policy: str = LRU, *, enable_events: bool = True,
                  budget: RecencyBudget | None = None, index: ShmIndex | None = None,
@@ -452,104 +454,6 @@ class NamespaceManager:
         self._evictable -= len(slots)
         self.counters.evictions_total += len(slots)
         self._emit_removed(keys, kept)
-        return True
-
-    # -------------------------------------------------------------- retention
-    def retain(self, keys: Iterable[bytes], tag: str, until: float, room: int
-               ) -> tuple[int, int]:
-        """An agent session's hint (manager/retention.py): keep the readable blocks of `keys`
-        until `until`, tagged `tag`; at most `room` blocks not retained yet (the tenant's
-        quota left), the rest counted as cut. Blocks retained already take the later expiry.
-        Returns (newly retained, cut)."""
-        find, blocks, retention = self.table.find, self.table.state, self.retention
-        hold = self.policy.hold
-        retained = cut = 0
-        for key in keys:
-            slot = find(key)
-            if slot < 0 or blocks[slot] == STORING:
-                continue
-            if slot in retention:
-                retention.add(slot, tag, until)
-                continue
-            if retained >= room:
-                retention.tag(slot, tag)          # tagged all the same: it can be prewarmed
-                cut += 1
-                continue
-            retention.add(slot, tag, until)
-            if blocks[slot] == READY:
-                self._evictable -= 1
-            blocks[slot] += 1
-            hold(slot)
-            retained += 1
-        retention.counters.cut_total += cut
-        return retained, cut
-
-    def _let_go(self, slots: Iterable[int]) -> int:
-        """Retained slots retained no more: their refs go, and each block that is READY
-        then is evictable again, at its own recency."""
-        blocks, retention, unhold = self.table.state, self.retention, self.policy.unhold
-        freed: list[int] = []
-        n = 0
-        for slot in slots:
-            if retention.remove(slot):
-                n += 1
-                blocks[slot] -= 1
-                unhold(slot)
-                if blocks[slot] == READY:
-                    freed.append(slot)
-        if freed:
-            self._evictable += len(freed)
-            self.policy.mark_evictable_many(freed)
-        return n
-
-    def expire(self, now: float) -> int:
-        """Retained blocks whose hint ran out by `now` become ordinary blocks."""
-        due = self.retention.due(now) if self.retention else []
-        n = self._let_go(due) if due else 0
-        self.retention.counters.expired_total += n
-        return n
-
-    def release_tag(self, tag: str) -> int:
-        """An agent session released: its retained blocks become ordinary blocks at once, and
-        its blocks carry its tag no more (in the pool or below)."""
-        n = self._let_go(self.retention.retained_of(tag))
-        self.retention.forget_tag(tag)
-        self.retention.counters.released_total += n
-        return n
-
-    def _arrived(self, keys: Sequence[bytes]) -> None:
-        """Blocks became readable: those a prewarm promoted are retained as it asked (its
-        quota was counted when it asked)."""
-        arriving, retention = self.retention.arriving, self.retention
-        blocks, find = self.table.state, self.table.find
-        for key in keys:
-            wanted = arriving.pop(key, None)
-            if wanted is None:
-                continue
-            slot = find(key)
-            if slot < 0 or slot in retention:
-                continue
-            retention.add(slot, *wanted)
-            if blocks[slot] == READY:
-                self._evictable -= 1
-            blocks[slot] += 1
-            self.policy.hold(slot)
-            if len(retention.prewarmed) < MAX_ARRIVING:
-                retention.prewarmed[key] = None
-
-    def _give_way(self, n: int) -> bool:
-        """No `n` unretained victims are left: the `n` retained blocks that expire first
-        (and are not pinned) stop being retained, so they can be evicted. False (nothing
-        changed) when fewer than `n` could."""
-        retention = self.retention
-        if n > len(retention):
-            return False
-        blocks = self.table.state
-        slots = retention.oldest(n, lambda slot: blocks[slot] == READY + 1)
-        if len(slots) < n:
-            return False
-        self._let_go(slots)
-        retention.counters.gave_way_total += n
         return True
 
     # ----------------------------------------------------------------- events

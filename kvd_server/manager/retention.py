@@ -262,6 +262,14 @@ class RetainedBlocks:
                 del arriving[next(iter(arriving))]
             arriving[key] = (tag, until)
 
+    def mark_prewarmed(self, keys: Iterable[bytes]) -> None:
+        """Keys a prewarm brought back: loads of them count as its hits (`loaded`)."""
+        prewarmed = self.prewarmed
+        for key in keys:
+            if len(prewarmed) >= MAX_ARRIVING:
+                del prewarmed[next(iter(prewarmed))]
+            prewarmed[key] = None
+
     def loaded(self, keys: Iterable[bytes]) -> None:
         """An engine loaded `keys`: those a prewarm brought back count as its hits."""
         prewarmed = self.prewarmed
