@@ -158,8 +158,19 @@ class WarmRestart:
         assert self._manifest is not None
         self._manifest.namespaces[ns.id] = NamespaceRecord.of(ns.id, ns.model, ns.layout,
                                                               ns.salt, ns.tenant)
-        self.dir.write(self._manifest)
+        self._write(f"namespace {ns.id} is new")
         ns.mgr.retention.on_new_tag = lambda: self._tags_changed(ns)
+
+    def _write(self, why: str) -> None:
+        """The record, replaced; a directory that cannot take it (removed, read-only, full)
+        is said, not raised: the daemon serves on, and a restart may start cold."""
+        assert self._manifest is not None
+        try:
+            self.dir.write(self._manifest)
+        except OSError as exc:
+            log.warning("warm restart: the record in %s is not up to date (%s: %s); a "
+                        "restarted daemon may start cold", self.dir.where, why,
+                        exc.strerror or exc)
 
     def _tags_changed(self, ns: Namespace) -> None:
         """An agent session's tag got an id in `ns`: on record, so a restarted daemon names
@@ -170,17 +181,17 @@ class WarmRestart:
             return
         manifest.namespaces[ns.id] = dataclasses.replace(
             record, tags=tuple(ns.mgr.retention.tag_names))
-        try:
-            self.dir.write(manifest)
-        except OSError as exc:
-            log.warning("warm restart: the session tags of namespace %s are not on record "
-                        "(%s); a restarted daemon keeps their retention untagged", ns.id, exc)
+        self._write(f"namespace {ns.id} names a new agent session")
 
     def forgotten(self, ns: Namespace) -> None:
         assert self._manifest is not None
         self._manifest.namespaces.pop(ns.id, None)
-        self.dir.write(self._manifest)
-        self.dir.drop_index(ns.id, ns.index)
+        self._write(f"namespace {ns.id} forgotten")
+        try:
+            self.dir.drop_index(ns.id, ns.index)
+        except OSError as exc:
+            log.warning("warm restart: namespace %s's files in %s stay (%s)", ns.id,
+                        self.dir.where, exc.strerror or exc)
 
     # ------------------------------------------------------------------ sessions (KvdCore)
     def registered(self, s: Session, ns: Namespace) -> None:
