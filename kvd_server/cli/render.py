@@ -109,7 +109,9 @@ def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
         else ("known", f"{t.blocks} blocks, {format_size(t.used_bytes)}, in the store (this "
                        f"node's and the others'), named up to {format_size(t.capacity_bytes)}"),
         ("demoted", f"{t.demotions_total} blocks, {format_size(t.demoted_bytes_total)} in "
-                    f"{t.write_seconds_total:.2f}s ({t.demotions_refused_total} refused)"),
+                    f"{t.write_seconds_total:.2f}s ({t.demotions_refused_total} refused"
+                    + (f", {t.store_full_total} refused by a full store" if t.store_full_total
+                       else "") + ")"),
         ("promoted", f"{t.promotions_total} blocks, {format_size(t.promoted_bytes_total)} in "
                      f"{t.read_seconds_total:.2f}s ({t.misses_total} misses)"),
         ("promoting", f"{t.promotions_open} open, {t.promotions_refused_total} refused (no "

@@ -432,6 +432,8 @@ _TIER_COUNTERS = (
      "block larger than an extent): the block was lost instead.", "demotions_refused_total"),
     ("kvd_tier_evictions", "Blocks the tier dropped for room (LRU, tenant quota).",
      "evictions_total"),
+    ("kvd_tier_store_full", "Puts a full store refused (the cluster tier): that block alone, "
+     "the tier serves on.", "store_full_total"),
     ("kvd_tier_corrupt_blocks", "Blocks that failed their checksum: dropped, never served.",
      "corrupt_total"),
     ("kvd_tier_io_failures", "Reads and writes that failed.", "failures_total"),

@@ -50,6 +50,8 @@ class TierStats:
     promotions_total: int = 0             # blocks read back and verified
     promoted_bytes_total: int = 0
     demotions_refused_total: int = 0      # queue full, degraded, over quota, too large
+    store_full_total: int = 0             # puts a full store refused (the cluster tier):
+                                          # that block alone, never a fault of the tier
     evictions_total: int = 0              # blocks the tier dropped for room
     corrupt_total: int = 0                # checksum mismatches: dropped, never served
     failures_total: int = 0               # I/O errors

@@ -26,6 +26,7 @@ from tests.support.offload_engine import (
     close_session,
     count_blocking_calls,
     open_session,
+    read_back,
     read_block,
     store,
 )
@@ -40,17 +41,18 @@ PUT_OUTCOMES = ("demotions_total", "demotions_refused_total", "failures_total")
 
 
 def _env(master: mooncake.Master, node: str, **extra: str) -> dict[str, str]:
-    return clean_env(KVD_MANAGER_HEARTBEAT_INTERVAL=HEARTBEAT,
-                     KVD_MANAGER_LIVENESS_TIMEOUT=LIVENESS, KVD_SERVER_DRAIN_TIMEOUT="5s",
-                     KVD_TIERS_CLUSTER_MASTER=master.address,
-                     KVD_TIERS_CLUSTER_METADATA_URL=master.metadata_url,
-                     KVD_TIERS_CLUSTER_LOCAL_HOSTNAME="127.0.0.1",
-                     KVD_TIERS_CLUSTER_SEGMENT_SIZE="64MiB",
-                     KVD_TIERS_CLUSTER_BUFFER_SIZE="16MiB",
-                     KVD_TIERS_CLUSTER_SIZE="256MiB",
-                     KVD_TIERS_CLUSTER_SYNC_INTERVAL="200ms",
-                     KVD_TIERS_CLUSTER_RETRY_INTERVAL="1s",
-                     KVD_TIERS_CLUSTER_NODE_ID=node, **extra)
+    settings = dict(KVD_MANAGER_HEARTBEAT_INTERVAL=HEARTBEAT,
+                    KVD_MANAGER_LIVENESS_TIMEOUT=LIVENESS, KVD_SERVER_DRAIN_TIMEOUT="5s",
+                    KVD_TIERS_CLUSTER_MASTER=master.address,
+                    KVD_TIERS_CLUSTER_METADATA_URL=master.metadata_url,
+                    KVD_TIERS_CLUSTER_LOCAL_HOSTNAME="127.0.0.1",
+                    KVD_TIERS_CLUSTER_SEGMENT_SIZE="64MiB",
+                    KVD_TIERS_CLUSTER_BUFFER_SIZE="16MiB",
+                    KVD_TIERS_CLUSTER_SIZE="256MiB",
+                    KVD_TIERS_CLUSTER_SYNC_INTERVAL="200ms",
+                    KVD_TIERS_CLUSTER_RETRY_INTERVAL="1s",
+                    KVD_TIERS_CLUSTER_NODE_ID=node)
+    return clean_env(**{**settings, **extra})
 
 
 def _tier(daemon) -> dict:
@@ -469,3 +471,41 @@ def _other_tenant_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_other_tenant_main(sys.argv[1:]))
+
+
+def test_a_store_that_fills_up_is_not_a_fault(start_daemon, workdir, master):
+    """Steady publication into a store smaller than what is published: the puts it has no
+    room for are refused one by one (counted), the tier never degrades, its client and
+    segment are never recycled (the blocks it holds stay readable from another node), and
+    promotions go on."""
+    a = _daemon(start_daemon, workdir, master, "node-a",
+                KVD_TIERS_CLUSTER_SEGMENT_SIZE="16MiB")
+    b = _daemon(start_daemon, workdir, master, "node-b",
+                KVD_TIERS_CLUSTER_SEGMENT_SIZE="16MiB")
+    writer = open_session(a.socket, MODEL, reserve=64)
+    reader = open_session(b.socket, MODEL, reserve=16)
+    try:
+        early = keys_for("early", 32)
+        store(writer, early)
+        _published(a, 32)
+        keys = keys_for("fill", 1200)                     # ~75 MiB into 32 MiB of segments
+        for i in range(0, len(keys), 32):
+            store(writer, keys[i:i + 32])
+            assert _tier(a)["health"] == "ok", _tier(a)
+        wait_until(lambda: _tier(a)["queue_depth"] == 0, 30, "the puts to end")
+        tier = _tier(a)
+        assert tier["health"] == "ok" and tier["store_full_total"] > 0, tier
+        assert tier["failures_total"] == 0, tier
+        assert a.log().count("connected to the store") == 1     # never recycled
+        assert a.log().count("the store is full") <= 3          # one line per interval
+        # B reads back the latest blocks, byte-exact: those the store holds (it evicts the
+        # oldest by itself when full, and refused some: a MISS then, never a wrong byte);
+        # promotions go on.
+        wait_until(lambda: _tier(b)["blocks"] >= 32, 30, "b to learn a's blocks")
+        loaded, missed = read_back(reader, keys[-256:])
+        assert loaded >= 32, (loaded, missed)
+        assert _tier(b)["promotions_total"] >= loaded and _tier(b)["health"] == "ok"
+        assert _tier(a)["health"] == "ok"
+    finally:
+        close_session(writer)
+        close_session(reader)

@@ -45,9 +45,20 @@ class StoreError(Exception):
 TRANSFER_FAIL = -800
 
 
+# Mooncake's NO_AVAILABLE_HANDLE ("insufficient space"): the store has no room for this object
+# now. A full store is no fault of the store: that one put is refused (the store evicts by
+# itself as leases run out); the client and its segment go on.
+STORE_FULL = -200
+
+
 def replica_lost(exc: BaseException) -> bool:
     """Whether a store call failed for its object alone (see TRANSFER_FAIL)."""
     return isinstance(exc, StoreError) and exc.code == TRANSFER_FAIL
+
+
+def store_full(exc: BaseException) -> bool:
+    """Whether a put was refused for room (see STORE_FULL)."""
+    return isinstance(exc, StoreError) and exc.code == STORE_FULL
 
 
 class StoreUnavailable(StoreError):

@@ -15,7 +15,10 @@ every call runs on the tier's threads: publications and promotions apart (promot
 wait behind publications), and a housekeeping thread that connects, syncs manifests and
 checks the store. A failed call degrades the tier (one WARNING, counted, `kvd health` says
 so): it refuses work for `retry_s`, then checks the store again; on recovery it forgets what
-it knew (a restarted master has lost it) and learns it again from the nodes' manifests.
+it knew (a restarted master has lost it) and learns it again from the nodes' manifests. A put
+a full store refuses, or one whose replica's node died, costs that block alone: counted
+(`store_full_total`, `failures_total`), logged once per interval, never a degradation, so the
+client and its segment (and the blocks it holds for every node) go on.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvd_proto.ratelog import RateLimitedLog
 from kvd_server.tiers.base import HELD_ALREADY, Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.cluster.directory import Directory
 from kvd_server.tiers.cluster.names import (
@@ -38,7 +42,7 @@ from kvd_server.tiers.cluster.names import (
     manifest_name,
     namespace_prefix,
 )
-from kvd_server.tiers.cluster.store import Store, StoreError, replica_lost
+from kvd_server.tiers.cluster.store import Store, StoreError, replica_lost, store_full
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,7 @@ class ClusterTier(Tier):
         self._puts = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-put")
         self._gets = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-get")
         self._closed = threading.Event()
+        self._full_log = RateLimitedLog(log)      # a full store refuses many puts in a row
         self._keeper = threading.Thread(target=self._keep, name="kvd-cluster", daemon=True)
         self._keeper.start()
 
@@ -106,7 +111,15 @@ class ClusterTier(Tier):
 
     def _failed(self, exc: Exception) -> None:
         """A call failed: counted; the tier degrades unless it failed for its object alone
-        (`replica_lost`: a node died holding that object's place)."""
+        (`replica_lost`: a node died holding that object's place; `store_full`: a put the
+        store had no room for: the store evicts by itself, and the client and its segment,
+        with the blocks it holds, go on)."""
+        if store_full(exc):
+            with self._lock:
+                self._stats.store_full_total += 1
+            self._full_log.warning("cluster tier: the store is full: a publication is refused "
+                                   "(that block alone; counted in store_full_total)")
+            return
         with self._lock:
             self._stats.failures_total += 1
         if not replica_lost(exc):
