@@ -289,12 +289,15 @@ class Retention:
         return int((self.tenants.quota_of(tenant) or self.pool_size) * self.config.max_share)
 
     def room(self, ns: Namespace) -> int:
-        """Blocks of `ns` its tenant may still retain (its quota left, in this namespace's
-        block size)."""
-        left = self.quota_bytes(ns.tenant) - self.retained_bytes(ns.tenant)
+        """Blocks of `ns` its tenant may still retain: its quota left, and what is left of
+        retention.max_share of the whole pool (tenants without a quota each have the pool as
+        their share: together they never retain more than that), in `ns`'s block size."""
+        left = min(self.quota_bytes(ns.tenant) - self.retained_bytes(ns.tenant),
+                   int(self.pool_size * self.config.max_share) - self.retained_bytes(None))
         return max(0, left // max(1, ns.slots.stride))
 
-    def retained_bytes(self, tenant: str) -> int:
+    def retained_bytes(self, tenant: str | None) -> int:
+        """What `tenant`'s retained blocks occupy (None: every tenant's)."""
         return sum(len(n.mgr.retention) * n.slots.stride for n in self._of(tenant))
 
     def _of(self, tenant: str | None) -> Iterable[Namespace]:
