@@ -354,3 +354,29 @@ def test_a_release_voids_the_hints_of_stores_still_in_flight(start_daemon):
         assert _retention(daemon)["retained_blocks"] == 4
     finally:
         close_session(session)
+
+
+def test_the_call_protocol_carries_hints_too(start_daemon):
+    """An engine on the gRPC call protocol (a client written from the proto alone): Hint, or
+    a step's hint op, before the request's calls; a malformed one is INVALID_ARGUMENT."""
+    import grpc
+
+    from tests.support.engine import Engine
+
+    daemon = start_daemon("--pool-size", POOL, "--extent-size", "4MiB")
+    engine = Engine(daemon.socket, MODEL)
+    try:
+        engine.call("Hint", kvd_pb2.HintRequest(req_id="r", session="grpc-1",
+                                                retain_ms=60_000))
+        engine.store(keys_for("grpc", 6))                       # req_id "r"
+        engine.call("Step", kvd_pb2.StepRequest(ops=[kvd_pb2.StepOp(
+            hint=kvd_pb2.HintRequest(req_id="r", session="grpc-1"))]))
+        assert _retention(daemon)["retained_blocks"] == 6
+        with pytest.raises(grpc.RpcError) as refused:
+            engine.call("Hint", kvd_pb2.HintRequest(req_id="r", session="s",
+                                                    retain_ms=(1 << 32) - 1))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        (row,) = _cli_json(daemon, "list")["sessions"]
+        assert (row["session"], row["retained_blocks"]) == ("grpc-1", 6)
+    finally:
+        engine.close()
