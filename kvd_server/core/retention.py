@@ -33,7 +33,7 @@ from kvd_server.manager.retention import RetentionCounters
 
 log = logging.getLogger(__name__)
 
-MAX_HINTS_PER_SESSION = 4096        # hints of one engine session's requests remembered
+MAX_HINTS_PER_SESSION = 1024        # hints of one engine session's requests remembered
 MAX_TAGS_LISTED = 10_000            # rows one listing returns at most
 TENANT_TOKEN_TTL_S = 300.0
 PREWARM_S = 10.0                    # a prewarm waits for free slots this long at most
