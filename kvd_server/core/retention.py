@@ -233,11 +233,12 @@ class Retention:
             if self.promote is None or not below:
                 continue
             job = PrewarmJob(ns, below, tag, until, self.clock() + PREWARM_S)
-            if not self._step(job):
+            self._step(job)
+            promoting += len(job.started) + len(job.keys)
+            if job.keys:                          # the rest waits for free slots
                 if len(self._jobs) >= MAX_PREWARM_JOBS:
                     self._jobs.pop(0)
                 self._jobs.append(job)
-            promoting += len(job.started) + (len(job.keys) if job in self._jobs else 0)
         log.info("agent session %r prewarmed: %d blocks promoting, %d in the pool already, "
                  "%d namespaces", tag, promoting, in_pool, spaces)
         return PrewarmAnswer(promoting, in_pool, spaces)
@@ -272,7 +273,7 @@ class Retention:
         """Prewarms waiting for slots try again: at the sweep, and as engines' turns free
         the slots evicted for them (the channel's refill asks, at most every PREWARM_TICK_S)."""
         now = self.clock()
-        if now - self._last_tick >= PREWARM_TICK_S or now < self._last_tick:
+        if now - self._last_tick >= PREWARM_TICK_S:
             self._last_tick = now
             self._prewarms()
 
@@ -292,13 +293,15 @@ class Retention:
         """Blocks of `ns` its tenant may still retain: its quota left, and what is left of
         retention.max_share of the whole pool (tenants without a quota each have the pool as
         their share: together they never retain more than that), in `ns`'s block size."""
-        left = min(self.quota_bytes(ns.tenant) - self.retained_bytes(ns.tenant),
-                   int(self.pool_size * self.config.max_share) - self.retained_bytes(None))
+        mine = every = 0                          # one pass over the namespaces
+        for n in self.namespaces:
+            held = len(n.mgr.retention) * n.slots.stride
+            every += held
+            if n.tenant == ns.tenant:
+                mine += held
+        left = min(self.quota_bytes(ns.tenant) - mine,
+                   int(self.pool_size * self.config.max_share) - every)
         return max(0, left // max(1, ns.slots.stride))
-
-    def retained_bytes(self, tenant: str | None) -> int:
-        """What `tenant`'s retained blocks occupy (None: every tenant's)."""
-        return sum(len(n.mgr.retention) * n.slots.stride for n in self._of(tenant))
 
     def _of(self, tenant: str | None) -> Iterable[Namespace]:
         return (ns for ns in self.namespaces if tenant is None or ns.tenant == tenant)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from kvd_proto import kvd_pb2
 from kvd_proto import records as rec
 from kvd_proto.attach import request_tenant_token
 from kvd_proto.wire import TENANT_TOKEN_METADATA
-from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
+from tests.support.daemon import as_user, clean_env, spawn_daemon
 from tests.support.disk_tier import disk_env, tier_of
 from tests.support.engine import keys_for
 from tests.support.offload_engine import (
@@ -217,13 +216,6 @@ def test_malformed_hints_are_refused_without_harm(start_daemon):
 A, B = 60011, 60012
 
 
-def _as_user(uid: int, sock: str, *args: str) -> dict:
-    out = subprocess.run([PY, "-m", "tests.support.as_user", str(uid), str(uid), sock, *args],
-                         env=clean_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other uids")
 def test_another_tenant_can_neither_see_release_nor_prewarm_a_session(workdir: Path):
     os.chmod(workdir, 0o755)
@@ -239,18 +231,18 @@ def test_another_tenant_can_neither_see_release_nor_prewarm_a_session(workdir: P
         keys = keys_for("mine", 16)
         _hinted(session, "turn", keys, HINT)           # tenant "default" (root)
         for uid in (A, B):
-            listed = _as_user(uid, daemon.socket, "cli", "session", "list", "--json")
+            listed = as_user(uid, daemon.socket, "cli", "session", "list", "--json")
             assert listed["rc"] == 0, listed
             doc = json.loads(listed["stdout"])
             assert doc["sessions"] == [] and doc["tenant"] in ("team-a", "team-b")
-            shown = _as_user(uid, daemon.socket, "cli", "session", "show", "s-1")
+            shown = as_user(uid, daemon.socket, "cli", "session", "show", "s-1")
             assert shown["rc"] == 1
-            out = _as_user(uid, daemon.socket, "cli", "session", "release", "s-1")
+            out = as_user(uid, daemon.socket, "cli", "session", "release", "s-1")
             assert out["rc"] == 0 and "0 block(s)" in out["stdout"], out
-            out = _as_user(uid, daemon.socket, "cli", "session", "prewarm", "s-1")
+            out = as_user(uid, daemon.socket, "cli", "session", "prewarm", "s-1")
             assert out["rc"] == 0 and "0 block(s) being promoted" in out["stdout"], out
             # Every tenant's view needs admin permission.
-            out = _as_user(uid, daemon.socket, "cli", "session", "list", "--all-tenants")
+            out = as_user(uid, daemon.socket, "cli", "session", "list", "--all-tenants")
             assert out["rc"] == 1 and "admin permission" in out["stderr"], out
         assert _retention(daemon)["retained_blocks"] == 16
         assert _hits(session, keys) == 16

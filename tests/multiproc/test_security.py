@@ -7,15 +7,13 @@ through SO_PEERCRED exactly as it would see engines of two teams on one node.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvd_proto import kvd_pb2
-from tests.support.daemon import PY, ROOT, clean_env, spawn_daemon
+from tests.support.daemon import as_user, clean_env, spawn_daemon
 from tests.support.engine import keys_for
 from tests.support.summary import record
 
@@ -28,13 +26,6 @@ A, B, OUTSIDER, STRANGER = 60001, 60002, 60003, 60004
 ISOLATION_ROUNDS = max(1, int(os.environ.get("KVD_SOAK_ROUNDS", "10")) // 10)
 HIT, MISS = kvd_pb2.BLOCK_STATE_HIT, kvd_pb2.BLOCK_STATE_MISS
 QUOTA_A = 8 << 20              # two 4 MiB extents: 128 blocks of 64 KiB
-
-
-def as_user(uid: int, sock: str, *args: str) -> dict:
-    out = subprocess.run([PY, "-m", "tests.support.as_user", str(uid), str(uid), sock, *args],
-                         env=clean_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture

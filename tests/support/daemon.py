@@ -138,3 +138,12 @@ def spawn_daemon(workdir: Path, *args: str, env: dict[str, str] | None = None,
             daemon.close()
             raise
     return daemon
+
+
+def as_user(uid: int, sock: str, *args: str) -> dict[str, Any]:
+    """Run tests/support/as_user.py's ACTION ARGS as `uid` (gid the same) against the daemon
+    at `sock`: its one JSON line."""
+    out = subprocess.run([PY, "-m", "tests.support.as_user", str(uid), str(uid), sock, *args],
+                         env=clean_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
