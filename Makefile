@@ -94,6 +94,7 @@ bench: $(VENV)/.stamp-sglang ## run the benchmarks, write bench/results/
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) bench/run_all.py $(BENCH_ARGS)
 	$(PY) bench/tiers.py $(BENCH_ARGS)
 	$(PY) bench/cluster_tier.py $(BENCH_ARGS)
+	$(PY) bench/cluster_scale.py $(BENCH_ARGS)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(PY) bench/agent_sessions.py $(BENCH_ARGS)
 	$(PY) bench/io_engines.py
 

@@ -16,6 +16,7 @@ typedef struct {
     int bound;
     uint64_t *buckets;
     uint64_t mask;
+    uint32_t *flags;       /* kvd_proto/below_layout.py FLAGS_OFFSET: FLAG_ASK, FLAG_WAIT */
 } Below;
 
 typedef struct {

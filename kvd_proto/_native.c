@@ -111,6 +111,8 @@ static PyObject *native_fingerprint(PyObject *self, PyObject *arg) {
 }
 
 #define BELOW_HEADER_BYTES 4096
+#define BELOW_FLAGS_OFFSET 24
+#define BELOW_FLAG_ASK 1
 #define BELOW_MAX_BUCKETS (1ull << 24)
 
 
@@ -134,6 +136,7 @@ static int below_bind(Below *t, PyObject *obj) {
         return -1;
     }
     t->buckets = (uint64_t *)(base + BELOW_HEADER_BYTES);
+    t->flags = (uint32_t *)(base + BELOW_FLAGS_OFFSET);
     t->mask = buckets - 1;
     t->bound = 1;
     return 0;
@@ -483,6 +486,11 @@ static PyObject *Lookups_unbind_below(Lookups *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Lookups_below_flags(Lookups *self, PyObject *unused) {
+    return PyLong_FromUnsignedLong(
+        self->below.bound ? __atomic_load_n(self->below.flags, __ATOMIC_ACQUIRE) : 0);
+}
+
 static PyObject *Lookups_below(Lookups *self, PyObject *key) {
     if (!PyBytes_Check(key)) {
         PyErr_SetString(PyExc_TypeError, "key must be bytes");
@@ -666,8 +674,9 @@ static PyObject *Lookups_lookup(Lookups *self, PyObject *const *args, Py_ssize_t
     }
     if (own < 0) return NULL;
     if (own || (self->below.bound &&
-                below_has(&self->below, (unsigned char *)PyBytes_AS_STRING(key),
-                          PyBytes_GET_SIZE(key))))
+                ((__atomic_load_n(self->below.flags, __ATOMIC_ACQUIRE) & BELOW_FLAG_ASK) ||
+                 below_has(&self->below, (unsigned char *)PyBytes_AS_STRING(key),
+                           PyBytes_GET_SIZE(key)))))
         return PyObject_CallOneArg(self->fallback, key);
     self->lookups++;
     self->miss_count++;
@@ -721,6 +730,8 @@ static PyMethodDef Lookups_methods[] = {
      "bind_below(mapping): read the namespace's held-below table from now on"},
     {"unbind_below", (PyCFunction)Lookups_unbind_below, METH_NOARGS,
      "forget the held-below table (its mapping may close)"},
+    {"below_flags", (PyCFunction)Lookups_below_flags, METH_NOARGS,
+     "below_flags() -> the held-below table's flags word (0 when none is bound)"},
     {"below", (PyCFunction)Lookups_below, METH_O,
      "below(key) -> whether the held-below table names the key"},
     {"lookup", (PyCFunction)(void (*)(void))Lookups_lookup, METH_FASTCALL,

@@ -21,11 +21,13 @@
 #define KIND_PROMOTE 13
 #define KIND_RESTORE 14
 #define KIND_HINT 15
+#define KIND_FIND 16
 /* Down: daemon -> engine. */
 #define KIND_GRANTED 1
 #define KIND_RESET_DONE 2
 #define KIND_EVENTS 3
 #define KIND_REJECTED 4
+#define KIND_FOUND 5
 
 PyObject *native_keys_block(PyObject *self, PyObject *keys);
 PyObject *native_keys_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -8,7 +8,8 @@ trip, so the daemon keeps, per namespace, a table of 64-bit key fingerprints in 
 memory file that every attached engine of the namespace maps read-only (attach role `below`,
 docs/attach.md). All integers are little-endian. Regions:
 
-  header   HEADER_BYTES   magic, version, header bytes, buckets (a power of two), zeros
+  header   HEADER_BYTES   magic, version, header bytes, buckets (a power of two), flags
+                          (u32 at FLAGS_OFFSET), zeros
   buckets  u64[buckets]   a key's fingerprint, or 0 (empty); open addressing, linear probing
 
 A key's fingerprint is `crc32(key) | crc32(reversed key) << 32` (zlib's CRC-32, init 0; 1 in
@@ -18,6 +19,14 @@ stale or (rarely) shared by two keys, so a "held below" answer only starts a pro
 the daemon checks against the tier's full key; a key the table misses is a MISS. Deletion
 shifts later entries of a run back (no tombstones), so a reader racing a delete may miss a
 key, never find one that was not written.
+
+The flags word says what an engine does with a key that neither the index nor this table
+names (the daemon changes it while engines read it; 0 in a table without a cluster tier):
+  FLAG_ASK   the cluster store may hold it: report the key in the step's FIND record (the
+             daemon asks the store and answers FOUND; what the store holds is in this table
+             by then)
+  FLAG_WAIT  and until that answer, the lookup answers "not known yet" (vLLM's RETRY: the
+             request waits a step) instead of MISS
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ MAX_BUCKETS = 1 << 24          # 128 MiB of table: 11M keys at the load factor b
 LOAD = 1.5                     # buckets per key held, at least
 
 _HEADER = struct.Struct("<8sIIQ")   # magic, version, header bytes, buckets
+FLAGS_OFFSET = 24                   # u32 flags, after the header's fields
+FLAG_ASK = 1
+FLAG_WAIT = 2
 
 
 def fingerprint(key: bytes) -> int:

@@ -40,8 +40,8 @@ from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol, cast
 
+from kvd_proto.below_layout import FLAG_ASK, FLAGS_OFFSET, BelowHeader, fingerprint
 from kvd_proto.below_layout import MAX_PROBE as BELOW_MAX_PROBE
-from kvd_proto.below_layout import BelowHeader, fingerprint
 from kvd_proto.index_layout import (
     KEY_LEN_MASK,
     KEY_LEN_SHIFT,
@@ -115,6 +115,17 @@ def below_view(mapping: Any, writable: bool = False) -> tuple[Any, int]:
     buckets = view[header.buckets_offset:header.file_bytes].cast("Q")
     view.release()
     return buckets, header.buckets - 1
+
+
+def below_flags_view(mapping: Any, writable: bool = False) -> Any:
+    """The flags word of the "held below" table in `mapping` (a one-item u32 view)."""
+    view = memoryview(mapping)
+    if writable and view.readonly:
+        view.release()
+        raise TypeError("the daemon's below table mapping must be writable")
+    flags = view[FLAGS_OFFSET:FLAGS_OFFSET + 4].cast("I")
+    view.release()
+    return flags
 
 
 class _Regions:
@@ -246,6 +257,8 @@ class IndexLookups(Protocol):
 
     def bind_below(self, mapping: Mapped, /) -> None: ...
 
+    def below_flags(self) -> int: ...
+
     def unbind_below(self) -> None: ...
 
     def below(self, key: bytes, /) -> bool: ...
@@ -351,6 +364,7 @@ class PyLookups:
         self._regions: _Regions | None = None
         self._below: Any = None
         self._below_mask = 0
+        self._below_flags: Any = None
         self.enabled = 0
         self.lookups = self.hits = self.misses = 0
 
@@ -372,11 +386,16 @@ class PyLookups:
     def bind_below(self, mapping: Any) -> None:
         self.unbind_below()
         self._below, self._below_mask = below_view(mapping)
+        self._below_flags = below_flags_view(mapping)
 
     def unbind_below(self) -> None:
         if self._below is not None:
             self._below.release()
-            self._below = None
+            self._below_flags.release()
+            self._below = self._below_flags = None
+
+    def below_flags(self) -> int:
+        return 0 if self._below_flags is None else self._below_flags[0]
 
     def below(self, key: bytes) -> bool:
         if type(key) is not bytes:
@@ -403,8 +422,9 @@ class PyLookups:
             self.lookups += 1
             self.hits += 1
             return self._hit
-        if key in self._stores or key in self._kept or (self._below is not None and probe_below(
-                self._below, self._below_mask, fingerprint(key)) >= 0):
+        if key in self._stores or key in self._kept or (self._below is not None and (
+                self._below_flags[0] & FLAG_ASK or
+                probe_below(self._below, self._below_mask, fingerprint(key)) >= 0)):
             return self._fallback(key)
         self.lookups += 1
         self.misses += 1

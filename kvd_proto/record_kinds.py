@@ -22,17 +22,20 @@ RETURN_SLOTS = 12     # granted slots the engine will not use (never written)
 PROMOTE = 13          # keys the engine answered HIT_PENDING from the "held below" table
 RESTORE = 14          # granted slots taken back as the evicted blocks they still hold
 HINT = 15             # a request's retention hint: its agent session and how long to retain
+FIND = 16             # keys to ask the cluster store about (missed by the index and the
+                      # "held below" table); answered by FOUND
 UP_KINDS = {STORE: "store", COMPLETE_STORE: "complete_store", PIN: "pin",
             COMPLETE_LOAD: "complete_load", TOUCH: "touch",
             REQUEST_FINISHED: "request_finished", RESERVE: "reserve", RESET: "reset",
             TAKE_EVENTS: "take_events", COUNTERS: "counters", RELEASE_HELD: "release_held",
             RETURN_SLOTS: "return_slots", PROMOTE: "promote", RESTORE: "restore",
-            HINT: "hint"}
+            HINT: "hint", FIND: "find"}
 
 # --- down: daemon -> engine -------------------------------------------------------------------
 GRANTED = 1           # slots granted to the reserve, whenever the daemon has them free
 RESET_DONE = 2        # answers RESET: token, the namespace's new epoch, blocks dropped
 EVENTS = 3            # answers TAKE_EVENTS: stored / removed events, and whether more wait
 REJECTED = 4          # an up record the daemon refused: its kind, a status name, a message
+FOUND = 5             # answers FIND: the store was asked; what it holds is "held below" now
 DOWN_KINDS = {GRANTED: "granted", RESET_DONE: "reset_done", EVENTS: "events",
-              REJECTED: "rejected"}
+              REJECTED: "rejected", FOUND: "found"}

@@ -28,6 +28,8 @@ from kvd_proto.record_kinds import (
     COUNTERS,
     DOWN_KINDS,
     EVENTS,
+    FIND,
+    FOUND,
     GRANTED,
     HINT,
     PIN,
@@ -146,6 +148,17 @@ def encode_return_slots(offsets: Sequence[int]) -> bytes:
 
 def encode_promote(keys: Sequence[bytes]) -> bytes:
     return record(PROMOTE, _keys(keys))
+
+
+def encode_find(step: int, keys: Sequence[bytes]) -> bytes:
+    """Keys this engine's step `step` looked up that neither the index nor the held-below
+    table names, in a namespace whose below table asks the store (FLAG_ASK): the daemon asks
+    the cluster store about them and answers FOUND(step)."""
+    return record(FIND, _U64.pack(step) + _keys(keys))
+
+
+def encode_found(step: int) -> bytes:
+    return record(FOUND, _U64.pack(step))
 
 
 def encode_restore(keys: Sequence[bytes], offsets: Sequence[int]) -> bytes:
@@ -371,6 +384,11 @@ class Restore(NamedTuple):
     offsets: list[int]
 
 
+class Find(NamedTuple):
+    step: int
+    keys: list[bytes]
+
+
 class Hint(NamedTuple):
     req_id: str
     session: str
@@ -378,7 +396,8 @@ class Hint(NamedTuple):
 
 
 UpRecord = (Store | CompleteStore | Pin | CompleteLoad | Touch | RequestFinished | Reserve | Reset
-            | TakeEvents | Counters | ReleaseHeld | ReturnSlots | Promote | Restore | Hint)
+            | TakeEvents | Counters | ReleaseHeld | ReturnSlots | Promote | Restore | Hint
+            | Find)
 
 
 # The records a stepping engine sends every step, decoded compiled where built (a pass that
@@ -469,6 +488,9 @@ def decode_up_checked(kind: int, payload: bytes) -> UpRecord:
         out = ReleaseHeld(c.text("session_id"))
     elif kind == PROMOTE:
         out = Promote(c.keys())
+    elif kind == FIND:
+        step = c.u64("step")
+        out = Find(step, c.keys())
     elif kind == RESTORE:
         keys = c.keys()
         out = Restore(keys, c.values("Q", len(keys), "slot offsets"))
@@ -511,7 +533,11 @@ class Rejected(NamedTuple):
     message: str
 
 
-DownRecord = Granted | ResetDone | Events | Rejected
+class Found(NamedTuple):
+    step: int           # the FIND records of this step and before are answered
+
+
+DownRecord = Granted | ResetDone | Events | Rejected | Found
 
 
 def granted_fast(payload: bytes) -> Granted | None:
@@ -555,6 +581,8 @@ def decode_down(kind: int, payload: bytes) -> DownRecord:
             events.append((tuple(c.keys(unique=False)), bool(flags & 1), bool(flags & 2)))
         more = bool(c.u8("more"))
         out = Events(events, more, c.u64("dropped") if c.at < len(c.data) else 0)
+    elif kind == FOUND:
+        out = Found(c.u64("step"))
     else:
         out = Rejected(c.u16("kind"), c.text("code"), c.text("message"))
     c.end()

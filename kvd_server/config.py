@@ -163,9 +163,10 @@ class ClusterTierConfig:
     publish: str            # "stored": every block once stored; "evicted": when evicted
     io_threads: int         # puts and gets in flight at once (each)
     queue_size: int         # bytes of puts in flight; past it, publications are refused
-    sync_interval: float    # how often the nodes' lists of blocks are exchanged
+    sync_interval: float    # how often the store is checked (its health)
     retry_interval: float   # a degraded tier waits this long before it tries again
     node_id: str            # this node's name in the store ("": host name and socket)
+    lookup_wait: bool = True    # lookups being asked about answer RETRY, not MISS
     tenants: tuple[str, ...] = ()   # tenants whose blocks are shared (empty: every tenant)
 
     def shares(self, tenant: str) -> bool:
@@ -453,6 +454,7 @@ _SCHEMA: dict[str, _Key] = {
     "tiers.cluster.sync_interval": _Key("duration", _duration),
     "tiers.cluster.retry_interval": _Key("duration", _duration),
     "tiers.cluster.node_id": _Key("str", _str),
+    "tiers.cluster.lookup_wait": _Key("bool", _bool),
     "tiers.cluster.tenants": _Key("names", _names),
 }
 

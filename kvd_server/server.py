@@ -433,6 +433,7 @@ class Daemon:
         self._channels = ChannelHub(
             service, heartbeat=core.heartbeat,
             on_broken=lambda s, why: core.close_session(s, why, reaped=True))  # type: ignore
+        service.send = self._channels.send
         core.on_session_end.append(self._end_channel)
         roles = AttachRoles(core, protocols.fastpath, self._tier, pools, self._tokens,
                             self._channels, self._rpc.observe_transfer)

@@ -105,6 +105,12 @@ def promote(keys: Sequence[bytes], limit: int) -> list[bytes]:
     return [rec.encode_promote(keys[start:start + limit]) for start in range(0, len(keys), limit)]
 
 
+def find(step: int, keys: Sequence[bytes], limit: int) -> list[bytes]:
+    """FIND: keys to ask the cluster store about (distinct already), all of step `step`."""
+    return [rec.encode_find(step, keys[start:start + limit])
+            for start in range(0, len(keys), limit)]
+
+
 def restore(kept: Sequence[tuple[bytes, int]], limit: int) -> list[bytes]:
     """RESTORE: granted slots taken back as the evicted blocks they still hold, (key, offset)
     each (distinct keys), `limit` a record."""

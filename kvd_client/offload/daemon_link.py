@@ -21,6 +21,7 @@ import time
 from kvd_client.client import KvdClient
 from kvd_client.link.channel import Outbox, SessionChannel
 from kvd_client.offload.event_inbox import EventInbox
+from kvd_client.offload.finds import Finds
 from kvd_client.offload.reserve import StoreReserve
 from kvd_client.offload.resets import Resets
 from kvd_client.offload.stores import StoreTracker
@@ -42,8 +43,9 @@ class DaemonLink:
     current connection's `channel` (None: not connected)."""
 
     def __init__(self, client: KvdClient, reserve: StoreReserve, events: EventInbox,
-                 resets: Resets, stores: StoreTracker) -> None:
+                 resets: Resets, stores: StoreTracker, finds: Finds | None = None) -> None:
         self.client = client
+        self._finds = finds or Finds()
         self._reserve = reserve
         self._events = events
         self._resets = resets
@@ -158,6 +160,8 @@ class DaemonLink:
                         self._resets.answered(answer, self.put, per_record)
                 elif isinstance(answer, rec.ResetDone):
                     self._resets.answered(answer, self.put, per_record)
+                elif isinstance(answer, rec.Found):
+                    self._finds.found(answer.step)
         self._stores.settle(self.acked)
         self._reserve.restored(self.acked)
 

@@ -7,7 +7,9 @@ of that from local state, on the scheduler thread itself:
 
 - lookups read the namespace's shared index (kvd_client/link/index_reader.py) directly; a key
   only a tier below the pool holds answers HIT_PENDING and is promoted by the daemon
-  (kvd_client/offload/promotions.py), then reads HIT from the index;
+  (kvd_client/offload/promotions.py), then reads HIT from the index; in a namespace shared
+  through a cluster store, a key held nowhere on the node is asked about (one FIND record a
+  step, kvd_client/offload/finds.py) and answers "not known yet" until the daemon's answer;
 - loads and stores (kvd_client/offload/transfers.py, this class's base) run their common
   case compiled in one pass over the keys;
 - a HIT stays loadable without a pin round trip: the session publishes, before each step's
@@ -40,6 +42,7 @@ from kvd_client.link.connection import Handoff, connect
 from kvd_client.link.index_reader import STATE_READY, BelowMap, IndexReader, Marks
 from kvd_client.offload.daemon_link import DaemonLink
 from kvd_client.offload.event_inbox import Event, EventInbox
+from kvd_client.offload.finds import Finds
 from kvd_client.offload.hints import HintError, parse_hint
 from kvd_client.offload.loads import LoadTracker
 from kvd_client.offload.old_copies import OldCopies
@@ -49,6 +52,7 @@ from kvd_client.offload.resets import Resets
 from kvd_client.offload.stores import StoreTracker
 from kvd_client.offload.transfers import SessionTransfers
 from kvd_proto import records as rec
+from kvd_proto.below_layout import FLAG_ASK, FLAG_WAIT
 from kvd_proto.native import Lookups, steps_of
 from kvd_proto.ratelog import RateLimitedLog
 from kvd_proto.wire import BlockState
@@ -79,18 +83,22 @@ class OffloadSession(SessionTransfers):
     def __init__(self, client: KvdClient, *, reserve: int = DEFAULT_RESERVE,
                  initial_reserve: int = 0, enable_events: bool = False,
                  keep_evicted: bool = True,
-                 answers: tuple[Any, Any, Any] = (Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING)
+                 answers: tuple[Any, ...] = (Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING)
                  ) -> None:
         """`reserve`: 0 sizes the slots held for stores from the store rate; N > 0 keeps at
         least N. `initial_reserve`: what to hold before any store was seen (0: `reserve`, or
         a default; an engine that knows how many blocks one step may store passes twice
         that). `keep_evicted` (default True): blocks the daemon evicted into this session's
         reserve stay its hits until it stores into their slots (docs/attach.md, kept blocks).
-        `answers`: what `lookup` returns for a miss, a hit and a pending store; an
-        engine may pass its own values, so that its scheduler can call `lookup` directly (it
-        is the hottest call: once per chunk of every waiting request, every step)."""
+        `answers`: what `lookup` returns for a miss, a hit and a pending store, and
+        optionally a fourth for "not known yet, ask again next step" (vLLM's RETRY: a key
+        the cluster store is being asked about, kvd_client/offload/finds.py; the pending
+        answer without one); an engine may pass its own values, so that its scheduler can
+        call `lookup` directly (it is the hottest call: once per chunk of every waiting
+        request, every step)."""
         self.client = client
-        self._miss, self._hit, self._pending = answers
+        self._miss, self._hit, self._pending = answers[:3]
+        self._retry = answers[3] if len(answers) > 3 else self._pending
         self._reserve = StoreReserve(reserve or DEFAULT_FLOOR,
                                      initial_reserve or reserve or DEFAULT_INITIAL,
                                      keep_evicted=keep_evicted)
@@ -109,12 +117,13 @@ class OffloadSession(SessionTransfers):
         self._stores = StoreTracker()
         self._events = EventInbox()
         self._promotions = Promotions()
+        self._finds = Finds()
         self._resets = Resets(self._stores, self._loads)      # a reset asked for, its epoch
         self._old = OldCopies()       # copies of ended sessions, until the daemon may release
         # The one link to the daemon: this step's records (`seq`), the channel, what the
         # daemon has read (`acked`), its answers applied.
         self._link = DaemonLink(client, self._reserve, self._events, self._resets,
-                                self._stores)
+                                self._stores, self._finds)
         self._put = self._link.put    # records for the daemon, sent at the step's end
         self._post = self._link.records.append    # one record of a compiled call, in order
         # Lookups the index alone decides (HIT, MISS) are answered in C where it was built
@@ -187,6 +196,7 @@ class OffloadSession(SessionTransfers):
         self._loads.clear()
         self._stores.clear()
         self._promotions.clear()
+        self._finds.clear()
         self._restores.clear()
         self._reserve.clear()
         self._resets.clear()
@@ -270,6 +280,11 @@ class OffloadSession(SessionTransfers):
             own = True                               # held below: promoted on request
         if own is True:
             return self._pending
+        if own is None and found is None:
+            flags = self._lookups.below_flags()
+            if flags & FLAG_ASK and self._finds.answer(key, self._link.seq) \
+                    and flags & FLAG_WAIT:
+                return self._retry                # the store is being asked: next step
         if own is None:
             counts.misses += 1
             return self._miss
@@ -399,6 +414,9 @@ class OffloadSession(SessionTransfers):
         promote = self._promotions.take()
         if promote:
             self._put(messages.promote(promote, self._per_record))
+        find = self._finds.take()
+        if find:
+            self._put(messages.find(self._link.seq, find, self._per_record))
         self._link.report_counts(self._counts(), at_once=False)
         if self.enable_events and self._link.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
@@ -412,7 +430,8 @@ class OffloadSession(SessionTransfers):
         if self.available:
             self._link.report_counts(self._counts())     # the daemon's stats catch up
         return bool(self._resets.pending or self._finished) or self._link.unread() or \
-            self._promotions.waiting(self._link.acked, self._lookups.find)
+            self._promotions.waiting(self._link.acked, self._lookups.find) or \
+            self._finds.waiting()
 
     def _counts(self) -> tuple[int, int, int]:
         """The lookups answered so far (every session of this engine), for the daemon's stats."""

@@ -30,7 +30,7 @@ NAMES = {
 MANAGER_METHODS = ("lookup", "prepare_load", "touch", "complete_load", "prepare_store",
                    "complete_store", "on_new_request", "on_request_finished", "take_events",
                    "has_pending_work", "reset_cache", "on_reset_flushed", "on_schedule_end")
-LOOKUP_ANSWERS = ("MISS", "HIT", "HIT_PENDING")
+LOOKUP_ANSWERS = ("MISS", "HIT", "HIT_PENDING", "RETRY")
 
 
 class UnsupportedVllm(ImportError):

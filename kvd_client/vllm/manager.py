@@ -40,7 +40,8 @@ from kvd_proto.native import key_positions
 log = logging.getLogger(__name__)
 
 # What OffloadSession.lookup answers, in vLLM's terms: miss, hit, pending.
-ANSWERS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
+ANSWERS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING,
+           LookupResult.RETRY)
 
 
 class KvdOffloadingManager(OffloadingManager):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 from kvd_proto import records as rec
 from kvd_proto.wire import DEFAULT_EVENTS, MAX_KEYS_PER_CALL
@@ -38,6 +39,9 @@ class ChannelService:
         # Events taken from the namespace that did not fit one answer: the next take_events
         # of that session sends them first (session id -> events).
         self._carry: dict[str, list[OffloadEvent]] = {}
+        # Writes an answer into a session's down ring outside a turn (a FOUND once the store
+        # answered); set by the daemon to its ChannelHub's `send`.
+        self.send: Callable[[str, bytes], bool] = lambda session_id, record: False
 
     def __call__(self, session: object, kind: int, payload: bytes) -> bytes | None:
         s = session
@@ -126,6 +130,10 @@ class ChannelService:
             fast.restore(s, r.keys, r.offsets)
         elif isinstance(r, rec.Hint):
             core.retention.hint(s, r.req_id, r.session, r.retain_ms)
+        elif isinstance(r, rec.Find):
+            found = rec.encode_found(r.step)
+            if not fast.find(s, r.keys, lambda: self.send(s.id, found)):
+                return found                  # nothing to ask: answered at once
         return None
 
     def _events(self, s: Session, max_events: int) -> bytes:

@@ -107,7 +107,8 @@ def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
         ("used", f"{format_size(t.used_bytes)} of {format_size(t.capacity_bytes)} "
                  f"({t.blocks} blocks)") if t.name != "cluster"
         else ("known", f"{t.blocks} blocks, {format_size(t.used_bytes)}, in the store (this "
-                       f"node's and the others'), named up to {format_size(t.capacity_bytes)}"),
+                       f"node's and the ones found), named up to "
+                       f"{format_size(t.capacity_bytes)}"),
         ("demoted", f"{t.demotions_total} blocks, {format_size(t.demoted_bytes_total)} in "
                     f"{t.write_seconds_total:.2f}s ({t.demotions_refused_total} refused"
                     + (f", {t.store_full_total} refused by a full store" if t.store_full_total
@@ -117,6 +118,8 @@ def _tier_rows(t: TierStats) -> list[tuple[str, Any]]:
         ("promoting", f"{t.promotions_open} open, {t.promotions_refused_total} refused (no "
                       f"pool slot yet), {t.promotions_late_total} given up (too slow)"),
         ("held_below", f"{t.below_keys} keys named to engines"),
+        *([("found", f"{t.found_total} of {t.finds_total} keys asked about, in "
+                     f"{t.find_calls_total} calls")] if t.name == "cluster" else []),
         ("evictions_total", t.evictions_total),
         ("trouble", f"{t.corrupt_total} corrupt blocks dropped, {t.failures_total} I/O errors"),
         ("queue_depth", t.queue_depth),

@@ -434,6 +434,11 @@ _TIER_COUNTERS = (
      "evictions_total"),
     ("kvd_tier_store_full", "Puts a full store refused (the cluster tier): that block alone, "
      "the tier serves on.", "store_full_total"),
+    ("kvd_tier_finds", "Keys engines asked the cluster store about (held nowhere on the node).",
+     "finds_total"),
+    ("kvd_tier_find_calls", "Batched existence calls those asks cost the store.",
+     "find_calls_total"),
+    ("kvd_tier_found", "Keys the store held when asked (named held below).", "found_total"),
     ("kvd_tier_corrupt_blocks", "Blocks that failed their checksum: dropped, never served.",
      "corrupt_total"),
     ("kvd_tier_io_failures", "Reads and writes that failed.", "failures_total"),

@@ -11,10 +11,11 @@ granted in advance (StoreGranted). Both end the same way: `CompleteLoad`, `Compl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from kvd_proto.wire import MAX_KEYS_PER_CALL
 from kvd_server.core.sessions import MAX_PENDING_STORES_PER_SESSION
 from kvd_server.errors import Unavailable
 from kvd_server.manager import Lookup
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from kvd_server.core.core import KvdCore
     from kvd_server.core.namespaces import Namespace
     from kvd_server.core.sessions import Session
+    from kvd_server.manager.namespace import NamespaceManager
 
 
 class Below(Protocol):
@@ -31,6 +33,9 @@ class Below(Protocol):
 
     def promote(self, ns: Namespace, keys: Sequence[bytes], prefix: bool = False
                 ) -> set[bytes]: ...
+
+    def find(self, ns: Namespace, keys: Sequence[bytes], done: Callable[[], None]
+             ) -> bool: ...
 
 
 class LookupAnswer(NamedTuple):
@@ -58,6 +63,16 @@ class StoreAnswer(NamedTuple):
     epoch: int
 
 
+def _nothing() -> None:
+    """A find whose answer nobody waits for (the call protocol answers MISS at once)."""
+
+
+def _missing(mgr: NamespaceManager, keys: Sequence[bytes]) -> list[bytes]:
+    """Of `keys`, at most MAX_KEYS_PER_CALL the pool does not hold (the ones worth asking)."""
+    lookup = mgr.lookup
+    return [k for k in keys[:MAX_KEYS_PER_CALL] if lookup(k) is Lookup.MISS]
+
+
 class CallPath:
     """The call protocol's operations (see the module doc); runs on the event loop."""
 
@@ -78,12 +93,19 @@ class CallPath:
         states: list[Lookup] = []
         offsets: list[int] | None = [] if lease_s > 0 else None
         hits = misses = 0
+        asked = False
         for i, key in enumerate(keys):
             state = mgr.lookup(key)
-            if state is Lookup.MISS and below is not None and below.promote(ns, [key]):
-                state = Lookup.HIT_PENDING   # held below only: HIT_PENDING until promoted
-                if prefix:                   # the answer stops here; the prefix comes up too
-                    below.promote(ns, keys[i + 1:], prefix=True)
+            if state is Lookup.MISS and below is not None:
+                if below.promote(ns, [key]):
+                    state = Lookup.HIT_PENDING   # held below only: HIT_PENDING until promoted
+                    if prefix:                   # the answer stops here; the prefix comes up
+                        below.promote(ns, keys[i + 1:], prefix=True)
+                elif not asked:
+                    # Held nowhere on this node: the cluster store (if any) is asked about
+                    # the rest of the keys in the background; what it holds is held below
+                    # at the engine's next lookup (this one answers MISS: no wait).
+                    asked = below.find(ns, _missing(mgr, keys[i:]), _nothing)
             states.append(state)
             offset = 0
             if state is Lookup.HIT:

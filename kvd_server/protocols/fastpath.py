@@ -10,7 +10,7 @@ to hold granted) is accounted on its namespace as it changes, so no call scans t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvd_proto.wire import MAX_GRANTED_SLOTS
@@ -262,3 +262,9 @@ class FastPath:
         promoting those only the tier below holds (nothing without a tier)."""
         if self.below is not None:
             self.below.promote(self._ns(s), keys)
+
+    def find(self, s: Session, keys: Sequence[bytes], done: Callable[[], None]) -> bool:
+        """Keys the engine's lookups found neither in the index nor held below, in a
+        namespace whose store is asked (FIND): `done` once the store answered and what it
+        holds is named held below; False (done never called) without such a tier."""
+        return self.below is not None and self.below.find(self._ns(s), keys, done)

@@ -9,7 +9,7 @@ MISSes, never a stalled pool or engine.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -60,6 +60,10 @@ class TierStats:
     promotions_refused_total: int = 0     # no pool slot free for one, or too many open
     promotions_late_total: int = 0        # past their deadline: given up (engines: MISS)
     below_keys: int = 0                   # keys named to engines as held below
+    finds_total: int = 0                  # keys engines asked the store about (the cluster
+                                          # tier: missed by the index and held-below table)
+    find_calls_total: int = 0             # batched existence calls those cost the store
+    found_total: int = 0                  # keys the store held (named held below)
     write_seconds_total: float = 0.0      # time the I/O threads spent writing
     read_seconds_total: float = 0.0
     by_tenant_bytes: dict[str, int] = field(default_factory=dict)
@@ -119,6 +123,18 @@ class Tier(Protocol):
         blocks `block_bytes` long: a tier that reads what other nodes published starts
         watching it (and counts their bytes at that size). Nothing by default."""
         return None     # a body, so that a subclass need not define it (not abstract)
+
+    def find_flags(self, tenant: str) -> int:
+        """The held-below table's flags for a namespace of `tenant` (kvd_proto/
+        below_layout.py): FLAG_ASK where engines report the keys held nowhere on this node,
+        for `find` to ask the tier (the cluster store) about; 0 by default."""
+        return 0
+
+    def find(self, namespace: str, keys: Sequence[bytes]) -> Future[list[bytes]] | None:
+        """Ask whether the tier holds `keys` (none of them known here yet); the Future
+        holds those it does, known (`contains`) from then on. None: the tier does not look
+        for keys (the default) or cannot now."""
+        return None
 
     def publish(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
         """A block as it becomes readable (asked only of a tier that `publishes_stored`);

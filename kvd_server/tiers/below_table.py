@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvd_proto.below_layout import MAX_PROBE, BelowHeader, buckets_for
-from kvd_proto.native import below_view, key_fingerprint, probe_below
+from kvd_proto.native import below_flags_view, below_view, key_fingerprint, probe_below
 from kvd_server.memory.shm_index import sealed_shared_file
 from kvd_server.tiers.base import Tier, TierKey
 from kvd_server.tiers.disk.space import aligned
@@ -30,8 +30,20 @@ class BelowTable:
         self._map[:len(header.pack())] = header.pack()
         self._buckets: Any
         self._buckets, self._mask = below_view(self._map, writable=True)
+        self._flags = below_flags_view(self._map, writable=True)
         self.file_bytes = header.file_bytes
         self.count = 0
+
+    @property
+    def flags(self) -> int:
+        """What engines do with a key neither the index nor this table names
+        (kvd_proto/below_layout.py: FLAG_ASK, FLAG_WAIT)."""
+        return int(self._flags[0])
+
+    @flags.setter
+    def flags(self, value: int) -> None:
+        if self._flags[0] != value:
+            self._flags[0] = value           # one aligned 4-byte store: read whole
 
     def __contains__(self, key: bytes) -> bool:
         return probe_below(self._buckets, self._mask, key_fingerprint(key)) >= 0
@@ -86,6 +98,7 @@ class BelowTable:
 
     def close(self) -> None:
         self._buckets.release()
+        self._flags.release()
         with contextlib.suppress(BufferError):
             self._map.close()
         if self.fd >= 0:

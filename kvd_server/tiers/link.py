@@ -16,6 +16,7 @@ import socket
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvd_server.tiers.base import Tier, TierHealth, TierKey, TierStats
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NAMED_CHUNK = 2048        # keys named (or no longer) per event-loop callback
+
 
 class TierLink:
     """One tier below the pool, joined to a daemon's namespaces (see the module doc)."""
@@ -45,25 +48,52 @@ class TierLink:
         self.demoter = Demoter(tier, namespaces, pools, self.tables, loop)
         self.promoter = Promoter(tier, namespaces, pools, self.tables, loop, refusing)
         tier.on_named = self._named     # keys other nodes published (a tier that shares)
+        self._tenants: dict[str, str] = {}       # namespace id -> tenant (for find_flags)
         namespaces.on_made.append(self.join)
         namespaces.on_forgotten.append(self.forget)
         for ns in namespaces:
             self.join(ns)
 
     def _named(self, keys: list[TierKey], found: bool) -> None:
-        """From the tier's threads: keys to name to the engines (found) or no longer."""
+        """From the tier's threads: keys to name to the engines (found) or no longer, in
+        chunks (a reconnected cluster tier forgets every key it knew at once: a million keys
+        in one callback would hold the event loop, and every engine's step, for seconds)."""
+        apply = self.tables.held if found else self.tables.lost
         with contextlib.suppress(RuntimeError):     # a closed loop: the daemon is stopping
-            self._loop.call_soon_threadsafe(self.tables.held if found else self.tables.lost,
-                                            keys)
+            for start in range(0, len(keys), NAMED_CHUNK):
+                self._loop.call_soon_threadsafe(apply, keys[start:start + NAMED_CHUNK])
 
     def join(self, ns: Namespace) -> None:
         # The cluster tier's watch list (and the size it counts that namespace's blocks at).
         self.tier.join_namespace(ns.id, ns.tenant, ns.layout.block_bytes)
         self.demoter.join(ns)
-        self.tables.join(ns.id, ns.layout.block_bytes)
+        self.tables.join(ns.id, ns.layout.block_bytes).flags = self.tier.find_flags(ns.tenant)
+        self._tenants[ns.id] = ns.tenant
 
     def forget(self, ns: Namespace) -> None:
         self.tables.forget(ns.id)
+        self._tenants.pop(ns.id, None)
+
+    def find(self, ns: Namespace, keys: Sequence[bytes], done: Callable[[], None]) -> bool:
+        """Ask the tier (the cluster store) about keys an engine's lookups missed; `done` is
+        called on the event loop once what it holds of them is named in the held-below
+        table. False (done never called): the tier does not look for keys now."""
+        future = self.tier.find(ns.id, keys)
+        if future is None:
+            return False
+
+        def answered(f: Future[list[bytes]]) -> None:
+            found = f.result() if not f.cancelled() and f.exception() is None else []
+            with contextlib.suppress(RuntimeError):     # a closed loop: the daemon stops
+                self._loop.call_soon_threadsafe(self._found, ns.id, found, done)
+
+        future.add_done_callback(answered)
+        return True
+
+    def _found(self, ns_id: str, found: list[bytes], done: Callable[[], None]) -> None:
+        if found:
+            self.tables.held([TierKey(ns_id, k) for k in found])
+        done()
 
     def promote(self, ns: Namespace, keys: Sequence[bytes], prefix: bool = False) -> set[bytes]:
         """Start promoting the keys of `ns` that only the tier below holds (`prefix`: up to
@@ -87,6 +117,10 @@ class TierLink:
                 self.tables.fill_all()
             else:
                 self.tables.clear_all()
+        for ns_id, tenant in self._tenants.items():     # ask the store while it answers
+            table = self.tables.get(ns_id)
+            if table is not None:
+                table.flags = self.tier.find_flags(tenant)
 
     @property
     def parts(self) -> tuple[Tier, ...]:
@@ -208,4 +242,4 @@ def _cluster_tier(cfg: Config) -> Tier:
                        capacity_bytes=c.size, queue_bytes=c.queue_size,
                        io_threads=c.io_threads, sync_s=c.sync_interval,
                        retry_s=c.retry_interval, publish_stored=c.publish == "stored",
-                       where=c.master, shares=c.shares)
+                       wait_lookups=c.lookup_wait, where=c.master, shares=c.shares)

@@ -19,7 +19,7 @@ and publishes the health of each).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from kvd_server.tiers.base import Tier, TierKey, TierStats
@@ -58,6 +58,13 @@ class TierStack(Tier):
     def join_namespace(self, namespace: str, tenant: str, block_bytes: int = 0) -> None:
         for part in self.parts:
             part.join_namespace(namespace, tenant, block_bytes)
+
+    def find_flags(self, tenant: str) -> int:
+        return self.lower.find_flags(tenant)
+
+    def find(self, namespace: str, keys: Sequence[bytes]) -> Future[list[bytes]] | None:
+        """The cluster store is asked (a key the disk held was named held below already)."""
+        return self.lower.find(namespace, keys)
 
     @property
     def readable(self) -> bool:

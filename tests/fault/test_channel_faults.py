@@ -110,6 +110,8 @@ def _random_record(rng: random.Random, victim_keys: list[bytes], offsets: list[i
         # anything the victim sees.
         rec.HINT: lambda: rec.encode_hint("x", "t" * rng.randint(0, 300),
                                           rng.randint(0, (1 << 32) - 1)),
+        # Keys to look for in a cluster store (none here: answered FOUND at once).
+        rec.FIND: lambda: rec.encode_find(rng.randrange(1 << 64), keys),
     }[kind]()
     if roll > 0.9:                                  # a field cut short
         length = struct.unpack_from("<I", forged)[0]

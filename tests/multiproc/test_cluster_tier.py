@@ -132,11 +132,23 @@ def _never_unreachable(caplog) -> None:
     assert lost == [], f"an engine lost its daemon: {lost}"
 
 
+def _asked(session: OffloadSession, daemon, keys: Sequence[bytes]) -> None:
+    """Look `keys` up, step after step (the engine asks the store about them with its step;
+    keys it found absent lately are asked again a second later), until the daemon names
+    them held below (the store held them)."""
+    def found() -> bool:
+        [session.lookup(k) for k in keys]
+        session.end_step()
+        return _tier(daemon)["below_keys"] >= len(keys)
+
+    wait_until(found, 30, f"{len(keys)} blocks of the other node to be found here",
+               detail=lambda: _tier(daemon))
+
+
 def _shared(session: OffloadSession, daemon, keys: Sequence[bytes]) -> None:
-    """Wait until the daemon names `keys` (another node's manifest listed them), then read
-    them back through HIT_PENDING and HIT, byte-exact."""
-    wait_until(lambda: _tier(daemon)["below_keys"] >= len(keys), 30,
-               f"{len(keys)} blocks of the other node to be named here")
+    """Read `keys` (another node's) back through HIT_PENDING and HIT, byte-exact: the first
+    lookup asks the store (not known yet: the session's pending answer), the next ones
+    find them held below."""
     first, bad = read_back_promoted(session, keys)
     assert bad == [], f"{len(bad)} blocks from the cluster loaded with wrong bytes"
     assert all(first[k] is Lookup.HIT_PENDING for k in keys), \
@@ -161,19 +173,20 @@ def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon,
                                                                   master):
     with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
         keys = keys_for("cluster", SHARED)
-        assert [reader.lookup(k) for k in keys] == [Lookup.MISS] * SHARED
+        assert Lookup.HIT not in {reader.lookup(k) for k in keys}    # asked: none anywhere
         reader.end_step()
         store(writer, keys)
         _published(a, SHARED)
         # What each tier holds, in bytes too (it said 0 while it knew SHARED blocks): a's
-        # published blocks, b's once a's manifest names them (before any promotion).
+        # published blocks, b's once its engine's lookups found them (before any promotion).
         block = a.stats()["namespaces"][0]["block_bytes"]
-        wait_until(lambda: _tier(b)["blocks"] >= SHARED, 30, "b to learn a's blocks")
+        _asked(reader, b, keys)
         for daemon in (a, b):
             tier = _tier(daemon)
             assert tier["blocks"] == SHARED and tier["used_bytes"] == SHARED * block, tier
             assert f"{SHARED} blocks, {SHARED * block >> 20}MiB" in daemon.kvd("stats").stdout
-        _shared(reader, b, keys)
+        first, bad = read_back_promoted(reader, keys)     # promoted from the store
+        assert bad == [] and set(first.values()) <= {Lookup.HIT_PENDING, Lookup.HIT}
         tier = _tier(b)
         assert tier["promotions_total"] >= SHARED and tier["corrupt_total"] == 0
         assert b.stats()["stats"]["hits_total"] >= SHARED
@@ -185,12 +198,71 @@ def test_a_block_stored_on_one_node_is_found_and_loaded_on_another(start_daemon,
     other = open_session(c.socket, MODEL, reserve=16)
     try:
         wait_until(lambda: _tier(c)["health"] == "ok", 10, "node-c's tier")
-        for _ in range(10):                           # two seconds of syncs
-            assert set(_never_wrong(other, keys)) == {Lookup.MISS}
+        seen = set()
+        for _ in range(10):                           # two seconds: asked, found nothing
+            seen.update(_never_wrong(other, keys))
             time.sleep(0.2)
-        assert _tier(c)["below_keys"] == 0 and _tier(c)["promotions_total"] == 0
+        assert Lookup.HIT not in seen and Lookup.MISS in seen
+        tier = _tier(c)
+        assert tier["found_total"] == 0 and tier["find_calls_total"] >= 1, tier
+        assert tier["below_keys"] == 0 and tier["promotions_total"] == 0
     finally:
         close_session(other)
+
+
+def test_a_block_is_found_at_the_first_step_after_its_first_lookup(start_daemon, workdir,
+                                                                   master):
+    """The store is its own directory, asked on demand: B's engine looks A's blocks up (not
+    known yet: RETRY), the daemon asks the store about the step's keys in one batched call,
+    and at B's next step they answer HIT_PENDING (held below: promoted), then HIT,
+    byte-exact. No exchange between the nodes (their sync interval is a minute here)."""
+    a = _daemon(start_daemon, workdir, master, "node-a", KVD_TIERS_CLUSTER_SYNC_INTERVAL="60s")
+    b = _daemon(start_daemon, workdir, master, "node-b", KVD_TIERS_CLUSTER_SYNC_INTERVAL="60s")
+    writer = open_session(a.socket, MODEL, reserve=64)
+    reader = open_session(b.socket, MODEL, reserve=16,
+                          answers=(Lookup.MISS, Lookup.HIT, Lookup.HIT_PENDING, "retry"))
+    try:
+        keys = keys_for("on-demand", SHARED)
+        store(writer, keys)
+        _published(a, SHARED)
+        before = _tier(b)
+        assert before["blocks"] == 0 and before["below_keys"] == 0   # nothing learned unasked
+        started = time.monotonic()
+        assert [reader.lookup(k) for k in keys] == ["retry"] * SHARED
+        reader.end_step()                             # its FIND goes with the step
+        wait_until(lambda: _tier(b)["below_keys"] >= SHARED, 10, "the store's answer",
+                   interval=0.002, detail=lambda: _tier(b))
+        found_in = time.monotonic() - started
+        assert [reader.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * SHARED   # next step
+        reader.end_step()
+        tier = _tier(b)
+        assert tier["find_calls_total"] - before["find_calls_total"] == 1, tier
+        assert tier["found_total"] == SHARED and tier["finds_total"] == SHARED, tier
+        assert found_in < 5, f"the store's answer took {found_in:.2f}s"
+        first, bad = read_back_promoted(reader, keys)
+        assert bad == [], f"{len(bad)} blocks from the cluster loaded with wrong bytes"
+        assert _tier(b)["promotions_total"] >= SHARED
+        # Keys no node published: asked once, then MISS (absent, not asked again for a while)
+        absent = keys_for("nowhere", 8)
+        assert {reader.lookup(k) for k in absent} == {"retry"}
+        reader.end_step()
+        wait_until(lambda: _tier(b)["find_calls_total"] > tier["find_calls_total"], 10,
+                   "the store's answer about absent keys")
+        for _ in range(20):
+            states = {reader.lookup(k) for k in absent}
+            reader.end_step()
+            if states == {Lookup.MISS}:
+                break
+            time.sleep(0.01)
+        assert states == {Lookup.MISS}
+        calls = _tier(b)["find_calls_total"]
+        for _ in range(5):
+            assert {reader.lookup(k) for k in absent} == {Lookup.MISS}
+            reader.end_step()
+        assert _tier(b)["find_calls_total"] == calls          # remembered absent
+    finally:
+        close_session(writer)
+        close_session(reader)
 
 
 def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, master,
@@ -202,7 +274,7 @@ def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, 
         before = keys_for("before", 16)
         store(writer, before)
         _published(a, 16)
-        wait_until(lambda: _tier(b)["below_keys"] >= 16, 30, "b to name a's blocks")
+        _asked(reader, b, before)
 
         master.stop()
         for daemon in (a, b):
@@ -238,7 +310,7 @@ def test_a_store_agent_killed_costs_misses_only(start_daemon, workdir, master, c
         before = keys_for("before", 16)
         store(writer, before)
         _published(a, 16)
-        wait_until(lambda: _tier(b)["below_keys"] >= 16, 30, "b to name a's blocks")
+        _asked(reader, b, before)
         old = _agent_pid(b)
         os.kill(old, signal.SIGKILL)
         seen = set()
@@ -278,7 +350,7 @@ def test_a_node_leaving_costs_only_misses(start_daemon, workdir, master):
         keys = keys_for("leaving", 32)
         store(writer, keys)
         _published(a, len(keys))
-        wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 30, "b to name a's blocks")
+        _asked(reader, b, keys)
         a.close()
         seen: dict[bytes, Lookup] = {}
         for _ in range(2000):                       # until no key is pending any more
@@ -318,7 +390,6 @@ def test_a_disk_tier_over_the_cluster_store(start_daemon, workdir, master):
         evicted = keys[:64]                          # the oldest: on A's disk now
         first, bad = read_back_promoted(writer, evicted)
         assert bad == [] and Lookup.HIT_PENDING in set(first.values())
-        wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 30, "B to name A's blocks")
         first, bad = read_back_promoted(reader, keys[-64:])
         assert bad == [], f"{len(bad)} blocks from the store loaded with wrong bytes"
         health = a.kvd("health")
@@ -337,7 +408,7 @@ def test_a_hung_master_never_slows_the_scheduler(start_daemon, workdir, master):
         keys = keys_for("hung", 16)
         store(writer, keys)
         _published(a, len(keys))
-        wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 30, "b to name a's blocks")
+        _asked(reader, b, keys)
         calls = count_blocking_calls(reader.client)
         os.kill(master.proc.pid, signal.SIGSTOP)
         try:
@@ -400,7 +471,8 @@ def test_another_tenant_on_the_same_daemon_never_sees_them(start_daemon, workdir
                 other.communicate()
         assert other.returncode == 0, stderr[-3000:]
         result = json.loads(stdout.strip().splitlines()[-1])
-        assert result == {"miss": 10 * len(keys)}, result
+        # asked the store about them (pending while asked), found nothing: never a HIT
+        assert "hit" not in result and result["miss"] >= 8 * len(keys), result
     finally:
         close_session(writer)
         close_session(reader)
@@ -501,9 +573,8 @@ def test_a_store_that_fills_up_is_not_a_fault(start_daemon, workdir, master):
         # B reads every block back, byte-exact where the store holds it (it evicts by itself
         # when full, and refused some puts: a MISS then, never a wrong byte); promotions go
         # on. Which ones the store kept follows its own eviction and leases: counted only.
-        wait_until(lambda: _tier(b)["blocks"] >= 32, 30, "b to learn a's blocks")
         loaded, missed = read_back(reader, early + keys)
-        assert loaded >= 32, (loaded, missed)
+        assert loaded >= 32, (loaded, missed, _tier(a), _tier(b))
         assert _tier(b)["promotions_total"] >= loaded and _tier(b)["health"] == "ok"
         assert _tier(a)["health"] == "ok"
     finally:

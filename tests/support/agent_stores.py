@@ -51,6 +51,12 @@ class MemoryStore:
         with self._lock:
             return self._values.get(name)
 
+    def exists(self, names: list[str]) -> list[bool]:
+        for name in names:
+            self._fault(name)
+        with self._lock:
+            return [n in self._values for n in names]
+
     def remove_prefix(self, prefix: str) -> None:
         with self._lock:
             for name in [n for n in self._values if n.startswith(prefix)]:

@@ -39,13 +39,15 @@ SETTLE_S = 20.0           # bound on waiting for the daemon's answers (a loaded 
 
 
 def open_session(socket: str, model: str, *, reserve: int = 16, deadline_s: float = 0.5,
-                 connect_timeout: float = 10.0, keep_evicted: bool = True) -> OffloadSession:
+                 connect_timeout: float = 10.0, keep_evicted: bool = True,
+                 answers: tuple[Any, ...] | None = None) -> OffloadSession:
     """An engine's OffloadSession, connected (its first step adopts the index).
     `keep_evicted` False: blocks evicted into its reserve are misses (a test of what a tier
-    below serves counts only those)."""
+    below serves counts only those). `answers`: the session's (miss, hit, pending[, retry])."""
     client = KvdClient(socket, model=model, layout=LAYOUT, deadline_s=deadline_s,
                        engine_id=f"test-{os.getpid()}", engine_kind="pytest")
-    session = OffloadSession(client, reserve=reserve, keep_evicted=keep_evicted)
+    session = OffloadSession(client, reserve=reserve, keep_evicted=keep_evicted,
+                             **({"answers": answers} if answers else {}))
     if not client.wait_available(connect_timeout):
         close_session(session)
         raise AssertionError(f"engine did not connect to {socket} in {connect_timeout}s")

@@ -1,7 +1,8 @@
 """The "held below" table (kvd_proto/below_layout.py): the daemon's writer
 (kvd_server/tiers/below_table.py) and the engine's readers (kvd_proto._native.Lookups and its
 Python twin) agree on every key through random adds and deletes; a lookup the index misses
-goes to the fallback only for a key the table names; a file that is not a below table is
+goes to the fallback only for a key the table names (any key, while its flags say to ask the
+cluster store); a file that is not a below table is
 refused."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import random
 import pytest
 
 from kvd_proto.below_layout import (
+    FLAG_ASK,
+    FLAG_WAIT,
     MAX_BUCKETS,
     MIN_BUCKETS,
     BelowHeader,
@@ -104,9 +107,17 @@ def test_an_index_miss_goes_to_the_fallback_only_for_a_key_held_below(kind):
         assert reader.lookup(b"below") == "pending" and asked == [b"below"]
         assert reader.lookup(b"absent") == "miss"
         assert (reader.lookups, reader.misses) == (2, 2)  # the fallback counts its own
+        # FLAG_ASK (the cluster store may hold any key): every index miss goes to the
+        # fallback, which asks; the flags are read at each lookup, as the daemon changes them
+        assert reader.below_flags() == 0
+        table.flags = FLAG_ASK | FLAG_WAIT
+        assert reader.below_flags() == FLAG_ASK | FLAG_WAIT
+        assert reader.lookup(b"absent") == "pending" and asked[-1] == b"absent"
+        table.flags = 0
+        assert reader.lookup(b"absent") == "miss" and reader.below_flags() == 0
         reader.unbind_below()
         view.close()
-        assert reader.lookup(b"below") == "miss"
+        assert reader.lookup(b"below") == "miss" and reader.below_flags() == 0
     finally:
         reader.unbind()
         table.close()

@@ -1,7 +1,7 @@
 """The cluster tier's logic over an in-memory store with Mooncake's semantics (names to bytes,
-a master that may go down and come back empty): publication, the nodes' manifests, promotion
-with its checksum, tenants apart, degradation and recovery. The real store runs in
-tests/multiproc/test_cluster_tier.py."""
+a master that may go down and come back empty): publication, finding other nodes' blocks on
+demand (one batched call, absent keys remembered), promotion with its checksum, tenants
+apart, degradation and recovery. The real store runs in tests/multiproc/test_cluster_tier.py."""
 
 from __future__ import annotations
 
@@ -10,21 +10,17 @@ import time
 
 import pytest
 
+from kvd_proto.below_layout import FLAG_ASK, FLAG_WAIT
 from kvd_server.tiers.base import TierHealth, TierKey
+from kvd_server.tiers.cluster import directory
 from kvd_server.tiers.cluster.names import (
-    NODES,
     StoreFormatError,
     block_name,
     check_block,
-    decode_manifest,
-    decode_nodes,
     encode_block,
-    encode_manifest,
-    encode_nodes,
-    manifest_name,
 )
 from kvd_server.tiers.cluster.store import TRANSFER_FAIL, StoreError
-from kvd_server.tiers.cluster.tier import ClusterTier
+from kvd_server.tiers.cluster.tier import PROBE, ClusterTier
 
 BLOCK = 4096
 
@@ -39,10 +35,13 @@ class MemoryStore:
         self.put_delay = 0.0
         self.lost_puts = 0           # the next puts fail as Mooncake's do when a replica's
         self.lock = threading.Lock()  # node died (TRANSFER_FAIL)
+        self.exists_calls = 0
+        self.connects = 0
 
     def client(self) -> MemoryStore:
         if self.down:
             raise StoreError("master unreachable")
+        self.connects += 1
         return self
 
     def _check(self) -> None:
@@ -62,6 +61,13 @@ class MemoryStore:
         self._check()
         with self.lock:
             return self.values.get(name)
+
+    def exists(self, names: list[str]) -> list[bool]:
+        self._check()
+        with self.lock:
+            if names != [PROBE]:             # the tier's health check, every sync_s
+                self.exists_calls += 1
+            return [n in self.values for n in names]
 
     def remove_prefix(self, prefix: str) -> None:
         self._check()
@@ -126,32 +132,78 @@ def promote(tier: ClusterTier, key: TierKey) -> bytes | None:
     return bytes(dest[:BLOCK]) if future is not None and future.result(timeout=5) else None
 
 
+def find(tier, namespace: str, keys: list[bytes]) -> list[bytes]:
+    future = tier.find(namespace, keys)
+    assert future is not None
+    return future.result(timeout=5)
+
+
 def test_a_block_one_node_published_is_found_and_read_by_another(make_tier, store):
+    """Node b's engines miss a key: one batched call asks the store, which holds a's block;
+    b knows it from then on (held below) and reads it byte-exact. Nodes keep no lists."""
     a, b = make_tier("node-a"), make_tier("node-b")
-    named: list[tuple[list[TierKey], bool]] = []
-    b.on_named = lambda keys, found: named.append((keys, found))
     key = TierKey("ns1", b"k" * 40, "tenant")
-    b.join_namespace("ns1", "tenant")               # b's engines use ns1: it watches it
     publish(a, key, block(7))
     assert a.contains(key) and store.get(block_name("ns1", key.key)) is not None
-    wait(lambda: b.contains(key), "node b to find the block through a's manifest")
-    assert any(found and key.key in [k.key for k in keys] for keys, found in named)
+    assert not b.contains(key)                       # b learns nothing unasked
+    absent = b"n" * 40
+    assert find(b, "ns1", [key.key, absent]) == [key.key]
+    assert store.exists_calls == 1 and b.contains(key)
     assert promote(b, key) == block(7)
     st = b.stats()
     assert st.promotions_total == 1 and st.hits_total == 1 and st.health == TierHealth.OK
-    assert sorted(decode_nodes(store.values[NODES])) == ["node-a", "node-b"]
-    assert decode_manifest(store.values[manifest_name("ns1", "node-a")]) == [key.key]
+    assert (st.finds_total, st.find_calls_total, st.found_total) == (2, 1, 1)
+    assert sorted(store.values) == [block_name("ns1", key.key)]   # blocks only: no lists
+
+
+def test_keys_known_or_found_absent_lately_cost_the_store_nothing(make_tier, store):
+    a, b = make_tier("node-a"), make_tier("node-b")
+    mine, theirs = TierKey("ns", b"mine"), TierKey("ns", b"theirs")
+    publish(b, mine, block(1))
+    assert find(b, "ns", [mine.key]) == [] and store.exists_calls == 0   # known: not asked
+    assert find(b, "ns", [theirs.key]) == [] and store.exists_calls == 1
+    publish(a, theirs, block(2))
+    assert find(b, "ns", [theirs.key]) == [] and store.exists_calls == 1  # absent lately
+    later = time.monotonic() + directory.NEGATIVE_S
+    b.directory._clock = lambda: later           # NEGATIVE_S on: asked again
+    assert find(b, "ns", [theirs.key]) == [theirs.key] and store.exists_calls == 2
+
+
+def test_finds_of_one_namespace_are_one_call_at_a_time(make_tier, store):
+    """Keys asked while a call runs wait for the next one: however many engines ask, a
+    namespace costs the store one call in flight."""
+    b = make_tier("node-b")
+    gate = threading.Event()
+    real = store.exists
+
+    def slow(names):
+        gate.wait(5)
+        return real(names)
+
+    store.exists = slow
+    futures = [b.find("ns", [bytes([i]) * 8]) for i in range(20)]
+    time.sleep(0.05)
+    gate.set()
+    assert all(f is not None and f.result(timeout=5) == [] for f in futures)
+    assert store.exists_calls == 2 and b.stats().finds_total == 20
+
+
+def test_the_engines_are_told_to_ask_only_where_the_store_shares(make_tier):
+    a = make_tier("node-a", shares=lambda tenant: tenant == "shared")
+    assert a.find_flags("shared") == FLAG_ASK | FLAG_WAIT
+    assert a.find_flags("private") == 0
+    b = make_tier("node-b", wait_lookups=False)
+    assert b.find_flags("") == FLAG_ASK
 
 
 def test_another_namespace_never_sees_the_block(make_tier):
     """Namespaces are digests of tenant, model and layout: another tenant's engines (another
     namespace) find nothing, on any node."""
     a, b = make_tier("node-a"), make_tier("node-b")
-    b.join_namespace("other-tenant-ns", "t2")
     key = TierKey("ns1", b"shared-prefix", "t1")
     publish(a, key, block(1))
-    time.sleep(0.2)                                 # several syncs
     other = TierKey("other-tenant-ns", key.key, "t2")
+    assert find(b, other.namespace, [key.key]) == []
     assert not b.contains(other) and b.keys("other-tenant-ns") == []
     assert promote(b, other) is None
 
@@ -178,13 +230,13 @@ def test_a_corrupt_or_vanished_block_is_a_miss_and_forgotten(make_tier, store):
 def test_a_master_down_degrades_the_tier_which_recovers_and_forgets_what_was_lost(make_tier,
                                                                                   store):
     a, b = make_tier("node-a"), make_tier("node-b")
-    b.join_namespace("ns", "")
     key = TierKey("ns", b"before")
     publish(a, key, block(5))
-    wait(lambda: b.contains(key), "b to find the block")
+    assert find(b, "ns", [key.key]) == [key.key]
     store.down = True
     wait(lambda: b.stats().health == TierHealth.DEGRADED, "b to degrade")
     assert not b.readable and promote(b, key) is None
+    assert b.find("ns", [b"other"]) is None and b.find_flags("") == 0
     assert b.demote(TierKey("ns", b"refused"), memoryview(block(6))) is None
     store.restart()                                  # back, empty
     wait(lambda: a.readable and b.readable, "both to recover")
@@ -192,24 +244,40 @@ def test_a_master_down_degrades_the_tier_which_recovers_and_forgets_what_was_los
     assert promote(b, key) is None                   # never served from memory of it
     after = TierKey("ns", b"after")
     publish(a, after, block(9))
-    wait(lambda: b.contains(after), "b to find a block published after the restart")
+    assert find(b, "ns", [after.key]) == [after.key]
     assert promote(b, after) == block(9)
+
+
+def test_a_master_unreachable_for_a_while_costs_no_segment_and_nothing_known(make_tier,
+                                                                             store):
+    """Not a restart: the master was unreachable (a network blip) and kept every object.
+    The degraded tier finds its client answering again over a store that still holds its
+    blocks: it serves on with the same client (its segment, with the blocks it holds for
+    every node, never remounted) and forgets nothing."""
+    a = make_tier("node-a")
+    key = TierKey("ns", b"kept")
+    publish(a, key, block(4))
+    connects = store.connects
+    store.down = True
+    wait(lambda: a.stats().health == TierHealth.DEGRADED, "a to degrade")
+    store.down = False                               # back, with everything
+    wait(lambda: a.readable, "a to recover")
+    assert store.connects == connects                # the same client: never recycled
+    assert a.contains(key) and promote(a, key) == block(4)
 
 
 def test_a_put_failing_for_its_replica_alone_never_degrades_the_tier(make_tier, store):
     """A node that died without leaving: puts placed on its segment fail (TRANSFER_FAIL)
     until the master drops it. That block is not published (counted as a failure), the
-    tier serves on, and a manifest that failed so is written at the next sync."""
+    tier serves on."""
     a, b = make_tier("node-a"), make_tier("node-b")
-    b.join_namespace("ns", "")
     store.lost_puts = 1
     lost = a.demote(TierKey("ns", b"lost"), memoryview(block(1)))
     assert lost is not None and lost.result(timeout=5) is False
     assert a.stats().health == TierHealth.OK and a.stats().failures_total == 1
     key = TierKey("ns", b"kept")
     publish(a, key, block(2))
-    store.lost_puts = 3                    # the manifest's writes fail for a while too
-    wait(lambda: b.contains(key), "b to find the block once a's manifest is written")
+    assert find(b, "ns", [key.key, b"lost"]) == [key.key]
     assert a.stats().health == TierHealth.OK and b.stats().health == TierHealth.OK
     assert promote(b, key) == block(2)
     assert not b.contains(TierKey("ns", b"lost"))
@@ -241,20 +309,6 @@ def test_a_block_value_that_is_not_one_is_refused(value):
         check_block(value)
 
 
-@pytest.mark.parametrize("value", [b"", b"KVDM\x02\x00\x00\x00\x01a",
-                                   b"KVDM\x01\x00\x00\x00\x05abc", b"KVDM\xff\xff\xff\xff",
-                                   encode_manifest([b"a"]) + b"tail"])
-def test_a_manifest_that_is_not_one_is_refused(value):
-    with pytest.raises(StoreFormatError):
-        decode_manifest(value)
-
-
-def test_lists_round_trip():
-    keys = [bytes([i]) * (1 + i % 40) for i in range(100)]
-    assert decode_manifest(encode_manifest(keys)) == keys
-    assert decode_nodes(encode_nodes(["a", "b-é"])) == ["a", "b-é"]
-
-
 def test_the_disk_over_the_cluster_store_acts_as_one_tier(make_tier, store, tmp_path):
     """tiers/stack.py: evicted blocks go to the disk, promotions read the disk first and the
     store otherwise, and a block is told dropped only when neither holds it."""
@@ -274,7 +328,9 @@ def test_the_disk_over_the_cluster_store_acts_as_one_tier(make_tier, store, tmp_
         assert future is not None and future.result(timeout=5)
         assert disk.contains(evicted) and not stack.lower.contains(evicted)
         publish(other, shared, block(2))                        # another node's block
-        wait(lambda: stack.contains(shared), "the stack to know the other node's block")
+        future = stack.find("ns", [shared.key])
+        assert future is not None and future.result(timeout=5) == [shared.key]
+        assert stack.contains(shared)
         assert sorted(stack.keys("ns")) == sorted([evicted.key, shared.key])
         assert promote(stack, evicted) == block(1)              # from the disk
         assert promote(stack, shared) == block(2)               # from the store
@@ -291,19 +347,15 @@ def test_the_disk_over_the_cluster_store_acts_as_one_tier(make_tier, store, tmp_
 
 
 def test_only_the_tenants_that_share_use_the_store(make_tier, store):
-    """tiers.cluster.tenants: a tenant not named never publishes, and its namespaces never
-    read the other nodes' blocks."""
+    """tiers.cluster.tenants: a tenant not named never publishes, and its engines never ask
+    the store (their namespaces' tables do not say FLAG_ASK)."""
     a = make_tier("node-a", shares=lambda tenant: tenant == "shared")
     assert a.demote(TierKey("ns-private", b"k", "private"), memoryview(block(1))) is None
     publish(a, TierKey("ns-shared", b"k", "shared"), block(2))
     assert not any("ns-private" in name for name in store.values)
     b = make_tier("node-b", shares=lambda tenant: tenant == "shared")
-    b.join_namespace("ns-shared", "shared")
-    b.join_namespace("ns-private", "private")
-    publish(make_tier("node-c"), TierKey("ns-private", b"p", "private"), block(3))
-    wait(lambda: b.contains(TierKey("ns-shared", b"k")), "b to find the shared block")
-    time.sleep(0.2)
-    assert not b.contains(TierKey("ns-private", b"p"))
+    assert b.find_flags("private") == 0 and b.find_flags("shared") & FLAG_ASK
+    assert find(b, "ns-shared", [b"k"]) == [b"k"]
 
 
 def test_used_bytes_count_the_blocks_it_knows_at_their_size(make_tier, store):
@@ -317,7 +369,7 @@ def test_used_bytes_count_the_blocks_it_knows_at_their_size(make_tier, store):
         publish(a, key, block(1))
     st = a.stats()
     assert (st.blocks, st.used_bytes) == (5, 5 * BLOCK)
-    wait(lambda: b.stats().blocks == 5, "b to learn a's blocks")
-    assert b.stats().used_bytes == 5 * BLOCK
+    assert len(find(b, "ns", [k.key for k in keys])) == 5
+    assert (b.stats().blocks, b.stats().used_bytes) == (5, 5 * BLOCK)
     assert a.remove_namespace("ns") == 5
     assert (a.stats().blocks, a.stats().used_bytes) == (0, 0)

@@ -59,6 +59,7 @@ def test_every_up_record_decodes_to_what_was_encoded(keys):
     assert roundtrip_up(rec.encode_counters(9, 4, 5)) == rec.Counters(9, 4, 5)
     assert roundtrip_up(rec.encode_release_held("s1-ab")) == rec.ReleaseHeld("s1-ab")
     assert roundtrip_up(rec.encode_return_slots(offsets)) == rec.ReturnSlots(offsets)
+    assert roundtrip_up(rec.encode_find(2**40, keys)) == rec.Find(2**40, keys)
 
 
 def test_every_down_record_decodes_to_what_was_encoded():
@@ -68,6 +69,7 @@ def test_every_down_record_decodes_to_what_was_encoded():
     assert roundtrip_down(rec.encode_events(events, True)) == rec.Events(events, True)
     assert roundtrip_down(rec.encode_rejected(rec.PIN, "INVALID_ARGUMENT", "x" * 999)) == \
         rec.Rejected(rec.PIN, "INVALID_ARGUMENT", "x" * 256)
+    assert roundtrip_down(rec.encode_found(17)) == rec.Found(17)
     with pytest.raises(rec.RecordError, match="unknown answer kind"):
         rec.decode_down(99, b"")
 

@@ -81,6 +81,7 @@ class Store(Protocol):
 
     def put(self, name: str, value: bytes) -> None: ...
     def get(self, name: str) -> bytes | bytearray | None: ...     # None: not held
+    def exists(self, names: list[str]) -> list[bool]: ...         # one batched call
     def remove_prefix(self, prefix: str) -> None: ...
     def healthy(self) -> bool: ...
     def close(self) -> None: ...
@@ -143,6 +144,17 @@ class MooncakeStore:
         if not value:                  # gone meanwhile (evicted), or the master is down
             return None
         return bytes(value)
+
+    def exists(self, names: list[str]) -> list[bool]:
+        """Which of `names` the store holds, in one call to the master (`batch_is_exist`:
+        ~0.2 ms for 64 names on loopback)."""
+        answers = self._client.batch_is_exist(names)
+        if len(answers) != len(names):
+            raise StoreError(f"batch_is_exist answered {len(answers)} of {len(names)} names")
+        bad = next((a for a in answers if a < 0), None)
+        if bad is not None:
+            raise StoreError(f"batch_is_exist: code {bad}", bad)
+        return [a == 1 for a in answers]
 
     def remove_prefix(self, prefix: str) -> None:
         rc = self._client.remove_by_regex("^" + re.escape(prefix))

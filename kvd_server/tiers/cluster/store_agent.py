@@ -52,6 +52,7 @@ class Op(IntEnum):
     REMOVE_PREFIX = 3
     HEALTHY = 4
     CLOSE = 5
+    EXISTS = 6        # value: names, one per line; answer: one byte (0/1) per name
 
 
 class Status(IntEnum):
@@ -217,6 +218,15 @@ class AgentStore:
     def get(self, name: str) -> bytearray | None:
         status, _, value = self._call(Op.GET, name)
         return None if status == Status.NONE else value
+
+    def exists(self, names: list[str]) -> list[bool]:
+        value = "\n".join(names).encode()
+        if len(value) > MAX_VALUE:
+            raise StoreError(f"{len(names)} names are more than one call carries")
+        answer = self._call(Op.EXISTS, value=value)[2]
+        if len(answer) != len(names):
+            raise StoreError(f"the store agent answered {len(answer)} of {len(names)} names")
+        return [b == 1 for b in answer]
 
     def remove_prefix(self, prefix: str) -> None:
         self._call(Op.REMOVE_PREFIX, prefix)

@@ -194,6 +194,9 @@ class Agent:
                 self.store.remove_prefix(name)
             elif op == Op.HEALTHY:
                 out = b"\x01" if self.store.healthy() else b"\x00"
+            elif op == Op.EXISTS:
+                names = bytes(value).decode().split("\n") if value else []
+                out = bytes(map(int, self.store.exists(names)))
             else:
                 status, out = Status.ERROR, f"unknown op {op}".encode()
         except StoreError as exc:

@@ -2,21 +2,25 @@
 
 Every block a namespace stores (`publish = "stored"`, the default) or evicts (`"evicted"`) is
 copied at once and put into the store on the tier's own threads (write-behind, bounded by
-`queue_bytes`: past it publications are refused and counted, the pool never waits). The
-nodes tell each other what they published through manifests (kvd_server/tiers/
-directory.py), so a block any node stored is known to every node whose engines use
-the same namespace (tenant, model and layout: two tenants never share a block). Such a key
-is named in the namespace's "held below" table: an engine's lookup answers HIT_PENDING and
-the daemon promotes it (the tier gets it into the pool slot, checksum verified; a block gone
-or corrupt is a MISS, never served).
+`queue_bytes`: past it publications are refused and counted, the pool never waits). A block's
+name is its namespace (tenant, model and layout: two tenants never share a block) and key, so
+the store is its own directory: an engine's lookup that neither the pool's index nor the
+namespace's "held below" table answers is reported with the engine's step (a FIND record),
+and `find` asks the store about all of a step's keys in one batched existence call, at most
+one call in flight per namespace (kvd_server/tiers/cluster/directory.py remembers what it
+learned, and what was absent, briefly). A key the store holds is named in the held-below
+table: the engine's next lookup answers HIT_PENDING and the daemon promotes it (the tier gets
+it into the pool slot, checksum verified; a block gone or corrupt is a MISS, never served).
+Nodes never read each other's lists: a node's directory traffic follows its engines' misses,
+not the number of nodes.
 
 The store's client blocks while its master is down (~4 s per call before it gives up), so
-every call runs on the tier's threads: publications and promotions apart (promotions never
-wait behind publications), and a housekeeping thread that connects, syncs manifests and
-checks the store. A failed call degrades the tier (one WARNING, counted, `kvd health` says
-so): it refuses work for `retry_s`, then checks the store again; on recovery it forgets what
-it knew (a restarted master has lost it) and learns it again from the nodes' manifests. A put
-a full store refuses, or one whose replica's node died, costs that block alone: counted
+every call runs on the tier's threads: publications, promotions and finds apart (none waits
+behind another), and a housekeeping thread that connects and checks the store every
+`sync_s`. A failed call degrades the tier (one WARNING, counted, `kvd health` says so): it
+refuses work for `retry_s`, then checks the store again; on recovery it forgets what it knew
+(a restarted master has lost it) and finds it again as engines ask. A put a full store
+refuses, or one whose replica's node died, costs that block alone: counted
 (`store_full_total`, `failures_total`), logged once per interval, never a degradation, so the
 client and its segment (and the blocks it holds for every node) go on.
 """
@@ -27,9 +31,11 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
+from kvd_proto.below_layout import FLAG_ASK, FLAG_WAIT
 from kvd_proto.ratelog import RateLimitedLog
 from kvd_server.tiers.base import HELD_ALREADY, Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.cluster.directory import Directory
@@ -39,7 +45,6 @@ from kvd_server.tiers.cluster.names import (
     block_name,
     check_block,
     encode_block,
-    manifest_name,
     namespace_prefix,
 )
 from kvd_server.tiers.cluster.store import Store, StoreError, replica_lost, store_full
@@ -50,6 +55,18 @@ RETRY_S = 10.0
 SYNC_S = 1.0
 MAX_REASON = 1000       # characters of a degraded reason (the store agent's are ~600 at most)
 CLOSE_WAIT_S = 5.0      # the daemon's stop waits this long for the client to leave the store
+PROBE = "kvd/v1/probe"  # a name asked about every sync_s: the store's health
+MAX_FIND_KEYS = 4096    # keys waiting to be asked about, per namespace (past it: not asked)
+
+
+@dataclass(slots=True)
+class _Finding:
+    """A namespace's keys waiting to be asked about, and the answer their askers wait for
+    (one Future for all the asks of a round)."""
+
+    keys: dict[bytes, None] = field(default_factory=dict)
+    answer: Future[list[bytes]] | None = None
+    running: bool = False
 
 
 class ClusterTier(Tier):
@@ -60,15 +77,18 @@ class ClusterTier(Tier):
     def __init__(self, connect: Callable[[], Store], *, node: str, capacity_bytes: int,
                  block_bytes_hint: int = 64 << 10, queue_bytes: int = 256 << 20,
                  io_threads: int = 4, sync_s: float = SYNC_S, retry_s: float = RETRY_S,
-                 publish_stored: bool = True, where: str = "",
+                 publish_stored: bool = True, wait_lookups: bool = True, where: str = "",
                  shares: Callable[[str], bool] = lambda tenant: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`connect` makes the store's client (on the tier's thread: it may block for
         seconds); `capacity_bytes` bounds how many blocks the tier names (at
         `block_bytes_hint` each); `publish_stored`: every block as it is stored (the
-        demoter hands them over), else only the blocks the pool evicts; `shares(tenant)`:
-        whether a tenant's namespaces use the store (`tiers.cluster.tenants`)."""
+        demoter hands them over), else only the blocks the pool evicts; `wait_lookups`:
+        engines' lookups of keys being asked about answer "not known yet" until the answer
+        (else MISS at once, `tiers.cluster.lookup_wait`); `shares(tenant)`: whether a
+        tenant's namespaces use the store (`tiers.cluster.tenants`)."""
         self.publishes_stored = publish_stored
+        self.wait_lookups = wait_lookups
         self.shares = shares
         self._connect = connect
         self._store: Store | None = None
@@ -92,6 +112,8 @@ class ClusterTier(Tier):
         self._retry_at = 0.0
         self._puts = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-put")
         self._gets = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvd-cluster-get")
+        self._finds = ThreadPoolExecutor(2, thread_name_prefix="kvd-cluster-find")
+        self._finding: dict[str, _Finding] = {}
         self._closed = threading.Event()
         self._full_log = RateLimitedLog(log)      # a full store refuses many puts in a row
         self._keeper = threading.Thread(target=self._keep, name="kvd-cluster", daemon=True)
@@ -137,13 +159,81 @@ class ClusterTier(Tier):
         return self.directory.known(key.namespace, key.key)
 
     def join_namespace(self, namespace: str, tenant: str, block_bytes: int = 0) -> None:
-        """A namespace of this daemon (its engines use it): read the other nodes' blocks of it
-        from the next sync on, if its tenant shares through the store."""
+        """A namespace of this daemon: its blocks are counted at `block_bytes` each."""
         if block_bytes > 0:
             with self._lock:
                 self._block_bytes[namespace] = block_bytes
-        if self.shares(tenant):
-            self.directory.watch(namespace)
+
+    def find_flags(self, tenant: str) -> int:
+        """Engines of a tenant that shares through the store report the keys held nowhere on
+        this node (and wait a step for the answer, unless `wait_lookups` is off), while the
+        store can be read."""
+        if not self.shares(tenant) or not self._usable():
+            return 0
+        return FLAG_ASK | (FLAG_WAIT if self.wait_lookups else 0)
+
+    # ------------------------------------------------------------------ finds
+    def find(self, namespace: str, keys: Sequence[bytes]) -> Future[list[bytes]] | None:
+        """Ask the store whether it holds `keys` (an engine's step's misses): the Future
+        holds the ones it does. Keys of a namespace asked while a call for it runs wait for
+        the next call (one call at a time per namespace, so at most one per engine step)."""
+        if not self._usable():
+            return None
+        with self._lock:
+            finding = self._finding.setdefault(namespace, _Finding())
+            room = MAX_FIND_KEYS - len(finding.keys)
+            finding.keys.update(dict.fromkeys(keys[:max(0, room)]))
+            if finding.answer is None:
+                finding.answer = Future()
+            future = finding.answer
+            self._stats.finds_total += len(keys)
+            if finding.running:
+                return future
+            finding.running = True
+        try:
+            self._finds.submit(self._find_rounds, namespace)
+        except RuntimeError:                    # closed meanwhile
+            with self._lock:
+                self._finding.pop(namespace, None)
+            future.set_result([])
+        return future
+
+    def _find_rounds(self, namespace: str) -> None:
+        """On a find thread: ask about what waits for the namespace until nothing does."""
+        while True:
+            with self._lock:
+                finding = self._finding[namespace]
+                keys, answer = list(finding.keys), finding.answer
+                finding.keys, finding.answer = {}, None
+                if answer is None:
+                    del self._finding[namespace]
+                    return
+            found: list[bytes] = []
+            try:
+                found = self._ask(namespace, keys)
+            finally:
+                answer.set_result(found)
+
+    def _ask(self, namespace: str, keys: list[bytes]) -> list[bytes]:
+        """One batched existence call for the keys not known here nor found absent lately;
+        the ones the store holds (known from now on)."""
+        ask = self.directory.to_ask(namespace, keys)
+        store = self._store
+        if not ask or store is None or not self._usable():
+            return []
+        t0 = time.perf_counter()
+        try:
+            held = store.exists([block_name(namespace, k) for k in ask])
+        except Exception as exc:  # noqa: BLE001 - any failure of the store is the tier's
+            self._failed(exc)
+            return []
+        found = self.directory.answered(namespace, ask, held)
+        with self._lock:
+            st = self._stats
+            st.find_calls_total += 1
+            st.found_total += len(found)
+            st.read_seconds_total += time.perf_counter() - t0
+        return found
 
     def keys(self, namespace: str) -> list[bytes]:
         return self.directory.keys(namespace) if self.readable else []
@@ -285,7 +375,6 @@ class ClusterTier(Tier):
         try:
             if store is not None:
                 store.remove_prefix(namespace_prefix(namespace))
-                store.remove_prefix(manifest_name(namespace, ""))
         except Exception as exc:  # noqa: BLE001
             error = exc
         with self._lock:
@@ -295,7 +384,7 @@ class ClusterTier(Tier):
 
     # ------------------------------------------------------------ housekeeping
     def _keep(self) -> None:
-        """Connect, sync the manifests every sync_s, check a degraded store every retry_s."""
+        """Connect, check the store every sync_s (a degraded one again every retry_s)."""
         while not self._closed.is_set():
             try:
                 self._tend()
@@ -305,9 +394,12 @@ class ClusterTier(Tier):
 
     def _tend(self) -> None:
         """One round of the housekeeping thread. A degraded tier, once retry_s passed and its
-        calls in flight ended, drops its client and connects anew (a restarted master knows
-        neither this node's segment nor any block: the client mounts its segment again, and
-        what the tier knew is forgotten)."""
+        calls in flight ended, checks its client: one that answers again over a store that
+        still holds this node's blocks (a network blip, a master slow for a while) serves
+        on, its segment and what the tier knew kept. Otherwise (its agent died, or the
+        master restarted: it knows neither this node's segment nor any block) the client is
+        dropped and a new one connects and mounts its segment again; what the tier knew is
+        forgotten."""
         st = self._stats
         if st.health is TierHealth.DEGRADED:
             if self._clock() < self._retry_at:
@@ -315,7 +407,12 @@ class ClusterTier(Tier):
             with self._lock:
                 if st.queue_depth:
                     return               # calls still run on the old client: wait for them
-                old, self._store = self._store, None
+                old = self._store
+            if old is not None and self._still_serves(old):
+                self._serving("the store's client and its segment kept")
+                return
+            with self._lock:
+                self._store = None
             if old is not None:
                 self._close_store(old)
                 self._forget_all()
@@ -332,17 +429,30 @@ class ClusterTier(Tier):
                 self._store = store
             log.info("cluster tier: connected to the store (node %s)", self.directory.node)
         try:
-            result = self.directory.sync(self._store)
+            self._store.exists([PROBE])        # the master answers (its error else)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc)
             return
+        self._serving()
+
+    def _serving(self, note: str = "") -> None:
+        st = self._stats
         with self._lock:
             if st.health is not TierHealth.OK:
-                log.info("cluster tier: serving (was %s%s)", st.health,
-                         f": {st.reason}" if st.reason else "")
+                log.info("cluster tier: serving (was %s%s)%s", st.health,
+                         f": {st.reason}" if st.reason else "", f"; {note}" if note else "")
                 st.health, st.reason = TierHealth.OK, ""
-        self._tell(result.found, True)
-        self._tell(result.gone, False)
+
+    def _still_serves(self, store: Store) -> bool:
+        """Whether a degraded tier's client answers again over a store that has not lost
+        what this node knew of it (a few of the newest keys asked about; True when it knew
+        none)."""
+        try:
+            store.exists([PROBE])
+            known = self.directory.sample(8)
+            return not known or any(store.exists([block_name(ns, k) for ns, k in known]))
+        except Exception:  # noqa: BLE001 - a client that fails is not kept
+            return False
 
     @staticmethod
     def _close_store(store: Store, wait_s: float | None = None) -> None:
@@ -367,14 +477,11 @@ class ClusterTier(Tier):
         if keys and self.on_named is not None:
             self.on_named(keys, False)
 
-    def _tell(self, by_ns: dict[str, list[bytes]], found: bool) -> None:
-        if by_ns and self.on_named is not None:
-            self.on_named([TierKey(ns, k) for ns, ks in by_ns.items() for k in ks], found)
-
     # ------------------------------------------------------------------ stats
     def stats(self) -> TierStats:
         """The counters; `blocks` what the store holds as far as this node knows (its own and
-        the others' of its namespaces), `used_bytes` those blocks at their namespace's size."""
+        the ones its engines' lookups found), `used_bytes` those blocks at their namespace's
+        size."""
         counts = self.directory.counts()
         with self._lock:
             st = self._stats
@@ -388,6 +495,7 @@ class ClusterTier(Tier):
         self._closed.set()
         self._puts.shutdown(wait=True, cancel_futures=True)   # a call in flight: ~4 s at most
         self._gets.shutdown(wait=True, cancel_futures=True)
+        self._finds.shutdown(wait=True, cancel_futures=True)
         self._keeper.join(timeout=10)
         store, self._store = self._store, None
         if store is not None:
