@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(bool(mooncake.unavailable()), reason=mooncake.unavailable())]
 MODEL = "cluster-model"
 SHARED = 48                 # blocks A stores and B reads back
+DEADLINE_S = 0.5            # an engine's call deadline (the client's default)
 PUT_OUTCOMES = ("demotions_total", "demotions_refused_total", "failures_total")
 
 
@@ -302,6 +303,42 @@ def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, 
     _never_unreachable(caplog)
 
 
+def test_a_master_killed_under_load_leaves_no_engine_step_unanswered(start_daemon, workdir,
+                                                                       master, caplog):
+    """Engines on both nodes store, look up and find steadily while the master is SIGKILLed:
+    every step's round trip to either daemon (`flush`, the client's deadline 0.5 s) is
+    answered in time, before, during and after the tier degrades."""
+    with _two_nodes(start_daemon, workdir, master) as (a, b, writer, reader):
+        killed_at = time.monotonic() + 1.5
+        end = killed_at + 5.0
+        late = worst = 0.0
+        steps = 0
+        n = 0
+        while time.monotonic() < end:
+            if master.proc is not None and time.monotonic() >= killed_at:
+                master.stop()                         # SIGKILL, mid-load
+            keys = keys_for(f"load-{n}", 8)
+            n += 1
+            store(writer, keys, wait=False)
+            for k in keys_for(f"load-{max(0, n - 3)}", 8):   # A's blocks of a few steps ago
+                reader.lookup(k)
+            reader.end_step()
+            for session in (writer, reader):
+                t0 = time.perf_counter()
+                answered = session.client.flush(deadline_s=DEADLINE_S)
+                took = time.perf_counter() - t0
+                worst = max(worst, took)
+                late += not answered
+                steps += 1
+            time.sleep(0.01)
+        assert late == 0, f"{late} of {steps} steps unanswered within {DEADLINE_S}s " \
+                          f"(worst {worst:.2f}s)"
+        for daemon in (a, b):
+            assert _tier(daemon)["health"] == "degraded", _tier(daemon)
+            assert daemon.kvd("health").returncode == 0
+    _never_unreachable(caplog)
+
+
 def test_a_store_agent_killed_costs_misses_only(start_daemon, workdir, master, caplog):
     """The store's client crashing (its agent SIGKILLed, as a fault in native code would end
     it): the daemon serves on, its tier degrades, starts a new agent by itself and shares
@@ -426,6 +463,13 @@ def test_a_hung_master_never_slows_the_scheduler(start_daemon, workdir, master):
         finally:
             os.kill(master.proc.pid, signal.SIGCONT)
         wait_until(lambda: _tier(b)["health"] == "ok", 60, "b's tier to serve again")
+        # The master kept everything: each tier recovered with its own client (its segment,
+        # and the blocks in it, never remounted), and A's blocks are there to read.
+        wait_until(lambda: _tier(a)["health"] == "ok", 60, "a's tier to serve again")
+        for daemon in (a, b):
+            assert daemon.log().count("connected to the store") == 1, daemon.log()[-3000:]
+        # (the promotions given up while it hung read MISS for a while: then found again)
+        assert _all_hit_within(reader, keys, 30) and _tier(b)["health"] == "ok"
 
 
 OTHER_UID = 60031

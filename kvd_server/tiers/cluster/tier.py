@@ -216,24 +216,27 @@ class ClusterTier(Tier):
 
     def _ask(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         """One batched existence call for the keys not known here nor found absent lately;
-        the ones the store holds (known from now on)."""
+        the ones the store holds (known from now on), with the ones known already (an
+        engine asks about a known key when its held-below entry went: a promotion given up,
+        the tables cleared while the store was down; named again, at no cost)."""
         ask = self.directory.to_ask(namespace, keys)
+        known = [k for k in keys if self.directory.known(namespace, k)]
         store = self._store
         if not ask or store is None or not self._usable():
-            return []
+            return known
         t0 = time.perf_counter()
         try:
             held = store.exists([block_name(namespace, k) for k in ask])
         except Exception as exc:  # noqa: BLE001 - any failure of the store is the tier's
             self._failed(exc)
-            return []
+            return known
         found = self.directory.answered(namespace, ask, held)
         with self._lock:
             st = self._stats
             st.find_calls_total += 1
             st.found_total += len(found)
             st.read_seconds_total += time.perf_counter() - t0
-        return found
+        return known + found
 
     def keys(self, namespace: str) -> list[bytes]:
         return self.directory.keys(namespace) if self.readable else []
