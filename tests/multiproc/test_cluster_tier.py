@@ -266,6 +266,35 @@ def test_a_block_is_found_at_the_first_step_after_its_first_lookup(start_daemon,
         close_session(reader)
 
 
+def test_an_engine_on_the_call_protocol_finds_them_too(start_daemon, workdir, master):
+    """A gRPC `Lookup` on B of A's blocks answers MISS at once and asks the store in the
+    background; the next `Lookup` finds them held below (HIT_PENDING: promoted), then HIT,
+    each block byte-exact."""
+    from kvd_proto import kvd_pb2
+    from tests.support.engine import Engine
+
+    with _two_nodes(start_daemon, workdir, master) as (a, b, writer, _reader):
+        keys = keys_for("call-path", 8)
+        store(writer, keys)
+        _published(a, len(keys))
+        engine = Engine(b.socket, MODEL)
+        try:
+            hit, miss = kvd_pb2.BLOCK_STATE_HIT, kvd_pb2.BLOCK_STATE_MISS
+            assert list(engine.lookup(keys).states) == [miss] * len(keys)
+            wait_until(lambda: _tier(b)["below_keys"] >= len(keys), 10,
+                       "the store's answer", detail=lambda: _tier(b))
+            assert kvd_pb2.BLOCK_STATE_HIT_PENDING in engine.lookup(keys).states
+            wait_until(lambda: list(engine.lookup(keys).states) == [hit] * len(keys), 30,
+                       "the promotions")
+            answer = engine.lookup(keys, lease_ms=2000)
+            assert list(answer.states) == [hit] * len(keys)
+            for key, offset in zip(keys, answer.slot_offsets, strict=True):
+                assert engine.read(offset) == block_bytes_of(key)
+            assert _tier(b)["promotions_total"] >= len(keys)
+        finally:
+            engine.close()
+
+
 def test_a_master_killed_and_restarted_costs_misses_only(start_daemon, workdir, master,
                                                          caplog):
     """...and never stalls a daemon: Mooncake's client holds the GIL while it sets up
