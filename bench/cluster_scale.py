@@ -37,11 +37,9 @@ bench/results/latest.json and its section of bench/README.md. `make bench` runs 
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -54,8 +52,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+from cluster_tier import cluster_main  # noqa: E402
 from run_all import commit, machine  # noqa: E402
-from tiers import record  # noqa: E402
 from traces import block_keys, generate  # noqa: E402
 
 from kvd_server.tiers.cluster.directory import Directory  # noqa: E402
@@ -356,20 +354,8 @@ def table(t: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 to 128 nodes, 1 s of trace each")
-    ap.add_argument("--no-record", action="store_true", help="print the results only")
-    args, _ = ap.parse_known_args()
-    why = mooncake.unavailable()
-    if why:
-        print(f"bench/cluster_scale.py skipped: {why}")
-        return 0
-    with tempfile.TemporaryDirectory(prefix="kvd-cs-", dir="/tmp") as tmp:
-        result = run(Path(tmp), args.quick)
-    if not args.no_record:
-        record(result, "cluster_scale", table(result), "cluster-scale-results")
-    print(table(result))
-    return 0
+    return cluster_main(__doc__, "bench/cluster_scale.py", "cluster_scale",
+                        "cluster-scale-results", "8 to 128 nodes, 1 s of trace each", run, table)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,12 @@ section of bench/README.md. `make bench` runs it after bench/tiers.py.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -226,21 +228,34 @@ def table(t: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller run")
+def cluster_main(doc: str, script: str, key: str, marker: str, quick_help: str,
+                 run_in: Callable[[Path, bool], dict], table_of: Callable[[dict], str]) -> int:
+    """A cluster bench's command line: skipped (said) without Mooncake; the run in a
+    temporary directory; recorded as `key` of latest.json (and bench/results/KEY_COMMIT.json)
+    and between bench/README.md's `marker` lines, unless --no-record."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--no-record", action="store_true", help="print the results only")
     args, _ = ap.parse_known_args()
     why = mooncake.unavailable()
     if why:
-        print(f"bench/cluster_tier.py skipped: {why}")
+        print(f"{script} skipped: {why}")
         return 0
     with tempfile.TemporaryDirectory(prefix="kvd-cl-", dir="/tmp") as tmp:
-        result = run(Path(tmp), args.quick)
+        result = run_in(Path(tmp), args.quick)
     if not args.no_record:
-        record(result, "cluster_tier", table(result), "cluster-results")
-    print(table(result))
+        (HERE / "results").mkdir(exist_ok=True)
+        (HERE / "results" / f"{key}_{result['commit']}.json").write_text(
+            json.dumps(result, indent=2) + "\n")
+        record(result, key, table_of(result), marker)
+    print(table_of(result))
     return 0
+
+
+def main() -> int:
+    return cluster_main(__doc__, "bench/cluster_tier.py", "cluster_tier", "cluster-results",
+                        "a smaller run", run, table)
+
 
 
 if __name__ == "__main__":
