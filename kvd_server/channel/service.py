@@ -24,6 +24,7 @@ from kvd_server.protocols.wiring import EngineProtocols
 log = logging.getLogger(__name__)
 
 EVENTS_HEADROOM = 64        # an EVENTS record's own fields, beside its events
+MAX_OPEN_FINDS = 64         # FIND records of a session the store has not answered yet
 
 
 class ChannelService:
@@ -42,6 +43,7 @@ class ChannelService:
         # Writes an answer into a session's down ring outside a turn (a FOUND once the store
         # answered); set by the daemon to its ChannelHub's `send`.
         self.send: Callable[[str, bytes], bool] = lambda session_id, record: False
+        self._open_finds = Counter[str]()      # session id -> FINDs not answered yet
 
     def __call__(self, session: object, kind: int, payload: bytes) -> bytes | None:
         s = session
@@ -131,9 +133,27 @@ class ChannelService:
         elif isinstance(r, rec.Hint):
             core.retention.hint(s, r.req_id, r.session, r.retain_ms)
         elif isinstance(r, rec.Find):
-            found = rec.encode_found(r.step)
-            if not fast.find(s, r.keys, lambda: self.send(s.id, found)):
-                return found                  # nothing to ask: answered at once
+            return self._find(s, r)
+        return None
+
+    def _find(self, s: Session, r: rec.Find) -> bytes | None:
+        """Ask the cluster store (FOUND once it answered); answered at once when there is
+        nothing to ask, or when the session has MAX_OPEN_FINDS asks unanswered already (an
+        engine sends one a step: more means a store slower than many steps, or a hostile
+        engine; its keys then read MISS, and nothing piles up)."""
+        found = rec.encode_found(r.step)
+        if self._open_finds[s.id] >= MAX_OPEN_FINDS:
+            return found
+
+        def done() -> None:
+            self._open_finds[s.id] -= 1
+            if self._open_finds[s.id] <= 0:
+                del self._open_finds[s.id]
+            self.send(s.id, found)
+
+        if not self.fastpath.find(s, r.keys, done):
+            return found                      # nothing to ask: answered at once
+        self._open_finds[s.id] += 1
         return None
 
     def _events(self, s: Session, max_events: int) -> bytes:

@@ -192,3 +192,26 @@ def test_what_the_ring_has_no_room_for_waits_in_order_and_bounds_the_outbox(h, m
     assert not out.waiting() and not out.overflowing
     ns = stats(h.core)["namespaces"][0]
     assert ns["lookups_total"] == 3000 and ns["hits_total"] == 3000
+
+
+def test_find_is_answered_when_the_store_answers_and_open_asks_are_bounded(h):
+    """FIND: without a tier below, FOUND at once; with one that asks the store, FOUND is
+    written outside any turn once it answered (ChannelHub.send); a session with
+    MAX_OPEN_FINDS asks unanswered gets FOUND at once for the next (nothing piles up)."""
+    from kvd_server.channel.service import MAX_OPEN_FINDS
+
+    s, ch, out = h.engine()
+    assert h.send(ch, out, rec.encode_find(3, keys(1, 2))) == [rec.Found(3)]
+    waiting: list = []
+    h.service.fastpath.find = lambda sess, ks, done: waiting.append(done) or True
+    h.service.send = h.hub.send
+    assert h.send(ch, out, rec.encode_find(4, keys(3))) == []           # asked: no answer yet
+    waiting.pop()()                                                     # the store answered
+    assert ch.receive() == [rec.Found(4)]
+    for step in range(MAX_OPEN_FINDS):
+        h.send(ch, out, rec.encode_find(10 + step, keys(5)))
+    assert len(waiting) == MAX_OPEN_FINDS
+    assert h.send(ch, out, rec.encode_find(999, keys(6))) == [rec.Found(999)]   # bounded
+    for done in waiting:
+        done()
+    assert len(ch.receive()) == MAX_OPEN_FINDS
