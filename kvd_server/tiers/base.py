@@ -108,8 +108,9 @@ class Tier(Protocol):
     # Whether every block is handed to `publish` as it is stored, not only to `demote` when
     # the pool evicts it (the cluster tier shares blocks with other nodes as they appear).
     publishes_stored: bool = False
-    # Told, from any thread, of keys other nodes published (True: named to the engines) or
-    # no longer hold (False); a tier of this node alone never calls it. Set by the daemon.
+    # Told, from any thread, of keys to name to the engines (True) or that the tier no longer
+    # holds although this node did not drop them (False: the cluster store lost them, a
+    # restarted master); a tier of this node alone never calls it. Set by the daemon.
     on_named: Callable[[list[TierKey], bool], None] | None = None
 
     @property

@@ -47,7 +47,7 @@ class TierLink:
         self._readable = False       # the first tick with the tier open names what it holds
         self.demoter = Demoter(tier, namespaces, pools, self.tables, loop)
         self.promoter = Promoter(tier, namespaces, pools, self.tables, loop, refusing)
-        tier.on_named = self._named     # keys other nodes published (a tier that shares)
+        tier.on_named = self._named     # keys a tier shared with other nodes lost
         self._tenants: dict[str, str] = {}       # namespace id -> tenant (for find_flags)
         namespaces.on_made.append(self.join)
         namespaces.on_forgotten.append(self.forget)
@@ -64,7 +64,7 @@ class TierLink:
                 self._loop.call_soon_threadsafe(apply, keys[start:start + NAMED_CHUNK])
 
     def join(self, ns: Namespace) -> None:
-        # The cluster tier's watch list (and the size it counts that namespace's blocks at).
+        # The size the cluster tier counts that namespace's blocks at.
         self.tier.join_namespace(ns.id, ns.tenant, ns.layout.block_bytes)
         self.demoter.join(ns)
         self.tables.join(ns.id, ns.layout.block_bytes).flags = self.tier.find_flags(ns.tenant)

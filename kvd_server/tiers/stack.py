@@ -37,7 +37,7 @@ class TierStack(Tier):
         self.on_named: Callable[[list[TierKey], bool], None] | None = None
         upper.on_dropped = lambda keys: self._dropped(keys, lower)
         lower.on_dropped = lambda keys: self._dropped(keys, upper)
-        lower.on_named = self._named      # keys other nodes published (the cluster store)
+        lower.on_named = self._named      # keys the cluster store lost
 
     @property
     def parts(self) -> tuple[Tier, ...]:
