@@ -62,14 +62,6 @@ def _tier(daemon) -> dict:
     return {t["name"]: t for t in daemon.stats()["tiers"]}["cluster"]
 
 
-@pytest.fixture
-def master(workdir: Path):
-    m = mooncake.Master(workdir)
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
 
 
 def _daemon(start_daemon, workdir: Path, master: mooncake.Master, node: str, pool: str = POOL,

@@ -67,3 +67,16 @@ def engines(daemon: Daemon) -> Iterator[Callable[..., Engine]]:
     finally:
         for engine in made:
             engine.close()
+
+
+@pytest.fixture
+def master(workdir: Path) -> Iterator[Any]:
+    """A real `mooncake_master` on loopback for the test (SIGKILLed after it)."""
+    from tests.support import mooncake
+
+    m = mooncake.Master(workdir)
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()

@@ -19,7 +19,7 @@ except Exception as exc:  # noqa: BLE001 - only without the vllm test environmen
 
 # The daemon fixtures are the multi-process tests' own: a real `kvd serve` (64 MiB pool).
 from tests.support.daemon import Daemon
-from tests.support.fixtures import daemon, start_daemon, workdir  # noqa: F401
+from tests.support.fixtures import daemon, master, start_daemon, workdir  # noqa: F401
 
 from .harness import Engine
 

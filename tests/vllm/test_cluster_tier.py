@@ -20,14 +20,6 @@ pytestmark = [pytest.mark.vllm,
 BLOCKS = 24
 
 
-@pytest.fixture
-def master(workdir):
-    m = mooncake.Master(workdir)
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
 
 
 def _node(start_daemon, workdir, master: mooncake.Master, node: str):
