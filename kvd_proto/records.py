@@ -552,8 +552,8 @@ def decode_down(kind: int, payload: bytes) -> DownRecord:
     """A daemon's answer (RecordError for one this version does not know)."""
     if kind == GRANTED:             # the common answer (a reserve's top-up), read at once
         fast = granted_fast(payload)
-        if fast is not None:
-            return fast
+        if fast is not None and (not fast.offsets or max(fast.offsets) < 1 << 63):
+            return fast                 # (else the checked decoder says what is wrong)
     name = DOWN_KINDS.get(kind)
     if name is None:
         raise RecordError(f"unknown answer kind {kind}")
@@ -561,6 +561,8 @@ def decode_down(kind: int, payload: bytes) -> DownRecord:
     out: DownRecord
     if kind == GRANTED:
         offsets = c.values("Q", c.u32("count"), "offsets")
+        if offsets and max(offsets) >= 1 << 63:    # no pool is that large (int64 offsets)
+            raise RecordError("granted: an offset past 2^63")
         if c.left():
             m = c.u32("kept count")
             if m > len(offsets):

@@ -133,11 +133,15 @@ def test_any_keys_and_request_round_trip(keys, req_id):
 
 def test_a_grant_reads_back_and_a_torn_one_is_refused():
     """GRANTED, the common answer, has its own short path in decode_down: the same offsets,
-    and a count that does not match the payload is still a RecordError."""
-    data = rec.encode_granted([0, 4096, 2**63 + 8])
+    and a count that does not match the payload, or an offset past 2^63 (which the compiled
+    apply refuses too), is still a RecordError."""
+    data = rec.encode_granted([0, 4096, 2**62 + 8])
     length = int.from_bytes(data[:4], "little")
     payload = data[8:length]
-    assert rec.decode_down(rec.GRANTED, payload) == rec.Granted([0, 4096, 2**63 + 8])
+    assert rec.decode_down(rec.GRANTED, payload) == rec.Granted([0, 4096, 2**62 + 8])
+    past = rec.encode_granted([0, 2**63 + 8])        # no pool offset is that large (int64)
+    with pytest.raises(rec.RecordError, match="past 2\\^63"):
+        rec.decode_down(rec.GRANTED, past[8:int.from_bytes(past[:4], "little")])
     assert rec.decode_down(rec.GRANTED, rec.encode_granted([])[8:12]) == rec.Granted([])
     for torn in (payload[:-8], payload + bytes(8), payload[:3], (7).to_bytes(4, "little")):
         with pytest.raises(rec.RecordError):
