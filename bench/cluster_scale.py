@@ -128,7 +128,7 @@ def new_scheme(n: int, trace_s: float, requests: list[list[bytes]], stored: set[
         clock[0] = t
         d = nodes[node]
         keys = requests[r]
-        ask = d.to_ask(NAMESPACE, keys)
+        _, ask = d.split(NAMESPACE, keys)
         if ask:
             names = [block_name(NAMESPACE, k) for k in ask]
             out.calls.append(Call("exists", names, step=(node, engine, step)))

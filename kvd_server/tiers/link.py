@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kvd_proto.below_layout import FLAG_ASK
 from kvd_server.tiers.base import Tier, TierHealth, TierKey, TierStats
 from kvd_server.tiers.below_table import BelowTable, BelowTables
 from kvd_server.tiers.demotion import Demoter
@@ -77,7 +78,11 @@ class TierLink:
     def find(self, ns: Namespace, keys: Sequence[bytes], done: Callable[[], None]) -> bool:
         """Ask the tier (the cluster store) about keys an engine's lookups missed; `done` is
         called on the event loop once what it holds of them is named in the held-below
-        table. False (done never called): the tier does not look for keys now."""
+        table. False (done never called): the tier does not look for keys now, or not for
+        this namespace's tenant (one that does not share: its engines are never told to ask,
+        and one that asks anyway asks nothing)."""
+        if not self.tier.find_flags(ns.tenant) & FLAG_ASK:
+            return False
         future = self.tier.find(ns.id, keys)
         if future is None:
             return False

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from kvd_proto.below_layout import FLAG_ASK
 from kvd_proto.wire import KvLayout
 from kvd_server.config import PoolConfig, TenantsConfig
 from kvd_server.core.namespaces import NamespaceTable
@@ -86,6 +87,7 @@ class SharingTier(MemoryTier):
         super().__init__()
         self.watched: list[tuple[str, str]] = []
         self.published: list[bytes] = []
+        self.asked: list[list[bytes]] = []
 
     def join_namespace(self, namespace: str, tenant: str, block_bytes: int = 0) -> None:
         self.watched.append((namespace, tenant))
@@ -93,6 +95,13 @@ class SharingTier(MemoryTier):
     def publish(self, key: TierKey, data: memoryview | bytes) -> Future[bool] | None:
         self.published.append(key.key)
         return self.demote(key, data)
+
+    def find_flags(self, tenant: str) -> int:
+        return FLAG_ASK if tenant == "default" else 0     # only "default" shares
+
+    def find(self, namespace: str, keys: Sequence[bytes]) -> Future[list[bytes]] | None:
+        self.asked.append(list(keys))
+        return done_future([])  # type: ignore[return-value]
 
 
 def test_a_tier_of_this_node_alone_has_every_optional_capability_by_default():
@@ -208,3 +217,15 @@ def test_the_link_joins_each_namespace_through_its_port(joined):
     assert tier.blocks[TierKey(ns.id, b"k0000", "default")] == b"\x07" * PAGE
     ns.mgr.reset()                                             # drops what is held below
     assert tier.reset_namespaces == [ns.id] and not tier.blocks
+
+
+def test_the_link_asks_the_tier_only_for_a_tenant_it_shares(joined):
+    """A FIND (or a call-protocol miss) of a tenant whose blocks never leave the node asks
+    nothing, whatever its engine sends: its table never says FLAG_ASK either."""
+    tier, table, pools = joined
+    link = next(cb.__self__ for cb in table.on_made if isinstance(cb.__self__, TierLink))
+    shared = table.join("model", LAYOUT, "", "default")
+    private = table.join("model", LAYOUT, "", "private")
+    assert link.table(shared.id).flags == FLAG_ASK and link.table(private.id).flags == 0
+    assert link.find(private, [b"k1"], lambda: None) is False and tier.asked == []
+    assert link.find(shared, [b"k1"], lambda: None) is True and tier.asked == [[b"k1"]]

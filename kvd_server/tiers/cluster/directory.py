@@ -18,6 +18,7 @@ Thread-safe: the tier's threads and the daemon's event loop call it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -80,18 +81,24 @@ class Directory:
             out: list[tuple[str, bytes]] = []
             for table in (self._own, self._found):
                 for ns, keys in table.items():
-                    out += [(ns, k) for k in list(keys)[-n:]]
+                    out += [(ns, k) for k in itertools.islice(reversed(keys), n)]
             return out[-n:]
 
-    def to_ask(self, namespace: str, keys: Iterable[bytes]) -> list[bytes]:
-        """Of `keys`, those worth asking the store about: neither known nor found absent
-        within NEGATIVE_S (distinct, in order)."""
+    def split(self, namespace: str, keys: Iterable[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """`keys` (distinct, in order) as (known: published here or found, to ask: neither
+        known nor found absent within NEGATIVE_S), in one pass."""
         now = self._clock()
+        known: list[bytes] = []
+        ask: list[bytes] = []
         with self._lock:
             own, found = self._own.get(namespace, {}), self._found.get(namespace, {})
             absent = self._absent
-            return [k for k in dict.fromkeys(keys) if k not in own and k not in found
-                    and absent.get((namespace, k), 0.0) <= now]
+            for k in dict.fromkeys(keys):
+                if k in own or k in found:
+                    known.append(k)
+                elif absent.get((namespace, k), 0.0) <= now:
+                    ask.append(k)
+        return known, ask
 
     def answered(self, namespace: str, asked: list[bytes], held: list[bool]) -> list[bytes]:
         """The store's answer about `asked`: the keys it holds are known from now on (and

@@ -62,11 +62,10 @@ MAX_FIND_KEYS = 4096    # keys waiting to be asked about, per namespace (past it
 @dataclass(slots=True)
 class _Finding:
     """A namespace's keys waiting to be asked about, and the answer their askers wait for
-    (one Future for all the asks of a round)."""
+    (one Future for all the asks of a round); there while its rounds run."""
 
     keys: dict[bytes, None] = field(default_factory=dict)
     answer: Future[list[bytes]] | None = None
-    running: bool = False
 
 
 class ClusterTier(Tier):
@@ -180,6 +179,7 @@ class ClusterTier(Tier):
         if not self._usable():
             return None
         with self._lock:
+            running = namespace in self._finding
             finding = self._finding.setdefault(namespace, _Finding())
             room = MAX_FIND_KEYS - len(finding.keys)
             finding.keys.update(dict.fromkeys(keys[:max(0, room)]))
@@ -187,9 +187,8 @@ class ClusterTier(Tier):
                 finding.answer = Future()
             future = finding.answer
             self._stats.finds_total += len(keys)
-            if finding.running:
+            if running:
                 return future
-            finding.running = True
         try:
             self._finds.submit(self._find_rounds, namespace)
         except RuntimeError:                    # closed meanwhile
@@ -219,8 +218,7 @@ class ClusterTier(Tier):
         the ones the store holds (known from now on), with the ones known already (an
         engine asks about a known key when its held-below entry went: a promotion given up,
         the tables cleared while the store was down; named again, at no cost)."""
-        ask = self.directory.to_ask(namespace, keys)
-        known = [k for k in keys if self.directory.known(namespace, k)]
+        known, ask = self.directory.split(namespace, keys)
         store = self._store
         if not ask or store is None or not self._usable():
             return known
