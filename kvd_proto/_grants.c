@@ -44,13 +44,13 @@
 #define KEYS_HEADER 8       /* u32 count, u16 width, u16 zero (records.py _KEYS) */
 #define EMPTY (-1)
 #define TOMB (-2)           /* a bucket whose entry went: probes pass it, inserts reuse it */
+#define CHUNK 32            /* keys or offsets whose lines a batch asks for at once */
 
 typedef struct {
     int64_t value;          /* offset >= 0, or -(seq + 1) */
     uint64_t hash;          /* of the key */
     PyObject *offset;       /* the offset object granted (held), or NULL for a negative value */
     uint32_t len;           /* the key's length; UINT32_MAX: a free entry */
-    int32_t next_free;
     uint32_t kb, ob;        /* its buckets in by_key and by_offset (they never move: a
                              * deletion leaves a TOMB, the table is rebuilt past many) */
 } KeptEntry;
@@ -66,7 +66,10 @@ struct KeptTable {
     Py_ssize_t tombs_k, tombs_o;   /* TOMBs in each: entries + TOMBs stay < half the buckets */
     Py_ssize_t stride;
     uint64_t mask;
-    int32_t free_head;
+    int32_t *free_stack;    /* the free entries, the next one to use on top: an array, so a
+                             * batch knows which entries it will write before it writes them
+                             * (apply asks for their lines together) */
+    Py_ssize_t free_n;
 };
 
 static uint64_t mix64(uint64_t h) {
@@ -104,11 +107,14 @@ static int table_alloc(KeptTable *t, Py_ssize_t cap, Py_ssize_t stride) {
     unsigned char *keys = PyMem_Malloc((size_t)cap * (size_t)stride);
     int32_t *by_key = PyMem_Malloc((size_t)cap * 2 * sizeof *by_key);
     int32_t *by_offset = PyMem_Malloc((size_t)cap * 2 * sizeof *by_offset);
-    if (entries == NULL || keys == NULL || by_key == NULL || by_offset == NULL) {
+    int32_t *free_stack = PyMem_Malloc((size_t)cap * sizeof *free_stack);
+    if (entries == NULL || keys == NULL || by_key == NULL || by_offset == NULL ||
+        free_stack == NULL) {
         PyMem_Free(entries);
         PyMem_Free(keys);
         PyMem_Free(by_key);
         PyMem_Free(by_offset);
+        PyMem_Free(free_stack);
         PyErr_NoMemory();
         return -1;
     }
@@ -116,7 +122,7 @@ static int table_alloc(KeptTable *t, Py_ssize_t cap, Py_ssize_t stride) {
     memset(by_offset, 0xff, (size_t)cap * 2 * sizeof *by_offset);
     for (Py_ssize_t i = 0; i < cap; i++) {
         entries[i].len = UINT32_MAX;
-        entries[i].next_free = i + 1 < cap ? (int32_t)(i + 1) : EMPTY;
+        free_stack[i] = (int32_t)(cap - 1 - i);     /* entry 0 on top */
     }
     t->entries = entries;
     t->keys = keys;
@@ -127,7 +133,8 @@ static int table_alloc(KeptTable *t, Py_ssize_t cap, Py_ssize_t stride) {
     t->used = 0;
     t->tombs_k = t->tombs_o = 0;
     t->mask = (uint64_t)cap * 2 - 1;
-    t->free_head = 0;
+    t->free_stack = free_stack;
+    t->free_n = cap;
     return 0;
 }
 
@@ -139,13 +146,15 @@ static void table_release(KeptTable *t) {
     PyMem_Free(t->keys);
     PyMem_Free(t->by_key);
     PyMem_Free(t->by_offset);
+    PyMem_Free(t->free_stack);
     t->entries = NULL;
     t->keys = NULL;
     t->by_key = t->by_offset = NULL;
+    t->free_stack = NULL;
     t->cap = t->used = 0;
     t->tombs_k = t->tombs_o = 0;
     t->mask = 0;
-    t->free_head = EMPTY;
+    t->free_n = 0;
 }
 
 static inline uint64_t offset_home(const KeptTable *t, int64_t value) {
@@ -206,8 +215,7 @@ static void entry_remove(KeptTable *t, int32_t i) {
     }
     Py_CLEAR(e->offset);
     e->len = UINT32_MAX;
-    e->next_free = t->free_head;
-    t->free_head = i;
+    t->free_stack[t->free_n++] = i;
     t->used--;
 }
 
@@ -234,12 +242,22 @@ static void entry_link(KeptTable *t, int32_t i, uint64_t kb, uint64_t ob, int wi
     }
 }
 
-/* The table again, TOMBs gone: with room for twice the entries when it is 3/4 full, keys up
- * to `stride` long. */
-static int table_grow(KeptTable *t, Py_ssize_t stride) {
+/* Whether `more` entries, keys up to `stride` long, can go in without a rebuild: each put
+ * takes one entry and may leave two TOMBs (its key's old entry, its offset's), and entries +
+ * TOMBs stay at most half the buckets (`cap`; every probe ends at an EMPTY one), entries at
+ * most 3/4 of `cap`. */
+static int table_has_room(const KeptTable *t, Py_ssize_t more, Py_ssize_t stride) {
+    Py_ssize_t tombs = t->tombs_k > t->tombs_o ? t->tombs_k : t->tombs_o;
+    return stride <= t->stride && t->used + more <= t->cap / 2 + t->cap / 4 &&
+           t->free_n >= more && t->used + tombs + 3 * more + 2 <= t->cap;
+}
+
+/* The table again, TOMBs gone, with room for `more` entries (`table_has_room`; the
+ * capacity doubled as often as that takes), keys up to `stride` long. */
+static int table_grow(KeptTable *t, Py_ssize_t more, Py_ssize_t stride) {
     KeptTable old = *t;
-    int full = old.used + 1 > old.cap / 2 + old.cap / 4 || old.free_head == EMPTY;
-    Py_ssize_t cap = old.cap == 0 ? 64 : full ? old.cap * 2 : old.cap;
+    Py_ssize_t cap = old.cap == 0 ? 64 : old.cap;
+    while (old.used + more > cap / 2 + cap / 4 || old.used + 3 * more + 2 > cap) cap *= 2;
     if (table_alloc(t, cap, stride > old.stride ? stride : old.stride) < 0) {
         *t = old;
         return -1;
@@ -247,8 +265,7 @@ static int table_grow(KeptTable *t, Py_ssize_t stride) {
     for (Py_ssize_t j = 0; j < old.cap; j++) {
         KeptEntry *e = &old.entries[j];
         if (e->len == UINT32_MAX) continue;
-        int32_t i = t->free_head;
-        t->free_head = t->entries[i].next_free;
+        int32_t i = t->free_stack[--t->free_n];
         t->entries[i] = *e;                          /* the offset object moves with it */
         memcpy(entry_key(t, i), old.keys + (size_t)j * (size_t)old.stride, e->len);
         t->used++;
@@ -261,29 +278,21 @@ static int table_grow(KeptTable *t, Py_ssize_t stride) {
     PyMem_Free(old.keys);
     PyMem_Free(old.by_key);
     PyMem_Free(old.by_offset);
+    PyMem_Free(old.free_stack);
     return 0;
 }
 
 /* key's value := value (offset: `offset`, the object granted, held; NULL for a negative
  * value). An offset replaces the entry that held it. */
-static int table_put(KeptTable *t, const unsigned char *key, Py_ssize_t n, int64_t value,
-                     PyObject *offset) {
-    if (n > MAX_KEY_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "a kept block's key is longer than 128 bytes");
-        return -1;
-    }
-    Py_ssize_t tombs = t->tombs_k > t->tombs_o ? t->tombs_k : t->tombs_o;
-    if (n > t->stride || t->used + 1 > t->cap / 2 + t->cap / 4 || t->free_head == EMPTY ||
-        t->used + tombs + 2 > t->cap)
-        if (table_grow(t, n) < 0) return -1;
-    uint64_t h = key_hash64(key, n);
+/* table_put where the table has room for it (`table_has_room`) and `h` is the key's hash. */
+static void table_put_hashed(KeptTable *t, const unsigned char *key, Py_ssize_t n, uint64_t h,
+                             int64_t value, PyObject *offset) {
     int found;
     uint64_t b = key_bucket(t, key, n, h, &found);
     if (found) entry_remove(t, t->by_key[b]);     /* its bucket, a TOMB now, is b again */
     uint64_t ob = value >= 0 ? remove_offset(t, value) : 0;
-    int32_t i = t->free_head;
+    int32_t i = t->free_stack[--t->free_n];
     KeptEntry *e = &t->entries[i];
-    t->free_head = e->next_free;
     e->value = value;
     e->hash = h;
     e->len = (uint32_t)n;
@@ -291,6 +300,16 @@ static int table_put(KeptTable *t, const unsigned char *key, Py_ssize_t n, int64
     memcpy(entry_key(t, i), key, (size_t)n);
     t->used++;
     entry_link(t, i, b, ob, value >= 0);
+}
+
+static int table_put(KeptTable *t, const unsigned char *key, Py_ssize_t n, int64_t value,
+                     PyObject *offset) {
+    if (n > MAX_KEY_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "a kept block's key is longer than 128 bytes");
+        return -1;
+    }
+    if (!table_has_room(t, 1, n) && table_grow(t, 1, n) < 0) return -1;
+    table_put_hashed(t, key, n, key_hash64(key, n), value, offset);
     return 0;
 }
 
@@ -398,21 +417,42 @@ static PyObject *KeptTable_put(KeptTable *t, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* discard_offsets: the slots a store took (a few dozen a call), CHUNK at a time: the lines
+ * of their buckets, then of the entries the buckets name, then of those entries' key buckets
+ * are asked for together before any is used (the table is cold by the time the scheduler
+ * calls: one miss after another cost ~60 ns each), then the entries go, in order. An offset
+ * not an int stops it there (those before it are gone), as the twin does. */
 static PyObject *KeptTable_discard_offsets(KeptTable *t, PyObject *offsets) {
     if (t->used == 0) Py_RETURN_NONE;
     PyObject *seq = PySequence_Fast(offsets, "offsets must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n && t->used; i++) {
-        int64_t value;
-        if (value_arg(items[i], &value) < 0) {
-            Py_DECREF(seq);
-            return NULL;
+    int64_t values[CHUNK];
+    int failed = 0;
+    for (Py_ssize_t c = 0; c < n && t->used && !failed; c += CHUNK) {
+        Py_ssize_t k = 0, want = n - c < CHUNK ? n - c : CHUNK;
+        for (; k < want; k++) {
+            if (value_arg(items[c + k], &values[k]) < 0) {
+                failed = 1;
+                break;
+            }
+            if (values[k] >= 0) __builtin_prefetch(&t->by_offset[offset_home(t, values[k])]);
         }
-        if (value >= 0) remove_offset(t, value);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            int32_t at = values[i] >= 0 ? t->by_offset[offset_home(t, values[i])] : EMPTY;
+            if (at >= 0) __builtin_prefetch(&t->entries[at]);
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            int32_t at = values[i] >= 0 ? t->by_offset[offset_home(t, values[i])] : EMPTY;
+            if (at >= 0 && t->entries[at].value == values[i])
+                __builtin_prefetch(&t->by_key[t->entries[at].kb], 1);
+        }
+        for (Py_ssize_t i = 0; i < k && t->used; i++)
+            if (values[i] >= 0) remove_offset(t, values[i]);
     }
     Py_DECREF(seq);
+    if (failed) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -499,18 +539,37 @@ static PyObject *KeptTable_apply(KeptTable *t, PyObject *const *args, Py_ssize_t
         }
         PyList_SET_ITEM(offsets, i, o);
     }
-    if (PyList_SetSlice(slots, 0, 0, offsets) < 0) {
+    /* Room for every kept block first: an error changes nothing, and no put rebuilds. */
+    if ((m && !table_has_room(t, m, width) && table_grow(t, m, width) < 0) ||
+        PyList_SetSlice(slots, 0, 0, offsets) < 0) {
         Py_DECREF(offsets);
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        Py_ssize_t j = (Py_ssize_t)read_u32(index + 4 * i);
-        uint64_t v;
-        memcpy(&v, p + 4 + 8 * j, 8);
-        if (table_put(t, p + keys_start + i * width, width, (int64_t)v,
-                      PyList_GET_ITEM(offsets, j)) < 0) {
-            Py_DECREF(offsets);
-            return NULL;
+    /* CHUNK keys at a time: their hashes, and the lines of their buckets and of the entries
+     * they will take, asked for together before the first put (the table is cold when a step
+     * starts: one miss after another cost ~0.2 us a block). */
+    const unsigned char *keys = p + keys_start;
+    uint64_t hashes[CHUNK];
+    for (Py_ssize_t c = 0; c < m; c += CHUNK) {
+        Py_ssize_t k = m - c < CHUNK ? m - c : CHUNK;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            const unsigned char *key = keys + (c + i) * width;
+            uint64_t h = hashes[i] = key_hash64(key, width), v;
+            memcpy(&v, p + 4 + 8 * (Py_ssize_t)read_u32(index + 4 * (c + i)), 8);
+            __builtin_prefetch(&t->by_key[h & t->mask], 1);
+            __builtin_prefetch(&t->by_offset[offset_home(t, (int64_t)v)], 1);
+            if (t->free_n > i) {
+                int32_t e = t->free_stack[t->free_n - 1 - i];
+                __builtin_prefetch(&t->entries[e], 1);
+                __builtin_prefetch(entry_key(t, e), 1);
+            }
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_ssize_t j = (Py_ssize_t)read_u32(index + 4 * (c + i));
+            uint64_t v;
+            memcpy(&v, p + 4 + 8 * j, 8);
+            table_put_hashed(t, keys + (c + i) * width, width, hashes[i], (int64_t)v,
+                             PyList_GET_ITEM(offsets, j));
         }
     }
     Py_DECREF(offsets);

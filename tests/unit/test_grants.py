@@ -161,6 +161,35 @@ def test_the_compiled_table_grows_and_shrinks_and_keeps_every_entry():
         assert c.get(key) == py.get(key)
 
 
+@compiled
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_large_grants_and_discards_in_batches_match_the_twin(data):
+    """GRANTEDs of hundreds of kept blocks (the compiled apply puts them CHUNK at a time, the
+    room for all made first), keys and offsets repeated within one, then discards of many
+    offsets, one not an int in the middle (those before it go, as in the twin)."""
+    sides = [([], native._native.KeptTable()), ([], native.PyKeptTable())]
+    for _ in range(data.draw(st.integers(1, 4))):
+        count = data.draw(st.integers(1, 400))
+        offsets = [SLOT * data.draw(st.integers(0, 600)) for _ in range(count)]
+        kept = [(i, data.draw(st.sampled_from([b"a", b"b"])) * 16 + i.to_bytes(16, "little")
+                 if data.draw(st.booleans()) else b"same" * 8) for i in range(count)]
+        payload = granted_payload(offsets, kept)
+        assert sides[0][1].apply(payload, sides[0][0]) == sides[1][1].apply(payload, sides[1][0])
+        assert snapshot(*sides[0]) == snapshot(*sides[1])
+        drop = data.draw(st.lists(st.sampled_from(offsets + [-1]), max_size=100))
+        if drop and data.draw(st.booleans()):
+            drop.insert(data.draw(st.integers(0, len(drop))), "bad")
+        answers = []
+        for _, table in sides:
+            try:
+                answers.append(table.discard_offsets(drop))
+            except TypeError as exc:
+                answers.append(type(exc).__name__)
+        assert answers[0] == answers[1]
+        assert snapshot(*sides[0]) == snapshot(*sides[1])
+
+
 @settings(max_examples=300, deadline=None)
 @given(payloads())
 def test_a_grant_applied_undecoded_holds_the_reserve_as_the_decoded_one(payload):

@@ -131,6 +131,17 @@ def test_any_keys_and_request_round_trip(keys, req_id):
     assert roundtrip_up(rec.encode_touch(keys, req_id)) == rec.Touch(keys, req_id)
 
 
+@given(st.text(max_size=300))
+def test_a_request_finished_is_the_generic_record_of_its_id(req_id):
+    """The step's end encodes REQUEST_FINISHED in one pack (records.py): the same bytes as
+    the generic record of a length-prefixed string, padded."""
+    from kvd_proto.channel import record
+
+    data = req_id.encode()
+    assert rec.encode_request_finished(req_id) == \
+        record(rec.REQUEST_FINISHED, struct.pack("<H", len(data)) + data)
+
+
 def test_a_grant_reads_back_and_a_torn_one_is_refused():
     """GRANTED, the common answer, has its own short path in decode_down: the same offsets,
     and a count that does not match the payload, or an offset past 2^63 (which the compiled
