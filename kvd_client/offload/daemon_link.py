@@ -174,6 +174,12 @@ class DaemonLink:
                         rec.UP_KINDS.get(answer.kind, answer.kind), answer.code,
                         answer.message, self.rejected)
 
+    def counts_due(self) -> bool:
+        """Whether a step's end may report the counts now (`report_counts` with `at_once`
+        False sends nothing within COUNTS_INTERVAL_S of the last report): checked first, the
+        counts are not even gathered on the steps in between."""
+        return time.monotonic() - self._reported_at >= COUNTS_INTERVAL_S
+
     def report_counts(self, counts: tuple[int, int, int], at_once: bool = True) -> None:
         """The lookups, hits and misses answered so far: what the daemon has not heard of
         goes as one COUNTERS record (nothing when they did not move; with `at_once` False,

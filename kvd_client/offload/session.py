@@ -112,7 +112,9 @@ class OffloadSession(SessionTransfers):
         # step state (scheduler thread)
         self._in_step = False
         self._step_epoch = 0
-        self._finished: list[str] = []            # requests that ended this step
+        # the REQUEST_FINISHED records of the requests that ended this step (encoded when the
+        # engine says so: its id is at hand then, cold again by the step's end)
+        self._finished: list[bytes] = []
         self._loads = LoadTracker()
         self._stores = StoreTracker()
         self._events = EventInbox()
@@ -358,7 +360,8 @@ class OffloadSession(SessionTransfers):
         """The request is over: the daemon hears it with the step's records (after every
         other record of the step, so after the request's own)."""
         if self.client.available:
-            self._finished.append(req_id)
+            self._finished.append(rec.encode_request_finished(
+                req_id if type(req_id) is str else str(req_id)))
 
     # ------------------------------------------------------------------ resets
     def reset(self) -> None:
@@ -405,7 +408,7 @@ class OffloadSession(SessionTransfers):
             self._finished.clear()
             return
         if self._finished:
-            self._put(list(map(rec.encode_request_finished, self._finished)))
+            self._put(self._finished)
             self._finished.clear()
         if self._restores:
             self._put(messages.restore(self._restores, self._per_record))
@@ -417,7 +420,8 @@ class OffloadSession(SessionTransfers):
         find = self._finds.take()
         if find:
             self._put(messages.find(self._link.seq, find, self._per_record))
-        self._link.report_counts(self._counts(), at_once=False)
+        if self._link.counts_due():
+            self._link.report_counts(self._counts(), at_once=False)
         if self.enable_events and self._link.essential:
             self._put([rec.encode_take_events(MAX_EVENTS_PER_ASK)])
         self._link.flush()
@@ -456,7 +460,7 @@ class OffloadSession(SessionTransfers):
         if not self._closed:
             self._closed = True
             if self._link.channel is not None and self.client.available:
-                self._put(list(map(rec.encode_request_finished, self._finished)))
+                self._put(self._finished)
                 self._link.report_counts(self._counts())
                 self._link.flush(restart=False)       # its last completions and counts
             self._close_connection()
