@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +146,7 @@ class OffloadSession(SessionTransfers):
         self._closed = False
         self.hints_sent = 0
         self._hint_log = RateLimitedLog(log)
+        self._id_log = RateLimitedLog(log)
         client.on_reconnect = self._on_connect
         if client.available:
             self._on_connect()
@@ -360,8 +362,13 @@ class OffloadSession(SessionTransfers):
         """The request is over: the daemon hears it with the step's records (after every
         other record of the step, so after the request's own)."""
         if self.client.available:
-            self._finished.append(rec.encode_request_finished(
-                req_id if type(req_id) is str else str(req_id)))
+            try:
+                self._finished.append(rec.encode_request_finished(
+                    req_id if type(req_id) is str else str(req_id)))
+            except (struct.error, UnicodeError) as exc:   # an id no record carries
+                self._id_log.warning("kvd: request id %r... cannot be sent (%s); the daemon "
+                                     "lets go of its state when the session ends",
+                                     str(req_id)[:64], exc)
 
     # ------------------------------------------------------------------ resets
     def reset(self) -> None:

@@ -454,3 +454,25 @@ TwoEngines.TestCase.settings = settings(max_examples=150, stateful_step_count=50
                                         deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
 test_the_compiled_steps_and_their_python_twin_do_alike = TwoEngines.TestCase
+
+
+def test_a_request_id_no_record_carries_is_left_out_alone():
+    """A request's REQUEST_FINISHED is encoded when the engine says it ended: an id no record
+    can carry (over 65,535 bytes, a lone surrogate) is logged and left out, never raised into
+    the engine's scheduler; the other requests' ends still go out with the step's records."""
+    index = ShmIndex(CAPACITY, WIDTH, PER_EXTENT, STRIDE, EXTENT, name="kvd-finished")
+    engine = Engine(_native.Lookups, index, [offset_of(slot) for slot in range(INITIAL_SLOTS)])
+    try:
+        session = engine.session
+        session.lookup(KEYS[0])                  # the step begins (the connection adopted)
+        session.request_finished("x" * 70000)
+        session.request_finished("\ud800")
+        session.request_finished("ok")
+        session.end_step()
+        ends = [rec.decode_up(kind, payload) for kind, payload in engine.read()
+                if kind == rec.REQUEST_FINISHED]
+        assert ends == [rec.RequestFinished("ok")]
+        assert session._id_log.total == 2
+    finally:
+        engine.close()
+        index.close()
