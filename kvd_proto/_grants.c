@@ -282,8 +282,6 @@ static int table_grow(KeptTable *t, Py_ssize_t more, Py_ssize_t stride) {
     return 0;
 }
 
-/* key's value := value (offset: `offset`, the object granted, held; NULL for a negative
- * value). An offset replaces the entry that held it. */
 /* table_put where the table has room for it (`table_has_room`) and `h` is the key's hash. */
 static void table_put_hashed(KeptTable *t, const unsigned char *key, Py_ssize_t n, uint64_t h,
                              int64_t value, PyObject *offset) {
@@ -302,6 +300,8 @@ static void table_put_hashed(KeptTable *t, const unsigned char *key, Py_ssize_t 
     entry_link(t, i, b, ob, value >= 0);
 }
 
+/* key's value := value (offset: `offset`, the object granted, held; NULL for a negative
+ * value). An offset replaces the entry that held it. */
 static int table_put(KeptTable *t, const unsigned char *key, Py_ssize_t n, int64_t value,
                      PyObject *offset) {
     if (n > MAX_KEY_BYTES) {
@@ -429,6 +429,7 @@ static PyObject *KeptTable_discard_offsets(KeptTable *t, PyObject *offsets) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     int64_t values[CHUNK];
+    int32_t at[CHUNK];          /* the entry each home bucket names (EMPTY: none, or no offset) */
     int failed = 0;
     for (Py_ssize_t c = 0; c < n && t->used && !failed; c += CHUNK) {
         Py_ssize_t k = 0, want = n - c < CHUNK ? n - c : CHUNK;
@@ -440,14 +441,12 @@ static PyObject *KeptTable_discard_offsets(KeptTable *t, PyObject *offsets) {
             if (values[k] >= 0) __builtin_prefetch(&t->by_offset[offset_home(t, values[k])]);
         }
         for (Py_ssize_t i = 0; i < k; i++) {
-            int32_t at = values[i] >= 0 ? t->by_offset[offset_home(t, values[i])] : EMPTY;
-            if (at >= 0) __builtin_prefetch(&t->entries[at]);
+            at[i] = values[i] >= 0 ? t->by_offset[offset_home(t, values[i])] : EMPTY;
+            if (at[i] >= 0) __builtin_prefetch(&t->entries[at[i]]);
         }
-        for (Py_ssize_t i = 0; i < k; i++) {
-            int32_t at = values[i] >= 0 ? t->by_offset[offset_home(t, values[i])] : EMPTY;
-            if (at >= 0 && t->entries[at].value == values[i])
-                __builtin_prefetch(&t->by_key[t->entries[at].kb], 1);
-        }
+        for (Py_ssize_t i = 0; i < k; i++)
+            if (at[i] >= 0 && t->entries[at[i]].value == values[i])
+                __builtin_prefetch(&t->by_key[t->entries[at[i]].kb], 1);
         for (Py_ssize_t i = 0; i < k && t->used; i++)
             if (values[i] >= 0) remove_offset(t, values[i]);
     }
@@ -550,27 +549,26 @@ static PyObject *KeptTable_apply(KeptTable *t, PyObject *const *args, Py_ssize_t
      * starts: one miss after another cost ~0.2 us a block). */
     const unsigned char *keys = p + keys_start;
     uint64_t hashes[CHUNK];
+    Py_ssize_t granted[CHUNK];           /* each kept block's position in `offsets` */
+    int64_t values[CHUNK];               /* and its slot's offset */
     for (Py_ssize_t c = 0; c < m; c += CHUNK) {
         Py_ssize_t k = m - c < CHUNK ? m - c : CHUNK;
         for (Py_ssize_t i = 0; i < k; i++) {
-            const unsigned char *key = keys + (c + i) * width;
-            uint64_t h = hashes[i] = key_hash64(key, width), v;
-            memcpy(&v, p + 4 + 8 * (Py_ssize_t)read_u32(index + 4 * (c + i)), 8);
+            uint64_t h = hashes[i] = key_hash64(keys + (c + i) * width, width), v;
+            granted[i] = (Py_ssize_t)read_u32(index + 4 * (c + i));
+            memcpy(&v, p + 4 + 8 * granted[i], 8);
+            values[i] = (int64_t)v;
             __builtin_prefetch(&t->by_key[h & t->mask], 1);
-            __builtin_prefetch(&t->by_offset[offset_home(t, (int64_t)v)], 1);
+            __builtin_prefetch(&t->by_offset[offset_home(t, values[i])], 1);
             if (t->free_n > i) {
                 int32_t e = t->free_stack[t->free_n - 1 - i];
                 __builtin_prefetch(&t->entries[e], 1);
                 __builtin_prefetch(entry_key(t, e), 1);
             }
         }
-        for (Py_ssize_t i = 0; i < k; i++) {
-            Py_ssize_t j = (Py_ssize_t)read_u32(index + 4 * (c + i));
-            uint64_t v;
-            memcpy(&v, p + 4 + 8 * j, 8);
-            table_put_hashed(t, keys + (c + i) * width, width, hashes[i], (int64_t)v,
-                             PyList_GET_ITEM(offsets, j));
-        }
+        for (Py_ssize_t i = 0; i < k; i++)
+            table_put_hashed(t, keys + (c + i) * width, width, hashes[i], values[i],
+                             PyList_GET_ITEM(offsets, granted[i]));
     }
     Py_DECREF(offsets);
     return PyLong_FromSsize_t(count);

@@ -116,8 +116,8 @@ def encode_touch(keys: Sequence[bytes], req_id: str) -> bytes:
 
 
 def encode_request_finished(req_id: str) -> bytes:
-    """`record(REQUEST_FINISHED, _str(req_id))` in one pack and one join: a step's end encodes
-    one for every request that ended (tests/unit/test_records.py holds the two equal)."""
+    """`record(REQUEST_FINISHED, _str(req_id))` in one pack and one join: the scheduler
+    encodes one for every request that ends (tests/unit/test_records.py holds the two equal)."""
     data = req_id.encode()
     n = _FINISHED_HEAD.size + len(data)
     return _FINISHED_HEAD.pack(n, REQUEST_FINISHED, 0, len(data)) + data + _ZEROS[-n % ALIGN]
